@@ -1,0 +1,220 @@
+"""The data contract between modules: Rollout -> RolloutGroup -> TrainBatch.
+
+Token layout, shared by every tensor below: a row is ``prompt + response`` followed by right
+padding. Per-token tensors are aligned with ``input_ids``: position t describes token t, so
+``behaviour_logprobs[i, t]`` is log p(token t | tokens < t) under the generator and is 0 where
+``response_mask`` is 0. Labels are shifted once, on the full sequence, inside the trainer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields, replace
+from typing import Sequence
+
+import torch
+from torch import Tensor
+
+
+@dataclass
+class Rollout:
+    """One sampled completion, as the generator returns it (plain Python, not yet tensorized)."""
+
+    prompt_ids: list[int]
+    response_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str
+    reward: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not self.prompt_ids:
+            raise ValueError("Rollout.prompt_ids: a prompt needs at least one token")
+        if len(self.logprobs) != len(self.response_ids):
+            raise ValueError(
+                f"Rollout.logprobs: {len(self.logprobs)} values for {len(self.response_ids)} response tokens"
+            )
+
+
+@dataclass
+class RolloutGroup:
+    """The n samples of one prompt, tensorized by the producer before it commits to the buffer."""
+
+    prompt_uid: str
+    input_ids: Tensor  # [n, T] int64
+    attention_mask: Tensor  # [n, T] int64, 1 on real tokens
+    response_mask: Tensor  # [n, T] float32, 1 on response tokens
+    behaviour_logprobs: Tensor  # [n, T] float32
+    rewards: Tensor  # [n] float32
+    finish_reasons: list[str]
+    start_version: int
+    end_version: int
+    target_step: int | None = None
+
+    def __post_init__(self) -> None:
+        n, t = self.input_ids.shape
+        for name in ("attention_mask", "response_mask", "behaviour_logprobs"):
+            if tuple(getattr(self, name).shape) != (n, t):
+                raise ValueError(f"RolloutGroup.{name}: shape {tuple(getattr(self, name).shape)} != {(n, t)}")
+        if tuple(self.rewards.shape) != (n,):
+            raise ValueError(f"RolloutGroup.rewards: shape {tuple(self.rewards.shape)} != {(n,)}")
+        if len(self.finish_reasons) != n:
+            raise ValueError(f"RolloutGroup.finish_reasons: {len(self.finish_reasons)} reasons for {n} samples")
+        if self.end_version < self.start_version:
+            raise ValueError("RolloutGroup.end_version: earlier than start_version")
+
+    @property
+    def size(self) -> int:
+        return self.input_ids.shape[0]
+
+    @classmethod
+    def from_rollouts(
+        cls,
+        prompt_uid: str,
+        rollouts: Sequence[Rollout],
+        *,
+        pad_id: int,
+        start_version: int,
+        end_version: int | None = None,
+        target_step: int | None = None,
+    ) -> RolloutGroup:
+        """Right-pad the samples of one prompt into ``[n, T]`` tensors."""
+        if not rollouts:
+            raise ValueError("RolloutGroup.from_rollouts: a group needs at least one rollout")
+        width = max(len(r.prompt_ids) + len(r.response_ids) for r in rollouts)
+        n = len(rollouts)
+        input_ids = torch.full((n, width), pad_id, dtype=torch.long)
+        attention_mask = torch.zeros((n, width), dtype=torch.long)
+        response_mask = torch.zeros((n, width), dtype=torch.float32)
+        logprobs = torch.zeros((n, width), dtype=torch.float32)
+        for i, r in enumerate(rollouts):
+            p, length = len(r.prompt_ids), len(r.prompt_ids) + len(r.response_ids)
+            input_ids[i, :length] = torch.tensor(r.prompt_ids + r.response_ids, dtype=torch.long)
+            attention_mask[i, :length] = 1
+            response_mask[i, p:length] = 1.0
+            logprobs[i, p:length] = torch.tensor(r.logprobs, dtype=torch.float32)
+        return cls(
+            prompt_uid=prompt_uid,
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            response_mask=response_mask,
+            behaviour_logprobs=logprobs,
+            rewards=torch.tensor([r.reward for r in rollouts], dtype=torch.float32),
+            finish_reasons=[r.finish_reason for r in rollouts],
+            start_version=start_version,
+            end_version=start_version if end_version is None else end_version,
+            target_step=target_step,
+        )
+
+
+def _pad_right(t: Tensor, width: int, value: float = 0) -> Tensor:
+    if t.shape[1] == width:
+        return t
+    pad = torch.full((t.shape[0], width - t.shape[1]), value, dtype=t.dtype)
+    return torch.cat([t, pad], dim=1)
+
+
+@dataclass
+class TrainBatch:
+    """Sequences of one train step (or a slice of it), with everything the loss needs.
+
+    ``response_lengths`` is counted on the full sequence when the batch is built and travels with
+    every slice, so a micro-batch or a context-parallel shard never recounts it locally.
+    Rows with ``response_lengths == 0`` are padding and carry zero loss weight.
+    """
+
+    input_ids: Tensor  # [B, T] int64
+    attention_mask: Tensor  # [B, T] int64
+    response_mask: Tensor  # [B, T] float
+    behaviour_logprobs: Tensor  # [B, T] float
+    advantages: Tensor  # [B] float
+    response_lengths: Tensor  # [B] int64
+    prox_logprobs: Tensor | None = None  # [B, T] trainer logprobs at step start (None: use detached)
+    ref_logprobs: Tensor | None = None  # [B, T] frozen reference logprobs (for the KL term)
+    versions: Tensor = field(default=None)  # type: ignore[assignment]  # [B] int64 start_version
+
+    def __post_init__(self) -> None:
+        b, t = self.input_ids.shape
+        if self.versions is None:
+            self.versions = torch.zeros(b, dtype=torch.long)
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if value is None:
+                continue
+            expected = (b,) if f.name in ("advantages", "response_lengths", "versions") else (b, t)
+            if tuple(value.shape) != expected:
+                raise ValueError(f"TrainBatch.{f.name}: shape {tuple(value.shape)} != {expected}")
+
+    def __len__(self) -> int:
+        return self.input_ids.shape[0]
+
+    @property
+    def num_sequences(self) -> int:
+        """Real (non-padding) sequences: G in the loss normalization contract."""
+        return int((self.response_lengths > 0).sum())
+
+    @property
+    def num_response_tokens(self) -> int:
+        """Response tokens in this slice: its share of N in the normalization contract."""
+        return int(self.response_mask.sum())
+
+    @classmethod
+    def from_groups(cls, groups: Sequence[RolloutGroup], advantages: Sequence[Tensor]) -> TrainBatch:
+        """Concatenate groups (right-padding to a common width) with their per-sample advantages."""
+        if len(groups) != len(advantages):
+            raise ValueError(f"TrainBatch.from_groups: {len(groups)} groups but {len(advantages)} advantage rows")
+        width = max(g.input_ids.shape[1] for g in groups)
+
+        def cat(name: str) -> Tensor:
+            return torch.cat([_pad_right(getattr(g, name), width) for g in groups])
+
+        response_mask = cat("response_mask")
+        return cls(
+            input_ids=cat("input_ids"),
+            attention_mask=cat("attention_mask"),
+            response_mask=response_mask,
+            behaviour_logprobs=cat("behaviour_logprobs"),
+            advantages=torch.cat([a.to(torch.float32).reshape(-1) for a in advantages]),
+            response_lengths=response_mask.sum(dim=1).round().long(),
+            versions=torch.cat([torch.full((g.size,), g.start_version, dtype=torch.long) for g in groups]),
+        )
+
+    def map_tensors(self, fn) -> TrainBatch:
+        """Apply ``fn(name, tensor)`` to every tensor field."""
+        return replace(
+            self, **{f.name: fn(f.name, getattr(self, f.name)) for f in fields(self) if getattr(self, f.name) is not None}
+        )
+
+    def select(self, index: Tensor | Sequence[int]) -> TrainBatch:
+        """Rows by index, trimmed to the longest selected row."""
+        index = torch.as_tensor(index, dtype=torch.long)
+        return self.map_tensors(lambda _, t: t[index]).trim()
+
+    def split(self, sizes: Sequence[int]) -> list[TrainBatch]:
+        """Consecutive slices of the given row counts (uneven splits allowed)."""
+        if sum(sizes) != len(self) or any(s <= 0 for s in sizes):
+            raise ValueError(f"TrainBatch.split: sizes {list(sizes)} do not partition {len(self)} rows")
+        starts = [sum(sizes[:i]) for i in range(len(sizes))]
+        return [self.select(range(s, s + n)) for s, n in zip(starts, sizes)]
+
+    def micro_batches(self, max_size: int) -> list[TrainBatch]:
+        """Split into micro-batches of at most ``max_size`` rows."""
+        if max_size <= 0:
+            raise ValueError("TrainBatch.micro_batches: max_size must be positive")
+        sizes = [min(max_size, len(self) - s) for s in range(0, len(self), max_size)]
+        return self.split(sizes)
+
+    def trim(self) -> TrainBatch:
+        """Drop trailing columns that are padding in every row."""
+        width = int(self.attention_mask.sum(dim=1).max()) if len(self) else 0
+        if width == self.input_ids.shape[1]:
+            return self
+        return self.map_tensors(lambda name, t: t if t.dim() == 1 else t[:, :width])
+
+    def to(self, device: torch.device | str, float_dtype: torch.dtype | None = None) -> TrainBatch:
+        """Move to ``device``; cast floating tensors to ``float_dtype`` when given."""
+
+        def move(_: str, t: Tensor) -> Tensor:
+            if float_dtype is not None and t.is_floating_point():
+                return t.to(device=device, dtype=float_dtype)
+            return t.to(device)
+
+        return self.map_tensors(move)
