@@ -1,0 +1,254 @@
+"""GRPO: group-relative advantages, per-token policy loss terms, and loss aggregation weights.
+
+Everything here is a pure tensor function that works in the dtype of its inputs.
+
+Normalization contract (DESIGN 3.4). For token t of sequence i in a step, with loss term l_it,
+response mask m_it, response length n_i, G sequences with n_i > 0 and N = sum_i n_i, the step
+loss is L = sum_it w_it * m_it * l_it, where w_it depends on the aggregation mode:
+
+    mode                       w_it          = local_it  /  D
+    token-mean                 1/N             1            N
+    seq-mean-token-mean        1/(G n_i)       1/n_i        G
+    seq-mean-token-sum         1/G             1            G
+    seq-mean-token-sum-norm    1/(G C)         1/C          G     (C: a configured constant)
+
+``local_it`` depends only on sequence i itself (``local_token_weights``), and ``D`` only on counts
+summed over the whole step (``step_normalizer``). Each micro-batch, data-parallel rank and
+context-parallel shard back-propagates its own sum_it local_it * m_it * l_it, gradients are
+SUMMED over all of them, and the trainer divides once by D. No piece ever divides by a count of
+its own, so any split of the step gives the same L. n_i is counted on the full sequence before
+any sharding and is never recounted from a shard's mask.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+AggMode = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
+AGG_MODES: tuple[str, ...] = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+ISMode = Literal["none", "tis", "icepop"]
+
+# ---- advantages ------------------------------------------------------------------------------
+
+
+def zero_variance_groups(rewards: Tensor) -> Tensor:
+    """Which groups have all rewards exactly equal: rewards [..., n] -> bool [...].
+
+    Such a group carries no learning signal (every advantage is 0), so it can be filtered out.
+    """
+    return (rewards == rewards[..., :1]).all(dim=-1)
+
+
+def group_advantages(
+    rewards: Tensor,
+    *,
+    baseline: Literal["mean", "leave_one_out"] = "mean",
+    scale_by_std: bool = True,
+    eps: float = 1e-6,
+) -> Tensor:
+    """Group-relative advantages A = (r - b) / (std + eps), one group per row of rewards [..., n].
+
+    b is the group mean, or with ``leave_one_out`` the mean of the other samples,
+    b_i = (sum_j r_j - r_i) / (n - 1). std is the group's unbiased standard deviation (as torch.std).
+    ``scale_by_std=False`` (Dr. GRPO) gives A = r - b. A zero-variance group, including a group of
+    one, gets A = 0 exactly: r - b is only rounding noise there, which std + eps would amplify.
+    """
+    if baseline not in ("mean", "leave_one_out"):
+        raise ValueError(f"baseline: '{baseline}' is not one of mean, leave_one_out")
+    n = rewards.shape[-1]
+    if baseline == "leave_one_out" and n < 2:
+        raise ValueError(f"baseline: leave_one_out needs groups of at least 2 samples, got {n}")
+    if n == 1:
+        return torch.zeros_like(rewards)
+    if baseline == "mean":
+        advantages = rewards - rewards.mean(dim=-1, keepdim=True)
+    else:
+        advantages = rewards - (rewards.sum(dim=-1, keepdim=True) - rewards) / (n - 1)
+    if scale_by_std:
+        advantages = advantages / (rewards.std(dim=-1, keepdim=True) + eps)
+    return advantages.masked_fill(zero_variance_groups(rewards)[..., None], 0.0)
+
+
+# ---- per-token loss terms --------------------------------------------------------------------
+
+
+def clipped_surrogate(
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    *,
+    clip_low: float,
+    clip_high: float,
+    dual_clip: float | None = None,
+) -> tuple[Tensor, Tensor]:
+    """PPO clipped surrogate per token, and where its gradient is cut.
+
+    r = exp(lp - lp_old);  loss = max(-A r, -A clamp(r, 1 - clip_low, 1 + clip_high)).
+    With ``dual_clip`` c > 1, a negative-advantage token's loss is capped: loss = min(loss, -A c),
+    so one very unlikely-now token cannot dominate the step.
+
+    Returns (loss, clipped): ``clipped`` is 1.0 where the loss no longer depends on lp, i.e. the
+    clamped term is strictly larger than -A r, or the dual clip strictly lowered the loss; else 0.0.
+    Where both terms are equal (r inside the range, or A = 0) the token is not clipped.
+    """
+    if dual_clip is not None and dual_clip <= 1:
+        raise ValueError(f"dual_clip: must be > 1, got {dual_clip}")
+    ratio = torch.exp(logprobs - old_logprobs)
+    unclipped = -advantages * ratio
+    clamped = -advantages * ratio.clamp(1 - clip_low, 1 + clip_high)
+    loss = torch.maximum(unclipped, clamped)
+    clipped = clamped > unclipped
+    if dual_clip is not None:
+        cap = -advantages * dual_clip
+        dual_clipped = (advantages < 0) & (cap < loss)
+        loss = torch.where(dual_clipped, cap, loss)
+        clipped = clipped | dual_clipped
+    return loss, clipped.to(loss.dtype)
+
+
+def importance_weights(
+    old_logprobs: Tensor,
+    behaviour_logprobs: Tensor,
+    *,
+    mode: ISMode,
+    cap: float = 2.0,
+    low: float = 0.5,
+    high: float = 2.0,
+) -> Tensor:
+    """Off-policy correction w = exp(lp_old - lp_gen), truncated, with no gradient.
+
+    The generator's policy (lp_gen) lags or differs numerically from the trainer's (lp_old).
+    ``none``: w = 1.  ``tis``: min(w, cap).  ``icepop``: w where low <= w <= high, else 0 (the
+    token is dropped rather than down-weighted).
+    """
+    if mode not in ("none", "tis", "icepop"):
+        raise ValueError(f"mode: '{mode}' is not one of none, tis, icepop")
+    weights = torch.exp(old_logprobs - behaviour_logprobs).detach()
+    if mode == "none":
+        return torch.ones_like(weights)
+    if mode == "tis":
+        if cap <= 0:
+            raise ValueError(f"cap: must be > 0, got {cap}")
+        return weights.clamp(max=cap)
+    if low < 0:
+        raise ValueError(f"low: must be >= 0, got {low}")
+    if high <= low:
+        raise ValueError(f"high: must be above low {low}, got {high}")
+    return torch.where((weights >= low) & (weights <= high), weights, 0.0)
+
+
+def kl_k3(logprobs: Tensor, ref_logprobs: Tensor, *, log_ratio_clamp: float = 20.0, kl_clamp: float = 10.0) -> Tensor:
+    """k3 estimator of KL(policy || reference) per token: exp(d) - 1 - d with d = lp_ref - lp.
+
+    k3 >= 0 and is unbiased for tokens sampled from the policy. d is clamped to
+    [-log_ratio_clamp, log_ratio_clamp] so exp cannot overflow, and k3 to at most ``kl_clamp``;
+    the gradient flows through lp wherever neither clamp is active.
+    """
+    log_ratio = (ref_logprobs - logprobs).clamp(-log_ratio_clamp, log_ratio_clamp)
+    return (torch.exp(log_ratio) - 1 - log_ratio).clamp(max=kl_clamp)
+
+
+@dataclass(frozen=True)
+class LossTerms:
+    """Coefficients and bounds of the per-token loss (see ``token_loss``)."""
+
+    clip_low: float = 0.2
+    clip_high: float = 0.28
+    dual_clip: float | None = 3.0
+    is_mode: ISMode = "tis"
+    is_cap: float = 2.0
+    is_low: float = 0.5
+    is_high: float = 2.0
+    kl_coef: float = 0.0
+    kl_log_ratio_clamp: float = 20.0
+    kl_clamp: float = 10.0
+    entropy_coef: float = 0.0
+
+
+def token_loss(
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    behaviour_logprobs: Tensor,
+    advantages: Tensor,
+    *,
+    cfg: LossTerms,
+    ref_logprobs: Tensor | None = None,
+    entropy: Tensor | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """The GRPO loss per token, l = w_is * surrogate + kl_coef * k3 - entropy_coef * entropy.
+
+    ``advantages`` is [B, T] or [B, 1]. Returns (l [B, T], metrics): per-token, detached tensors
+    "clip", "is_weight", "ratio", "mismatch_kl" (k3 of the behaviour policy against lp_old, how far
+    the generator is from the trainer), "kl" when ``ref_logprobs`` is given and "entropy" when
+    ``entropy`` is given. They are unmasked: reduce them as masked (sum, count), never as means.
+    """
+    if cfg.kl_coef != 0 and ref_logprobs is None:
+        raise ValueError("ref_logprobs: required when kl_coef != 0")
+    if cfg.entropy_coef != 0 and entropy is None:
+        raise ValueError("entropy: required when entropy_coef != 0")
+    surrogate, clipped = clipped_surrogate(
+        logprobs, old_logprobs, advantages, clip_low=cfg.clip_low, clip_high=cfg.clip_high, dual_clip=cfg.dual_clip
+    )
+    is_weight = importance_weights(
+        old_logprobs, behaviour_logprobs, mode=cfg.is_mode, cap=cfg.is_cap, low=cfg.is_low, high=cfg.is_high
+    )
+    loss = is_weight * surrogate
+    clamps = {"log_ratio_clamp": cfg.kl_log_ratio_clamp, "kl_clamp": cfg.kl_clamp}
+    metrics = {
+        "clip": clipped,
+        "is_weight": is_weight,
+        "ratio": torch.exp(logprobs - old_logprobs).detach(),
+        "mismatch_kl": kl_k3(old_logprobs, behaviour_logprobs, **clamps).detach(),
+    }
+    if ref_logprobs is not None:
+        kl = kl_k3(logprobs, ref_logprobs, **clamps)
+        if cfg.kl_coef != 0:
+            loss = loss + cfg.kl_coef * kl
+        metrics["kl"] = kl.detach()
+    if entropy is not None:
+        if cfg.entropy_coef != 0:
+            loss = loss - cfg.entropy_coef * entropy
+        metrics["entropy"] = entropy.detach()
+    return loss, metrics
+
+
+# ---- aggregation -----------------------------------------------------------------------------
+
+
+def local_token_weights(
+    response_mask: Tensor, response_lengths: Tensor, mode: AggMode, norm_constant: float | None = None
+) -> Tensor:
+    """local_it * m_it as [B, T] in the mask's dtype: the part of w_it known from sequence i alone.
+
+    ``response_lengths`` is n_i of the full sequence, which a shard's mask may only partly cover.
+    Rows with n_i = 0 are padding: their mask is 0, and so is their weight.
+    """
+    lengths = response_lengths.to(response_mask.dtype)
+    if mode in ("token-mean", "seq-mean-token-sum"):
+        per_sequence = torch.ones_like(lengths)
+    elif mode == "seq-mean-token-mean":
+        per_sequence = 1 / lengths.clamp(min=1)
+    elif mode == "seq-mean-token-sum-norm":
+        if norm_constant is None or norm_constant <= 0:
+            raise ValueError(f"norm_constant: seq-mean-token-sum-norm needs a value > 0, got {norm_constant}")
+        per_sequence = torch.full_like(lengths, 1 / norm_constant)
+    else:
+        raise ValueError(f"mode: '{mode}' is not one of {', '.join(AGG_MODES)}")
+    return response_mask * per_sequence[:, None]
+
+
+def step_normalizer(mode: AggMode, num_response_tokens: int | float, num_sequences: int | float) -> float:
+    """D, the step's one divisor: N response tokens for token-mean, else G sequences with n_i > 0.
+
+    Both counts are step-global: summed over every micro-batch and data-parallel rank.
+    """
+    if mode not in AGG_MODES:
+        raise ValueError(f"mode: '{mode}' is not one of {', '.join(AGG_MODES)}")
+    normalizer = float(num_response_tokens if mode == "token-mean" else num_sequences)
+    if normalizer <= 0:
+        raise ValueError("empty step: no response tokens")
+    return normalizer
