@@ -1,0 +1,129 @@
+"""The ``asyncrl`` command line.
+
+Bad input (unknown option, bad value, invalid config) prints one line naming the culprit and
+exits with code 2; it never shows a traceback.
+"""
+
+from __future__ import annotations
+
+import sys
+from enum import Enum
+from pathlib import Path
+from typing import Optional, get_args
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from asyncrl.config import AggMode, ConfigError, dump_config, load_config
+
+app = typer.Typer(
+    add_completion=False,
+    invoke_without_command=True,
+    pretty_exceptions_enable=False,
+    rich_markup_mode=None,
+    help="Asynchronous GRPO post-training with a single controller.",
+)
+console = Console(width=None if sys.stdout.isatty() else 160)
+
+AGG_MODES: tuple[str, ...] = get_args(AggMode)
+
+
+def _choices(name: str, values: tuple[str, ...]) -> type[Enum]:
+    """A str Enum, which typer turns into a validated choice option."""
+    return Enum(name, {v: v for v in values}, type=str)
+
+
+ModeChoice = _choices("ModeChoice", AGG_MODES)
+DTypeChoice = _choices("DTypeChoice", ("float64", "float32"))
+PlantChoice = _choices("PlantChoice", ("per-microbatch-mean",))
+
+
+@app.callback()
+def root(ctx: typer.Context) -> None:
+    """Asynchronous GRPO post-training with a single controller."""
+    if ctx.invoked_subcommand is None:
+        typer.echo(ctx.get_help())
+
+
+@app.command("config")
+def show_config(
+    config: Optional[Path] = typer.Option(None, "--config", help="YAML run config (default: the embedded one)"),
+    overrides: Optional[list[str]] = typer.Argument(None, help="dotted overrides, e.g. loss.mode=token-mean"),
+) -> None:
+    """Validate a run config and print it fully resolved."""
+    typer.echo(dump_config(load_config(config, overrides or ())), nl=False)
+
+
+@app.command()
+def verify(
+    micro_batches: int = typer.Option(4, "--micro-batches", min=1, help="split the step into K uneven micro-batches"),
+    dtype: DTypeChoice = typer.Option("float64", "--dtype"),
+    mode: Optional[list[ModeChoice]] = typer.Option(None, "--mode", help="aggregation mode (repeatable; default: all)"),
+    plant: Optional[PlantChoice] = typer.Option(
+        None, "--plant", help="plant a normalization mistake; the check must then fail"
+    ),
+    seed: int = typer.Option(0, "--seed"),
+) -> None:
+    """Check that a split train step equals the monolithic step, for every loss mode."""
+    from asyncrl.verify import TOLERANCES, DTYPES, verify as run_verify
+
+    if micro_batches > 16:
+        raise typer.BadParameter(f"{micro_batches} exceeds the 16 rows of the verification batch", param_hint="--micro-batches")
+    dtype, plant = dtype.value, plant.value if plant else None
+    modes = tuple(m.value for m in mode) if mode else AGG_MODES
+    results = run_verify(modes, micro_batches=micro_batches, dtype=dtype, plant=plant, seed=seed)
+    tol = TOLERANCES[DTYPES[dtype]]
+    table = Table(title=f"split ({micro_batches} micro-batches) vs monolithic step, {dtype}" + (f", planted: {plant}" if plant else ""))
+    for column in ("mode", "loss", "loss err", "grad norm", "norm err", "worst grad err", "worst param err", "result"):
+        table.add_column(column, justify="left" if column in ("mode", "result") else "right", no_wrap=True)
+    for r in results:
+        table.add_row(
+            r.mode,
+            f"{r.loss:.6g}",
+            f"{r.loss_error:.1e}",
+            f"{r.grad_norm:.6g}",
+            f"{r.grad_norm_error:.1e}",
+            f"{r.worst_grad[1]:.1e}",
+            f"{r.worst_param[1]:.1e}",
+            "[green]PASS[/green]" if r.passed else "[red]FAIL[/red]",
+        )
+    console.print(table)
+    worst = max(results, key=lambda r: r.worst_error[0])
+    error, where = worst.worst_error
+    passed = all(r.passed for r in results)
+    console.print(
+        f"tolerance ({dtype}): loss rel {tol.loss:g}, tensors rtol {tol.rtol:g} atol {tol.atol_frac:g}*max|x|",
+        highlight=False,
+    )
+    console.print(
+        f"worst relative error: {error:.3e} ({worst.mode}, {where}): {'PASS' if passed else 'FAIL'}",
+        highlight=False,
+        soft_wrap=True,
+    )
+    raise typer.Exit(0 if passed else 1)
+
+
+def _one_line(message: str) -> str:
+    return " ".join(message.split())
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point: run the CLI, mapping every input error to one line and exit code 2."""
+    command = typer.main.get_command(app)
+    try:
+        result = command.main(args=argv, prog_name="asyncrl", standalone_mode=False)
+    except typer.Abort:
+        typer.echo("aborted", err=True)
+        return 130
+    except typer.TyperException as err:  # typer's command-line errors: usage errors carry exit code 2
+        typer.echo(f"error: {_one_line(err.format_message())}", err=True)
+        return err.exit_code
+    except ConfigError as err:
+        typer.echo(f"error: {_one_line(str(err))}", err=True)
+        return 2
+    return result if isinstance(result, int) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,5 @@
+"""The policy trainer: split train-step API, optimizer and schedule."""
+
+from asyncrl.trainer.policy import PolicyTrainer, StepInProgressError, StepResult
+
+__all__ = ["PolicyTrainer", "StepInProgressError", "StepResult"]

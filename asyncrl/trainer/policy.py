@@ -1,0 +1,300 @@
+"""PolicyTrainer: the GRPO train step, split into begin / micro-batches / finish / abort.
+
+Gradient convention (DESIGN 3.4), the single place it is written down:
+    every micro-batch back-propagates the *unnormalized* sum  sum_t local_w * mask * loss_t,
+    gradients are SUMMED over micro-batches (autograd accumulation) and, later, over data- and
+    context-parallel ranks, and ``finish_train_step`` divides them exactly once by the step-global
+    normalizer D (N response tokens for token-mean, G sequences otherwise) before clipping.
+No micro-batch ever divides by a local count, so any split, in any order, gives the same step.
+
+Exception safety: nothing persistent changes before ``optimizer.step()`` at the very end of
+``finish_train_step``. Until then the only step state is gradients, the accumulators below and
+the RNG, all of which ``abort_train_step`` resets, so a failed step can simply be rerun.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor, nn
+
+from asyncrl.algorithms import grpo
+from asyncrl.config import LossConfig, TrainerConfig
+from asyncrl.models import token_logprobs
+from asyncrl.trainer.optim import build_optimizer, build_scheduler
+from asyncrl.types import TrainBatch
+
+# Per-token metrics reduced as (masked sum, token count); "is_weight" also keeps min and max.
+_SUMMED_METRICS = ("clip", "is_weight", "ratio", "kl", "entropy", "mismatch_kl")
+
+
+class StepInProgressError(RuntimeError):
+    """begin_train_step was called while a step is open (or a step method without one)."""
+
+
+@dataclass
+class StepResult:
+    """What one optimizer step reports; every mean is a global sum over a global count."""
+
+    version: int
+    loss: float
+    grad_norm: float
+    lr: float
+    num_sequences: int
+    num_tokens: int
+    num_microbatches: int
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+# Step counters accumulate in one float64 vector (summed over micro-batches, later over ranks, in
+# one collective): the loss sum, the counts behind D, then each metric's masked sum.
+_COUNTERS = ("loss_sum", "num_tokens", "num_sequences", *(f"{name}_sum" for name in _SUMMED_METRICS))
+
+
+@dataclass
+class _StepState:
+    """Accumulators of the open step; sums only, so the order of micro-batches does not matter."""
+
+    step: int
+    rng_state: Tensor
+    sums: Tensor
+    is_weight_min: Tensor
+    is_weight_max: Tensor
+    num_microbatches: int = 0
+
+
+class PolicyTrainer:
+    """Owns the policy, its optimizer and schedule, and the weight version V (optimizer steps taken)."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        trainer_cfg: TrainerConfig,
+        loss_cfg: LossConfig,
+        *,
+        importance_sampling: str,
+        total_steps: int,
+        reference_model: nn.Module | None = None,
+    ) -> None:
+        if loss_cfg.kl_coef > 0 and reference_model is None:
+            raise ValueError("loss.kl_coef: a KL penalty needs a reference model")
+        self.model = model
+        self.reference_model = reference_model
+        if reference_model is not None:
+            reference_model.requires_grad_(False).eval()
+        self.cfg = trainer_cfg
+        self.loss_cfg = loss_cfg
+        self.terms = grpo.LossTerms(
+            clip_low=loss_cfg.clip_low,
+            clip_high=loss_cfg.clip_high,
+            dual_clip=loss_cfg.dual_clip,
+            is_mode=importance_sampling,
+            is_cap=loss_cfg.is_cap,
+            is_low=loss_cfg.is_low,
+            is_high=loss_cfg.is_high,
+            kl_coef=loss_cfg.kl_coef,
+            kl_log_ratio_clamp=loss_cfg.kl_log_ratio_clamp,
+            kl_clamp=loss_cfg.kl_clamp,
+            entropy_coef=loss_cfg.entropy_coef,
+        )
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.optimizer = build_optimizer(self.params, trainer_cfg)
+        self.scheduler = build_scheduler(self.optimizer, trainer_cfg, total_steps)
+        self.version = 0
+        self._step: _StepState | None = None
+
+    @property
+    def device(self) -> torch.device:
+        return self.params[0].device
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """Loss arithmetic runs in float64 for a float64 model, float32 otherwise."""
+        return torch.float64 if self.params[0].dtype == torch.float64 else torch.float32
+
+    # ---- the split step -------------------------------------------------------------------
+
+    def begin_train_step(self, step: int | None = None) -> None:
+        """Open step ``step`` (defaults to, and must equal, the current version)."""
+        if self._step is not None:
+            raise StepInProgressError(f"begin_train_step: step {self._step.step} is still open")
+        step = self.version if step is None else step
+        if step != self.version:
+            raise ValueError(f"begin_train_step: step {step} does not match trainer version {self.version}")
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        self._step = _StepState(
+            step=step,
+            rng_state=torch.get_rng_state(),
+            sums=torch.zeros(len(_COUNTERS), dtype=torch.float64, device=self.device),
+            is_weight_min=torch.tensor(float("inf"), dtype=torch.float64, device=self.device),
+            is_weight_max=torch.tensor(float("-inf"), dtype=torch.float64, device=self.device),
+        )
+
+    def train_microbatch(self, batch: TrainBatch) -> dict[str, Tensor]:
+        """Forward + backward of one micro-batch; gradients accumulate, nothing is stepped."""
+        state = self._require_step("train_microbatch")
+        batch = batch.to(self.device, self.compute_dtype)
+        loss_sum, counters, is_weight = self._microbatch_loss(batch)
+        loss_sum.backward()
+        state.sums += counters
+        if is_weight.numel():
+            state.is_weight_min = torch.minimum(state.is_weight_min, is_weight.min().double())
+            state.is_weight_max = torch.maximum(state.is_weight_max, is_weight.max().double())
+        state.num_microbatches += 1
+        return {"loss_sum": counters[0], "num_tokens": counters[1]}
+
+    def finish_train_step(self) -> StepResult:
+        """Normalize once by the step-global D, clip, take the optimizer step, V += 1."""
+        state = self._require_step("finish_train_step")
+        sums = dict(zip(_COUNTERS, state.sums.tolist()))
+        normalizer = self._step_normalizer(state, sums)
+        grads = [p.grad for p in self.params if p.grad is not None]
+        torch._foreach_mul_(grads, 1.0 / normalizer)
+        max_norm = self.cfg.max_grad_norm if self.cfg.max_grad_norm is not None else float("inf")
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, max_norm, foreach=True))
+        if not torch.isfinite(torch.tensor(grad_norm)):
+            raise FloatingPointError(f"finish_train_step: non-finite gradient norm ({grad_norm}) at step {state.step}")
+        lr = self.optimizer.param_groups[0]["lr"]
+        self.optimizer.step()
+        self.scheduler.step()
+        self.version += 1
+        self._step = None
+        return StepResult(
+            version=self.version,
+            loss=sums["loss_sum"] / normalizer,
+            grad_norm=grad_norm,
+            lr=lr,
+            num_sequences=round(sums["num_sequences"]),
+            num_tokens=round(sums["num_tokens"]),
+            num_microbatches=state.num_microbatches,
+            metrics=self._reduce_metrics(state, sums),
+        )
+
+    def abort_train_step(self) -> None:
+        """Drop the open step (idempotent): gradients, accumulators and RNG go back to step start."""
+        if self._step is not None:
+            torch.set_rng_state(self._step.rng_state)
+        self.optimizer.zero_grad(set_to_none=True)
+        self._step = None
+
+    def train_step(self, batch: TrainBatch) -> StepResult:
+        """The monolithic reference: one micro-batch holding the whole step."""
+        self.begin_train_step()
+        try:
+            self.train_microbatch(batch)
+            return self.finish_train_step()
+        except BaseException:
+            self.abort_train_step()
+            raise
+
+    @property
+    def step_open(self) -> bool:
+        return self._step is not None
+
+    # ---- loss -------------------------------------------------------------------------------
+
+    def _microbatch_loss(self, batch: TrainBatch) -> tuple[Tensor, Tensor, Tensor]:
+        """(sum of local_w * mask * loss, this micro-batch's counters, its response-token IS weights)."""
+        want_entropy = self.loss_cfg.entropy_coef > 0 or self.loss_cfg.track_entropy
+        logprobs, entropy = token_logprobs(
+            self.model, batch.input_ids, batch.attention_mask, with_entropy=want_entropy
+        )
+        old_logprobs = batch.prox_logprobs if batch.prox_logprobs is not None else logprobs.detach()
+        loss, metrics = grpo.token_loss(
+            logprobs,
+            old_logprobs,
+            batch.behaviour_logprobs,
+            batch.advantages[:, None],
+            cfg=self.terms,
+            ref_logprobs=batch.ref_logprobs,
+            entropy=entropy,
+        )
+        mask = batch.response_mask
+        loss_sum = (self._local_weights(batch) * loss).sum()
+        zero = mask.new_zeros(())
+        counters = torch.stack(
+            [
+                loss_sum.detach(),
+                mask.sum(),
+                (batch.response_lengths > 0).sum().to(mask.dtype),
+                *((metrics[name] * mask).sum() if name in metrics else zero for name in _SUMMED_METRICS),
+            ]
+        ).double()
+        return loss_sum, counters, metrics["is_weight"][mask > 0]
+
+    def _local_weights(self, batch: TrainBatch) -> Tensor:
+        """Per-token weights that depend only on each sequence (DESIGN 3.4); no local counts."""
+        return grpo.local_token_weights(
+            batch.response_mask, batch.response_lengths, self.loss_cfg.mode, self.loss_cfg.norm_constant
+        )
+
+    def _step_normalizer(self, state: _StepState, sums: dict[str, float]) -> float:
+        """D, the one divisor of the step, from counts summed over every micro-batch."""
+        return grpo.step_normalizer(self.loss_cfg.mode, sums["num_tokens"], sums["num_sequences"])
+
+    def _reduce_metrics(self, state: _StepState, sums: dict[str, float]) -> dict[str, float]:
+        tokens = max(sums["num_tokens"], 1.0)
+        metrics = {f"{name}_mean": sums[f"{name}_sum"] / tokens for name in _SUMMED_METRICS}
+        if self.reference_model is None:
+            metrics.pop("kl_mean")
+        if not (self.loss_cfg.entropy_coef > 0 or self.loss_cfg.track_entropy):
+            metrics.pop("entropy_mean")
+        if sums["num_tokens"]:
+            metrics["is_weight_min"] = float(state.is_weight_min)
+            metrics["is_weight_max"] = float(state.is_weight_max)
+        return metrics
+
+    def _require_step(self, method: str) -> _StepState:
+        if self._step is None:
+            raise StepInProgressError(f"{method}: no open step; call begin_train_step first")
+        return self._step
+
+    # ---- logprobs, weights, checkpoints ---------------------------------------------------
+
+    @torch.no_grad()
+    def compute_logprobs(self, batch: TrainBatch, *, reference: bool = False, micro_batch_size: int | None = None) -> Tensor:
+        """Per-token logprobs of ``batch`` under the policy (proximal) or the frozen reference.
+
+        Aligned with ``input_ids`` like every per-token tensor, and 0 on padding.
+        """
+        model = self.reference_model if reference else self.model
+        if model is None:
+            raise ValueError("compute_logprobs: no reference model (loss.kl_coef is 0)")
+        was_training = model.training
+        model.eval()
+        size = micro_batch_size or self.cfg.micro_batch_size
+        width = batch.input_ids.shape[1]
+        chunks = []
+        for part in batch.micro_batches(size):
+            part = part.to(self.device, self.compute_dtype)
+            logprobs, _ = token_logprobs(model, part.input_ids, part.attention_mask)
+            logprobs = logprobs * part.attention_mask
+            chunks.append(torch.nn.functional.pad(logprobs, (0, width - logprobs.shape[1])))
+        model.train(was_training)
+        return torch.cat(chunks).cpu()
+
+    def export_weights(self) -> tuple[int, dict[str, Tensor]]:
+        """(version, a detached CPU snapshot of the policy weights) for the generators."""
+        return self.version, {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}
+
+    def state_dict(self) -> dict:
+        """Everything a resumed run needs to continue bit-identically."""
+        if self._step is not None:
+            raise StepInProgressError("state_dict: cannot checkpoint inside an open step")
+        return {
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "version": self.version,
+            "rng_state": torch.get_rng_state(),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self.abort_train_step()
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.version = int(state["version"])
+        torch.set_rng_state(state["rng_state"])

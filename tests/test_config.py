@@ -1,0 +1,163 @@
+"""Config loading, overrides and every cross-field rule, each reported as one line naming the field."""
+
+import subprocess
+import sys
+
+import pytest
+
+from asyncrl.cli import main
+from asyncrl.config import ConfigError, RunConfig, dump_config, load_config
+
+
+def error_of(overrides=(), path=None) -> str:
+    with pytest.raises(ConfigError) as info:
+        load_config(path, list(overrides))
+    message = str(info.value)
+    assert "\n" not in message
+    return message
+
+
+def test_defaults_are_valid_and_round_trip(tmp_path):
+    config = load_config()
+    assert config.sampler.name == "in_order"
+    path = tmp_path / "run.yaml"
+    path.write_text(dump_config(config))
+    assert load_config(path) == config
+
+
+def test_yaml_then_overrides_with_typed_values(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("grpo:\n  prompts_per_step: 4\nloss:\n  mode: seq-mean-token-sum\n")
+    config = load_config(path, ["loss.mode=token-mean", "trainer.lr=3e-4", "loss.dual_clip=null"])
+    assert config.grpo.prompts_per_step == 4
+    assert config.loss.mode == "token-mean"
+    assert config.trainer.lr == pytest.approx(3e-4)
+    assert config.loss.dual_clip is None
+
+
+def test_gated_sampler_capacity_below_requirement_is_rejected():
+    message = error_of(["grpo.prompts_per_step=4", "sampler.max_lag=2", "sampler.buffer_capacity=11"])
+    assert message.startswith("sampler.buffer_capacity: 11 < 12")
+    assert "deadlock" in message
+    load_config(None, ["grpo.prompts_per_step=4", "sampler.max_lag=2", "sampler.buffer_capacity=12"])
+
+
+def test_weight_fifo_is_gated_too():
+    message = error_of(["sampler.name=weight_fifo", "grpo.prompts_per_step=3", "sampler.max_lag=1", "sampler.buffer_capacity=5"])
+    assert message.startswith("sampler.buffer_capacity: 5 < 6")
+
+
+def test_windowed_sampler_needs_only_one_step_of_capacity():
+    config = load_config(None, ["sampler.name=windowed", "grpo.prompts_per_step=4", "sampler.max_lag=3", "sampler.buffer_capacity=4"])
+    assert config.buffer_capacity == 4
+    assert error_of(["sampler.name=windowed", "grpo.prompts_per_step=4", "sampler.buffer_capacity=3"]).startswith(
+        "sampler.buffer_capacity: 3 < 4"
+    )
+
+
+def test_default_capacity_is_the_sampler_requirement():
+    config = load_config(None, ["grpo.prompts_per_step=5", "sampler.max_lag=2"])
+    assert config.buffer_capacity == 15
+
+
+def test_step_batch_size_must_equal_prompts_times_generations():
+    message = error_of(["grpo.prompts_per_step=4", "grpo.generations_per_prompt=8", "grpo.step_batch_size=30"])
+    assert message.startswith("grpo.step_batch_size: 30 != prompts_per_step * generations_per_prompt")
+    assert load_config(None, ["grpo.prompts_per_step=4", "grpo.generations_per_prompt=8", "grpo.step_batch_size=32"])
+
+
+def test_unknown_key_in_yaml_suggests_the_closest(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("loss:\n  mdoe: token-mean\n")
+    assert error_of(path=path) == "loss.mdoe: unknown key (did you mean 'loss.mode'?)"
+
+
+def test_unknown_section_and_override_suggest_the_closest():
+    assert error_of(["trainr.lr=1"]) == "trainr: unknown key (did you mean 'trainer'?)"
+    assert error_of(["trainer.lrr=1"]) == "trainer.lrr: unknown key (did you mean 'trainer.lr'?)"
+
+
+def test_unknown_key_without_a_close_match_lists_valid_keys():
+    message = error_of(["runtime.zzzz=1"])
+    assert message.startswith("runtime.zzzz: unknown key (valid keys: name, max_inflight_groups")
+
+
+def test_wrong_type_names_the_field_and_value():
+    message = error_of(["trainer.lr=fast"])
+    assert message.startswith("trainer.lr: ")
+    assert "'fast'" in message
+
+
+def test_out_of_range_value_names_the_field():
+    assert error_of(["trainer.lr=-1"]).startswith("trainer.lr: Input should be greater than 0")
+    assert error_of(["grpo.prompts_per_step=0"]).startswith("grpo.prompts_per_step: ")
+    assert error_of(["generation.top_p=1.5"]).startswith("generation.top_p: ")
+
+
+def test_mode_constant_and_other_cross_field_rules():
+    assert error_of(["loss.mode=seq-mean-token-sum-norm"]).startswith("loss.norm_constant: required")
+    assert error_of(["loss.is_low=3", "loss.is_high=2"]).startswith("loss.is_low: ")
+    assert error_of(["grpo.baseline=leave_one_out", "grpo.generations_per_prompt=1"]).startswith("grpo.baseline: ")
+    assert error_of(["model.hidden_size=100", "model.num_heads=3"]).startswith("model.num_heads: ")
+    assert error_of(["rewards.weights=[1.0, 2.0]"]).startswith("rewards.weights: 2 weights for 1 functions")
+    assert error_of(["grpo.min_groups_per_chunk=9"]).startswith("grpo.min_groups_per_chunk: 9 > prompts_per_step 8")
+
+
+def test_unknown_sampler_names_the_field():
+    assert error_of(["sampler.name=fifo"]).startswith("sampler.name: ")
+
+
+def test_bad_override_syntax_and_files(tmp_path):
+    assert error_of(["loss.mode"]).startswith("override 'loss.mode': expected key=value")
+    assert error_of(["loss.mode.x=1"]) == "loss.mode: is a value, not a section"
+    assert error_of(path=tmp_path / "missing.yaml").startswith("--config: no such file")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("loss: [unclosed\n")
+    assert "invalid YAML" in error_of(path=bad)
+    listing = tmp_path / "list.yaml"
+    listing.write_text("- 1\n- 2\n")
+    assert error_of(path=listing).endswith("must hold a mapping of sections, got list")
+
+
+def test_importance_sampling_auto_follows_the_lag():
+    assert load_config(None, ["sampler.max_lag=0"]).importance_sampling == "none"
+    assert load_config(None, ["sampler.max_lag=2"]).importance_sampling == "tis"
+    assert load_config(None, ["sampler.max_lag=2", "loss.importance_sampling=icepop"]).importance_sampling == "icepop"
+
+
+def test_every_section_rejects_unknown_keys():
+    for section in RunConfig.model_fields:
+        if section == "seed":
+            continue
+        assert error_of([f"{section}.not_a_field=1"]).startswith(f"{section}.not_a_field: unknown key")
+
+
+def test_cli_config_error_is_one_line_with_exit_code_2(capsys):
+    assert main(["config", "trainer.lrr=1"]) == 2
+    err = capsys.readouterr().err
+    assert err == "error: trainer.lrr: unknown key (did you mean 'trainer.lr'?)\n"
+
+
+def test_cli_usage_error_is_one_line_with_exit_code_2(capsys):
+    assert main(["verify", "--micro-batchs", "3"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: No such option: --micro-batchs")
+    assert "\n" not in err
+    assert main(["verify", "--dtype", "float16"]) == 2
+    assert "--dtype" in capsys.readouterr().err
+
+
+def test_cli_prints_the_resolved_config(capsys):
+    assert main(["config", "grpo.prompts_per_step=3"]) == 0
+    assert "prompts_per_step: 3" in capsys.readouterr().out
+
+
+def test_installed_script_reports_errors_without_traceback():
+    proc = subprocess.run(
+        [sys.executable, "-m", "asyncrl.cli", "config", "sampler.buffer_capacity=1"],
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr
+    assert proc.stderr.startswith("error: sampler.buffer_capacity: 1 < 16")

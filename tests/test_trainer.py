@@ -1,0 +1,213 @@
+"""PolicyTrainer: split-step state machine, exact abort, checkpoints, schedule, weight export."""
+
+import copy
+
+import pytest
+import torch
+
+from asyncrl.config import LossConfig, TrainerConfig
+from asyncrl.models import build_tiny_model
+from asyncrl.trainer import PolicyTrainer, StepInProgressError
+from asyncrl.trainer.optim import lr_factor
+from asyncrl.verify import random_batch
+
+VOCAB = 40
+
+
+def make_trainer(seed: int = 0, **trainer_overrides) -> PolicyTrainer:
+    model = build_tiny_model(VOCAB, seed=seed, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=64)
+    cfg = TrainerConfig(lr=1e-2, **trainer_overrides)
+    return PolicyTrainer(model, cfg, LossConfig(), importance_sampling="tis", total_steps=10)
+
+
+def batch_for(trainer: PolicyTrainer, seed: int):
+    return random_batch(trainer.model, num_groups=3, group_size=4, vocab_size=VOCAB, seed=seed)
+
+
+def snapshot(trainer: PolicyTrainer) -> dict:
+    return copy.deepcopy({"model": trainer.model.state_dict(), "optimizer": trainer.optimizer.state_dict(),
+                          "scheduler": trainer.scheduler.state_dict(), "version": trainer.version})
+
+
+def assert_bit_identical(a, b, path="state"):
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b), path
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys(), path
+        for key in a:
+            assert_bit_identical(a[key], b[key], f"{path}.{key}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), path
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_bit_identical(x, y, f"{path}[{i}]")
+    else:
+        assert a == b, path
+
+
+def run_steps(trainer, batches, fail_at=None, fail_in="microbatch"):
+    """Three micro-batches per step; optionally fail once in step ``fail_at`` and rerun it."""
+    for step, batch in enumerate(batches):
+        micro = batch.split([4, 4, 4])
+        if step == fail_at:
+            trainer.begin_train_step()
+            trainer.train_microbatch(micro[0])
+            if fail_in == "microbatch":
+                hook = trainer.model.register_forward_hook(lambda *_: (_ for _ in ()).throw(RuntimeError("injected")))
+                with pytest.raises(RuntimeError, match="injected"):
+                    trainer.train_microbatch(micro[1])
+                hook.remove()
+            else:
+                trainer.train_microbatch(micro[1])
+                trainer.train_microbatch(micro[2])
+                next(iter(trainer.model.parameters())).grad[0, 0] = float("nan")
+                with pytest.raises(FloatingPointError, match="non-finite gradient norm"):
+                    trainer.finish_train_step()
+            trainer.abort_train_step()
+            trainer.abort_train_step()  # idempotent
+        trainer.begin_train_step()
+        for m in micro:
+            trainer.train_microbatch(m)
+        trainer.finish_train_step()
+
+
+@pytest.mark.parametrize("fail_in", ["microbatch", "finish"])
+def test_abort_then_rerun_is_bit_identical_to_no_failure(fail_in):
+    clean, faulty = make_trainer(), make_trainer()
+    batches = [batch_for(clean, seed) for seed in (1, 2, 3)]
+    run_steps(clean, batches)
+    run_steps(faulty, batches, fail_at=1, fail_in=fail_in)
+    assert clean.version == faulty.version == 3
+    assert_bit_identical(snapshot(clean), snapshot(faulty))
+
+
+def test_retrying_inside_the_failed_step_is_detected():
+    """Negative twin: re-feeding micro-batches into the failed step (no abort) double-counts."""
+    clean, faulty = make_trainer(), make_trainer()
+    micro = batch_for(clean, 1).split([4, 4, 4])
+    clean.begin_train_step()
+    faulty.begin_train_step()
+    faulty.train_microbatch(micro[0])
+    for m in micro:
+        clean.train_microbatch(m)
+        faulty.train_microbatch(m)
+    clean.finish_train_step()
+    faulty.finish_train_step()
+    with pytest.raises(AssertionError):
+        assert_bit_identical(snapshot(clean), snapshot(faulty))
+
+
+def test_step_state_machine_errors():
+    trainer = make_trainer()
+    batch = batch_for(trainer, 0)
+    with pytest.raises(StepInProgressError, match="no open step"):
+        trainer.train_microbatch(batch)
+    with pytest.raises(StepInProgressError, match="no open step"):
+        trainer.finish_train_step()
+    with pytest.raises(ValueError, match="does not match trainer version 0"):
+        trainer.begin_train_step(3)
+    trainer.begin_train_step(0)
+    with pytest.raises(StepInProgressError, match="still open"):
+        trainer.begin_train_step()
+    with pytest.raises(StepInProgressError, match="open step"):
+        trainer.state_dict()
+    trainer.abort_train_step()
+    assert not trainer.step_open and trainer.version == 0
+
+
+def test_train_step_aborts_itself_on_failure():
+    trainer = make_trainer()
+    before = snapshot(trainer)
+    hook = trainer.model.register_forward_hook(lambda *_: (_ for _ in ()).throw(RuntimeError("boom")))
+    with pytest.raises(RuntimeError, match="boom"):
+        trainer.train_step(batch_for(trainer, 0))
+    hook.remove()
+    assert not trainer.step_open
+    assert all(p.grad is None for p in trainer.model.parameters())
+    assert_bit_identical(before, snapshot(trainer))
+
+
+def test_step_result_counts_and_metrics():
+    trainer = make_trainer()
+    batch = batch_for(trainer, 0)
+    result = trainer.train_step(batch)
+    assert result.version == trainer.version == 1
+    assert result.num_sequences == 12
+    assert result.num_tokens == int(batch.response_mask.sum())
+    assert result.num_microbatches == 1
+    assert 0.0 <= result.metrics["clip_mean"] <= 1.0
+    assert result.metrics["is_weight_max"] <= 2.0  # tis cap
+    assert result.metrics["is_weight_min"] > 0.0
+    assert result.metrics["entropy_mean"] > 0.0
+    assert "kl_mean" not in result.metrics
+
+
+def test_gradient_clipping_caps_the_norm():
+    trainer = make_trainer(max_grad_norm=1e-3)
+    result = trainer.train_step(batch_for(trainer, 0))
+    assert result.grad_norm > 1e-3
+    clipped = torch.sqrt(sum((p.grad.double() ** 2).sum() for p in trainer.model.parameters() if p.grad is not None))
+    assert clipped.item() == pytest.approx(1e-3, rel=1e-4)
+
+
+def test_state_dict_round_trip_resumes_bit_identically():
+    a = make_trainer()
+    batches = [batch_for(a, seed) for seed in (1, 2, 3)]
+    a.train_step(batches[0])
+    state = copy.deepcopy(a.state_dict())
+    a.train_step(batches[1])
+    a.train_step(batches[2])
+
+    b = make_trainer(seed=7)
+    b.load_state_dict(state)
+    assert b.version == 1
+    b.train_step(batches[1])
+    b.train_step(batches[2])
+    assert_bit_identical(snapshot(a), snapshot(b))
+
+
+def test_export_weights_is_a_versioned_snapshot():
+    trainer = make_trainer()
+    version, weights = trainer.export_weights()
+    assert version == 0
+    trainer.train_step(batch_for(trainer, 0))
+    new_version, new_weights = trainer.export_weights()
+    assert new_version == 1
+    name = next(n for n, _ in trainer.model.named_parameters())
+    assert not torch.equal(weights[name], new_weights[name])
+    assert torch.equal(new_weights[name], trainer.model.state_dict()[name])
+
+
+def test_compute_logprobs_matches_across_micro_batch_sizes():
+    trainer = make_trainer()
+    batch = batch_for(trainer, 0)
+    whole = trainer.compute_logprobs(batch, micro_batch_size=len(batch))
+    pieces = trainer.compute_logprobs(batch, micro_batch_size=5)
+    assert whole.shape == batch.input_ids.shape
+    torch.testing.assert_close(whole, pieces, rtol=1e-5, atol=1e-6)
+    assert torch.all(whole[batch.attention_mask == 0] == 0)
+    with pytest.raises(ValueError, match="no reference model"):
+        trainer.compute_logprobs(batch, reference=True)
+
+
+def test_kl_penalty_requires_a_reference_model():
+    model = build_tiny_model(VOCAB, seed=0, hidden_size=32, num_layers=1, num_heads=4, num_kv_heads=2, intermediate_size=64)
+    with pytest.raises(ValueError, match="loss.kl_coef"):
+        PolicyTrainer(model, TrainerConfig(), LossConfig(kl_coef=0.1), importance_sampling="none", total_steps=1)
+
+
+def test_lr_schedule_warmup_constant_and_cosine():
+    common = dict(warmup_steps=2, total_steps=12, min_lr_ratio=0.1)
+    assert [lr_factor(s, schedule="constant", **common) for s in range(4)] == pytest.approx([1 / 3, 2 / 3, 1.0, 1.0])
+    cosine = [lr_factor(s, schedule="cosine", **common) for s in range(13)]
+    assert cosine[2] == pytest.approx(1.0)
+    assert cosine[7] == pytest.approx(0.55)
+    assert cosine[12] == pytest.approx(0.1)
+    assert all(a >= b for a, b in zip(cosine[2:], cosine[3:]))
+
+
+def test_scheduler_drives_the_optimizer_lr():
+    trainer = make_trainer(warmup_steps=1)
+    first = trainer.train_step(batch_for(trainer, 0))
+    second = trainer.train_step(batch_for(trainer, 1))
+    assert first.lr == pytest.approx(1e-2 / 2)
+    assert second.lr == pytest.approx(1e-2)

@@ -1,0 +1,60 @@
+"""Split step == monolithic step (DESIGN 5), with its planted-mistake twin that must fail."""
+
+import pytest
+import torch
+
+from asyncrl.algorithms.grpo import AGG_MODES
+from asyncrl.cli import main
+from asyncrl.models import build_tiny_model
+from asyncrl.verify import random_batch, uneven_split, verify
+
+
+@pytest.mark.parametrize("micro_batches", [2, 4, 16])
+def test_float64_split_matches_monolithic_within_1e9_for_every_mode(micro_batches):
+    results = verify(AGG_MODES, micro_batches=micro_batches, dtype="float64")
+    assert [r.mode for r in results] == list(AGG_MODES)
+    for r in results:
+        assert r.passed, r
+        assert r.worst_error[0] <= 1e-9, (r.mode, r.worst_error)
+
+
+def test_float32_split_matches_monolithic_within_tolerance():
+    for r in verify(AGG_MODES, micro_batches=4, dtype="float32"):
+        assert r.passed, r
+        assert r.loss_error <= 1e-5
+
+
+def test_planted_per_microbatch_mean_fails_every_mode():
+    for r in verify(AGG_MODES, micro_batches=4, dtype="float64", plant="per-microbatch-mean"):
+        assert not r.passed, r.mode
+        assert r.worst_error[0] > 1e-3
+
+
+def test_batch_exercises_clipping_importance_weights_and_ragged_lengths():
+    model = build_tiny_model(48, seed=0, dtype=torch.float64, hidden_size=64, num_layers=2, intermediate_size=128)
+    batch = random_batch(model, num_groups=4, group_size=4, vocab_size=48, seed=0)
+    assert len(set(batch.response_lengths.tolist())) > 4
+    assert len(set(batch.attention_mask.sum(1).tolist())) > 4
+    ratio = torch.exp(batch.behaviour_logprobs - batch.prox_logprobs)[batch.response_mask > 0]
+    assert (ratio > 1.28).any() and (ratio < 0.8).any()
+
+
+def test_uneven_split_partitions_every_row_once():
+    model = build_tiny_model(48, seed=0, hidden_size=32, num_layers=1, num_heads=4, intermediate_size=64)
+    batch = random_batch(model, num_groups=4, group_size=4, vocab_size=48, seed=3)
+    parts = uneven_split(batch, 5, torch.Generator().manual_seed(0))
+    assert len(parts) == 5 and sum(len(p) for p in parts) == 16
+    assert len({len(p) for p in parts}) > 1
+    assert sum(p.num_response_tokens for p in parts) == batch.num_response_tokens
+    with pytest.raises(ValueError, match="--micro-batches"):
+        uneven_split(batch, 17, torch.Generator())
+
+
+def test_cli_verify_passes_and_planted_mistake_exits_nonzero(capsys):
+    assert main(["verify", "--micro-batches", "3", "--mode", "token-mean", "--mode", "seq-mean-token-sum"]) == 0
+    out = capsys.readouterr().out
+    assert "token-mean" in out and "seq-mean-token-sum" in out and "seq-mean-token-mean" not in out
+    assert out.strip().splitlines()[-1].startswith("worst relative error:")
+    assert out.strip().endswith("PASS")
+    assert main(["verify", "--mode", "token-mean", "--plant", "per-microbatch-mean"]) == 1
+    assert capsys.readouterr().out.strip().endswith("FAIL")
