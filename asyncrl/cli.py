@@ -26,7 +26,7 @@ app = typer.Typer(
 )
 console = Console(width=None if sys.stdout.isatty() else 160)
 
-AGG_MODES: tuple[str, ...] = get_args(AggMode)
+AGG_MODES: tuple[str, ...] = get_args(AggMode)  # not from algorithms.grpo: keeps torch out of `asyncrl config`
 
 
 def _choices(name: str, values: tuple[str, ...]) -> type[Enum]:

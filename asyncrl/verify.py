@@ -130,8 +130,7 @@ def uneven_split(batch: TrainBatch, parts: int, gen: torch.Generator) -> list[Tr
 
 
 # Adam's first update, lr * g / (|g| + eps), is sign(g) wherever |g| >> eps, so a coordinate whose
-# gradient is zero to within the tolerance (e.g. attention key biases, whose exact gradient is 0)
-# has an undetermined update. Parameters are compared where the reference gradient exceeds this
+# gradient is zero to within the tolerance has an update decided by rounding noise. Parameters are compared where the reference gradient exceeds this
 # many tolerance bands, (rtol + atol) times the largest gradient of the model.
 _UNDETERMINED_BAND = 10.0
 

@@ -23,13 +23,14 @@ any sharding and is never recounted from a shard's mask.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, get_args
 
 import torch
 from torch import Tensor
 
-AggMode = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
-AGG_MODES: tuple[str, ...] = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+from asyncrl.config import AggMode
+
+AGG_MODES: tuple[str, ...] = get_args(AggMode)
 ISMode = Literal["none", "tis", "icepop"]
 
 # ---- advantages ------------------------------------------------------------------------------
