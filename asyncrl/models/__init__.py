@@ -1,5 +1,6 @@
 """Models and tokenizers: a tiny seeded model and char tokenizer, local HF loading, token logprobs."""
 
+from asyncrl.models.factory import build_model, build_tokenizer, resolve_device
 from asyncrl.models.hf import load_model, load_tokenizer
 from asyncrl.models.logprobs import position_ids_from_mask, token_logprobs
 from asyncrl.models.tiny import ATTN_IMPLEMENTATION, build_tiny_model, tiny_config
@@ -9,10 +10,13 @@ __all__ = [
     "ATTN_IMPLEMENTATION",
     "DEFAULT_ALPHABET",
     "build_char_tokenizer",
+    "build_model",
+    "build_tokenizer",
     "build_tiny_model",
     "load_model",
     "load_tokenizer",
     "position_ids_from_mask",
+    "resolve_device",
     "tiny_config",
     "token_logprobs",
 ]

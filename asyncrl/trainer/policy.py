@@ -14,13 +14,14 @@ the RNG, all of which ``abort_train_step`` resets, so a failed step can simply b
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor, nn
 
 from asyncrl.algorithms import grpo
-from asyncrl.config import LossConfig, TrainerConfig
+from asyncrl.config import LossConfig, RunConfig, TrainerConfig
 from asyncrl.models import token_logprobs
 from asyncrl.trainer.optim import build_optimizer, build_scheduler
 from asyncrl.types import TrainBatch
@@ -103,6 +104,18 @@ class PolicyTrainer:
         self.scheduler = build_scheduler(self.optimizer, trainer_cfg, total_steps)
         self.version = 0
         self._step: _StepState | None = None
+
+    @classmethod
+    def from_config(cls, config: RunConfig, model: nn.Module) -> PolicyTrainer:
+        """The trainer a run config describes; a KL penalty gets a frozen copy of ``model``."""
+        return cls(
+            model,
+            config.trainer,
+            config.loss,
+            importance_sampling=config.importance_sampling,
+            total_steps=config.grpo.max_steps,
+            reference_model=copy.deepcopy(model) if config.loss.kl_coef > 0 else None,
+        )
 
     @property
     def device(self) -> torch.device:
