@@ -211,3 +211,27 @@ def test_scheduler_drives_the_optimizer_lr():
     second = trainer.train_step(batch_for(trainer, 1))
     assert first.lr == pytest.approx(1e-2 / 2)
     assert second.lr == pytest.approx(1e-2)
+
+
+def with_dropout(trainer: PolicyTrainer) -> PolicyTrainer:
+    """Dropout on the embeddings, so every micro-batch draws from the RNG."""
+    embed = trainer.model.get_input_embeddings()
+    embed.register_forward_hook(lambda _m, _i, out: torch.nn.functional.dropout(out, 0.1, training=True))
+    return trainer
+
+
+@pytest.mark.parametrize("restore_rng", [True, False])
+def test_abort_restores_the_rng_so_dropout_reruns_identically(restore_rng, monkeypatch):
+    clean, faulty = with_dropout(make_trainer()), with_dropout(make_trainer())
+    if not restore_rng:  # the negative twin: an abort that forgets the RNG
+        monkeypatch.setattr(faulty, "_set_rng_state", lambda state: None)
+    batches = [batch_for(clean, seed) for seed in (1, 2)]
+    torch.manual_seed(0)
+    run_steps(clean, batches)
+    torch.manual_seed(0)
+    run_steps(faulty, batches, fail_at=1)
+    if restore_rng:
+        assert_bit_identical(snapshot(clean), snapshot(faulty))
+    else:
+        with pytest.raises(AssertionError):
+            assert_bit_identical(snapshot(clean), snapshot(faulty))

@@ -58,7 +58,7 @@ class _StepState:
     """Accumulators of the open step; sums only, so the order of micro-batches does not matter."""
 
     step: int
-    rng_state: Tensor
+    rng_state: dict[str, Tensor]
     sums: Tensor
     is_weight_min: Tensor
     is_weight_max: Tensor
@@ -139,7 +139,7 @@ class PolicyTrainer:
         self.optimizer.zero_grad(set_to_none=True)
         self._step = _StepState(
             step=step,
-            rng_state=torch.get_rng_state(),
+            rng_state=self._rng_state(),
             sums=torch.zeros(len(_COUNTERS), dtype=torch.float64, device=self.device),
             is_weight_min=torch.tensor(float("inf"), dtype=torch.float64, device=self.device),
             is_weight_max=torch.tensor(float("-inf"), dtype=torch.float64, device=self.device),
@@ -188,7 +188,7 @@ class PolicyTrainer:
     def abort_train_step(self) -> None:
         """Drop the open step (idempotent): gradients, accumulators and RNG go back to step start."""
         if self._step is not None:
-            torch.set_rng_state(self._step.rng_state)
+            self._set_rng_state(self._step.rng_state)
         self.optimizer.zero_grad(set_to_none=True)
         self._step = None
 
@@ -301,7 +301,7 @@ class PolicyTrainer:
             "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict(),
             "version": self.version,
-            "rng_state": torch.get_rng_state(),
+            "rng_state": self._rng_state(),
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -310,4 +310,16 @@ class PolicyTrainer:
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.version = int(state["version"])
-        torch.set_rng_state(state["rng_state"])
+        self._set_rng_state(state["rng_state"])
+
+    def _rng_state(self) -> dict[str, Tensor]:
+        """The generators a step may draw from (dropout): the CPU one, and the trainer's GPU."""
+        state = {"cpu": torch.get_rng_state()}
+        if self.device.type == "cuda":
+            state["cuda"] = torch.cuda.get_rng_state(self.device)
+        return state
+
+    def _set_rng_state(self, state: dict[str, Tensor]) -> None:
+        torch.set_rng_state(state["cpu"])
+        if "cuda" in state and self.device.type == "cuda":
+            torch.cuda.set_rng_state(state["cuda"], self.device)
