@@ -15,6 +15,7 @@ the RNG, all of which ``abort_train_step`` resets, so a failed step can simply b
 from __future__ import annotations
 
 import copy
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -149,12 +150,11 @@ class PolicyTrainer:
         """Forward + backward of one micro-batch; gradients accumulate, nothing is stepped."""
         state = self._require_step("train_microbatch")
         batch = batch.to(self.device, self.compute_dtype)
-        loss_sum, counters, is_weight = self._microbatch_loss(batch)
+        loss_sum, counters, (is_min, is_max) = self._microbatch_loss(batch)
         loss_sum.backward()
         state.sums += counters
-        if is_weight.numel():
-            state.is_weight_min = torch.minimum(state.is_weight_min, is_weight.min().double())
-            state.is_weight_max = torch.maximum(state.is_weight_max, is_weight.max().double())
+        state.is_weight_min = torch.minimum(state.is_weight_min, is_min)
+        state.is_weight_max = torch.maximum(state.is_weight_max, is_max)
         state.num_microbatches += 1
         return {"loss_sum": counters[0], "num_tokens": counters[1]}
 
@@ -167,7 +167,7 @@ class PolicyTrainer:
         torch._foreach_mul_(grads, 1.0 / normalizer)
         max_norm = self.cfg.max_grad_norm if self.cfg.max_grad_norm is not None else float("inf")
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, max_norm, foreach=True))
-        if not torch.isfinite(torch.tensor(grad_norm)):
+        if not math.isfinite(grad_norm):
             raise FloatingPointError(f"finish_train_step: non-finite gradient norm ({grad_norm}) at step {state.step}")
         lr = self.optimizer.param_groups[0]["lr"]
         self.optimizer.step()
@@ -208,8 +208,8 @@ class PolicyTrainer:
 
     # ---- loss -------------------------------------------------------------------------------
 
-    def _microbatch_loss(self, batch: TrainBatch) -> tuple[Tensor, Tensor, Tensor]:
-        """(sum of local_w * mask * loss, this micro-batch's counters, its response-token IS weights)."""
+    def _microbatch_loss(self, batch: TrainBatch) -> tuple[Tensor, Tensor, tuple[Tensor, Tensor]]:
+        """(sum of local_w * mask * loss, this micro-batch's counters, (min, max) response IS weight)."""
         want_entropy = self.loss_cfg.entropy_coef > 0 or self.loss_cfg.track_entropy
         logprobs, entropy = token_logprobs(
             self.model, batch.input_ids, batch.attention_mask, with_entropy=want_entropy
@@ -235,7 +235,9 @@ class PolicyTrainer:
                 *((metrics[name] * mask).sum() if name in metrics else zero for name in _SUMMED_METRICS),
             ]
         ).double()
-        return loss_sum, counters, metrics["is_weight"][mask > 0]
+        is_weight = metrics["is_weight"].double()
+        is_range = (is_weight.where(mask > 0, float("inf")).min(), is_weight.where(mask > 0, float("-inf")).max())
+        return loss_sum, counters, is_range
 
     def _local_weights(self, batch: TrainBatch) -> Tensor:
         """Per-token weights that depend only on each sequence (DESIGN 3.4); no local counts."""
