@@ -204,7 +204,8 @@ class TrainBatch:
 
     def trim(self) -> TrainBatch:
         """Drop trailing columns that are padding in every row."""
-        width = int(self.attention_mask.sum(dim=1).max()) if len(self) else 0
+        real_columns = self.attention_mask.any(dim=0).nonzero()
+        width = int(real_columns.max()) + 1 if len(real_columns) else 0
         if width == self.input_ids.shape[1]:
             return self
         return self.map_tensors(lambda name, t: t if t.dim() == 1 else t[:, :width])

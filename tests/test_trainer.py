@@ -235,3 +235,62 @@ def test_abort_restores_the_rng_so_dropout_reruns_identically(restore_rng, monke
     else:
         with pytest.raises(AssertionError):
             assert_bit_identical(snapshot(clean), snapshot(faulty))
+
+
+def design_weights(batch, mode: str, norm_constant: float) -> torch.Tensor:
+    """DESIGN 3.4's per-token weight table, written out directly (no local/D factoring)."""
+    n_i = batch.response_mask.sum(1, keepdim=True)
+    num_seqs, num_tokens = len(batch), batch.response_mask.sum()
+    per_token = {
+        "token-mean": 1 / num_tokens * torch.ones_like(n_i),
+        "seq-mean-token-mean": 1 / (num_seqs * n_i),
+        "seq-mean-token-sum": 1 / num_seqs * torch.ones_like(n_i),
+        "seq-mean-token-sum-norm": 1 / (num_seqs * norm_constant) * torch.ones_like(n_i),
+    }[mode]
+    return per_token * batch.response_mask
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"])
+def test_step_loss_and_gradient_equal_the_design_formula(mode):
+    from asyncrl.algorithms import grpo
+    from asyncrl.models import token_logprobs
+
+    model = build_tiny_model(VOCAB, seed=0, dtype=torch.float64, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=64)
+    loss_cfg = LossConfig(mode=mode, norm_constant=3.0 if mode.endswith("norm") else None)
+    trainer = PolicyTrainer(copy.deepcopy(model), TrainerConfig(max_grad_norm=None), loss_cfg, importance_sampling="tis", total_steps=1)
+    batch = random_batch(model, num_groups=3, group_size=4, vocab_size=VOCAB, seed=5).to("cpu", torch.float64)
+    trainer.begin_train_step()
+    for micro in batch.split([5, 7]):
+        trainer.train_microbatch(micro)
+    result = trainer.finish_train_step()
+
+    logprobs, entropy = token_logprobs(model, batch.input_ids, batch.attention_mask, with_entropy=True)
+    per_token, _ = grpo.token_loss(
+        logprobs, batch.prox_logprobs, batch.behaviour_logprobs, batch.advantages[:, None],
+        cfg=trainer.terms, entropy=entropy,
+    )
+    expected = (design_weights(batch, mode, 3.0) * per_token).sum()
+    expected.backward(retain_graph=True)
+    assert result.loss == pytest.approx(expected.item(), rel=1e-12)
+    # Loose only because HF's RMSNorm runs in float32 even in a float64 model, so back-propagating a
+    # loss scaled by 1/D (here) instead of scaling the gradient (the trainer) rounds differently.
+    for q, p in zip(trainer.model.parameters(), model.parameters()):
+        assert (q.grad - p.grad).abs().max() <= 1e-6 * p.grad.abs().max()
+    # Another mode's weights give another gradient, so the comparison above can fail.
+    other = "token-mean" if mode != "token-mean" else "seq-mean-token-mean"
+    model.zero_grad()
+    (design_weights(batch, other, 3.0) * per_token).sum().backward()
+    assert any(
+        (q.grad - p.grad).abs().max() > 1e-3 * p.grad.abs().max()
+        for q, p in zip(trainer.model.parameters(), model.parameters())
+    )
+
+
+def test_bfloat16_policy_trains_with_float32_loss_arithmetic():
+    model = build_tiny_model(VOCAB, seed=0, dtype=torch.bfloat16, hidden_size=32, num_layers=1, num_heads=4, num_kv_heads=2, intermediate_size=64)
+    trainer = PolicyTrainer(model, TrainerConfig(dtype="bfloat16"), LossConfig(), importance_sampling="tis", total_steps=1)
+    assert trainer.compute_dtype == torch.float32
+    before = [p.detach().clone() for p in model.parameters()]
+    result = trainer.train_step(batch_for(make_trainer(), 0))
+    assert result.version == 1 and torch.isfinite(torch.tensor(result.loss)) and result.grad_norm > 0
+    assert any(not torch.equal(a, p) for a, p in zip(before, model.parameters()))

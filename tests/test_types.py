@@ -70,3 +70,18 @@ def test_to_casts_only_floating_tensors():
     moved = batch.to("cpu", torch.float64)
     assert moved.response_mask.dtype == torch.float64 and moved.advantages.dtype == torch.float64
     assert moved.input_ids.dtype == torch.long and moved.response_lengths.dtype == torch.long
+
+
+def test_trim_keeps_every_real_token_even_with_left_padding():
+    batch = TrainBatch(
+        input_ids=torch.tensor([[0, 0, 5, 6, 7, 0], [5, 6, 7, 0, 0, 0]]),
+        attention_mask=torch.tensor([[0, 0, 1, 1, 1, 0], [1, 1, 1, 0, 0, 0]]),
+        response_mask=torch.tensor([[0, 0, 0, 1, 1, 0], [0, 1, 1, 0, 0, 0]], dtype=torch.float32),
+        behaviour_logprobs=torch.zeros(2, 6),
+        advantages=torch.zeros(2),
+        response_lengths=torch.tensor([2, 2]),
+    )
+    trimmed = batch.trim()
+    assert trimmed.input_ids.tolist() == [[0, 0, 5, 6, 7], [5, 6, 7, 0, 0]]
+    assert trimmed.num_response_tokens == 4
+    assert batch.select([1]).input_ids.tolist() == [[5, 6, 7]]

@@ -18,6 +18,12 @@ def test_float64_split_matches_monolithic_within_1e9_for_every_mode(micro_batche
         assert r.worst_error[0] <= 1e-9, (r.mode, r.worst_error)
 
 
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_float64_parity_holds_for_other_models_and_batches(seed):
+    for r in verify(AGG_MODES, micro_batches=3, dtype="float64", seed=seed):
+        assert r.passed and r.worst_error[0] <= 1e-9, (seed, r.mode, r.worst_error)
+
+
 def test_float32_split_matches_monolithic_within_tolerance():
     for r in verify(AGG_MODES, micro_batches=4, dtype="float32"):
         assert r.passed, r
