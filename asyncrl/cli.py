@@ -15,7 +15,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from asyncrl.config import AggMode, ConfigError, dump_config, load_config
+from asyncrl.config import AggMode, ConfigError, config_reference, dump_config, load_config
 
 app = typer.Typer(
     add_completion=False,
@@ -50,8 +50,12 @@ def root(ctx: typer.Context) -> None:
 def show_config(
     config: Optional[Path] = typer.Option(None, "--config", help="YAML run config (default: the embedded one)"),
     overrides: Optional[list[str]] = typer.Argument(None, help="dotted overrides, e.g. loss.mode=token-mean"),
+    reference: bool = typer.Option(False, "--reference", help="print every key with its type, default and meaning"),
 ) -> None:
     """Validate a run config and print it fully resolved."""
+    if reference:
+        typer.echo(config_reference(), nl=False)
+        return
     typer.echo(dump_config(load_config(config, overrides or ())), nl=False)
 
 

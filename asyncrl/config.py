@@ -9,7 +9,7 @@ from __future__ import annotations
 import difflib
 import re
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args, get_origin
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -26,14 +26,16 @@ class Section(BaseModel):
 
 
 class ModelConfig(Section):
-    path: str | None = Field(None, description="local HF causal LM directory; None builds the tiny model")
-    arch: Literal["qwen2", "llama"] = "qwen2"
-    hidden_size: int = Field(192, ge=8)
-    num_layers: int = Field(4, ge=1)
-    num_heads: int = Field(6, ge=1)
-    num_kv_heads: int = Field(2, ge=1)
-    intermediate_size: int = Field(512, ge=8)
-    init_seed: int = 0
+    """The policy model: a local Hugging Face checkpoint, or the built-in tiny model."""
+
+    path: str | None = Field(None, description="local HF causal LM directory; null builds the tiny model below")
+    arch: Literal["qwen2", "llama"] = Field("qwen2", description="tiny model architecture")
+    hidden_size: int = Field(192, ge=8, description="tiny model width")
+    num_layers: int = Field(4, ge=1, description="tiny model depth")
+    num_heads: int = Field(6, ge=1, description="tiny model attention heads; must divide hidden_size")
+    num_kv_heads: int = Field(2, ge=1, description="tiny model key/value heads; must divide num_heads")
+    intermediate_size: int = Field(512, ge=8, description="tiny model MLP width")
+    init_seed: int = Field(0, description="seed of the tiny model's initialization")
 
     @model_validator(mode="after")
     def _heads_divide(self) -> ModelConfig:
@@ -45,32 +47,40 @@ class ModelConfig(Section):
 
 
 class TokenizerConfig(Section):
-    path: str | None = Field(None, description="local HF tokenizer directory; None builds the char tokenizer")
+    """The tokenizer: a local HF tokenizer, the one saved with model.path, or the char tokenizer."""
+
+    path: str | None = Field(None, description="local HF tokenizer directory; null: model.path, else char-level")
 
 
 class DataConfig(Section):
-    task: str = Field("arithmetic", description="built-in task name, or 'jsonl' / 'parquet' for a local file")
-    path: str | None = None
-    prompt_field: str = "prompt"
-    answer_field: str = "answer"
-    chat_template: bool = False
-    difficulty: int = Field(1, ge=1)
-    shuffle_seed: int = 0
+    """Where prompts and reference answers come from."""
+
+    task: str = Field("arithmetic", description="built-in task name, or jsonl / parquet for a local file")
+    path: str | None = Field(None, description="the jsonl / parquet file")
+    prompt_field: str = Field("prompt", description="row field holding the prompt")
+    answer_field: str = Field("answer", description="row field holding the reference answer")
+    chat_template: bool = Field(False, description="wrap prompts in the tokenizer's chat template")
+    difficulty: int = Field(1, ge=1, description="built-in task difficulty")
+    shuffle_seed: int = Field(0, description="seed of the prompt order")
 
 
 class GenerationConfig(Section):
-    backend: Literal["hf"] = "hf"
-    max_new_tokens: int = Field(16, ge=1)
-    temperature: float = Field(1.0, ge=0.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=0, description="0 disables top-k")
+    """How rollouts are sampled."""
+
+    backend: Literal["hf"] = Field("hf", description="generation backend")
+    max_new_tokens: int = Field(16, ge=1, description="response length limit")
+    temperature: float = Field(1.0, ge=0.0, description="sampling temperature; 0 is greedy")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="nucleus sampling mass; 1 disables it")
+    top_k: int = Field(0, ge=0, description="top-k sampling; 0 disables it")
     batch_size: int = Field(64, ge=1, description="sequences per generation forward")
 
 
 class RewardConfig(Section):
-    functions: list[str] = Field(default_factory=lambda: ["exact_match"])
-    weights: list[float] | None = None
-    timeout_s: float = Field(5.0, gt=0.0)
+    """How responses are scored."""
+
+    functions: list[str] = Field(default_factory=lambda: ["exact_match"], description="reward names or module:function")
+    weights: list[float] | None = Field(None, description="one weight per function; null: all 1")
+    timeout_s: float = Field(5.0, gt=0.0, description="wall-clock limit of one reward call; past it the reward is 0")
 
     @model_validator(mode="after")
     def _weights_match(self) -> RewardConfig:
@@ -80,13 +90,15 @@ class RewardConfig(Section):
 
 
 class GRPOConfig(Section):
+    """Step shape and advantages."""
+
     prompts_per_step: int = Field(8, ge=1, description="P: prompt groups per optimizer step")
     generations_per_prompt: int = Field(8, ge=1, description="n: samples per prompt")
     step_batch_size: int | None = Field(None, ge=1, description="sequences per step; must equal P*n if given")
-    max_steps: int = Field(100, ge=1)
-    baseline: Literal["mean", "leave_one_out"] = "mean"
-    scale_by_std: bool = True
-    filter_zero_variance: bool = False
+    max_steps: int = Field(100, ge=1, description="optimizer steps of the run (also the cosine schedule's length)")
+    baseline: Literal["mean", "leave_one_out"] = Field("mean", description="advantage baseline within a group")
+    scale_by_std: bool = Field(True, description="divide advantages by the group std; false is Dr. GRPO")
+    filter_zero_variance: bool = Field(False, description="drop groups whose rewards are all equal")
     min_groups_per_chunk: int = Field(1, ge=1, description="stream a step in chunks of at least this many groups")
 
     @model_validator(mode="after")
@@ -107,21 +119,23 @@ class GRPOConfig(Section):
 
 
 class LossConfig(Section):
-    mode: AggMode = "token-mean"
-    norm_constant: float | None = Field(None, gt=0.0, description="C for seq-mean-token-sum-norm")
-    clip_low: float = Field(0.2, ge=0.0, lt=1.0)
-    clip_high: float = Field(0.28, ge=0.0)
-    dual_clip: float | None = Field(3.0, gt=1.0)
+    """The per-token GRPO loss and its aggregation (docs/loss.md)."""
+
+    mode: AggMode = Field("token-mean", description="loss aggregation mode (normalization contract)")
+    norm_constant: float | None = Field(None, gt=0.0, description="C of seq-mean-token-sum-norm")
+    clip_low: float = Field(0.2, ge=0.0, lt=1.0, description="ratio clip below: 1 - clip_low")
+    clip_high: float = Field(0.28, ge=0.0, description="ratio clip above: 1 + clip_high")
+    dual_clip: float | None = Field(3.0, gt=1.0, description="cap the loss of a negative advantage A at dual_clip times -A; null disables")
     importance_sampling: Literal["auto", "none", "tis", "icepop"] = Field(
-        "auto", description="auto: tis whenever the sampler can admit lagged data, else none"
+        "auto", description="off-policy correction; auto: tis when sampler.max_lag > 0, else none"
     )
-    is_cap: float = Field(2.0, gt=0.0)
-    is_low: float = Field(0.5, ge=0.0)
-    is_high: float = Field(2.0, gt=0.0)
-    kl_coef: float = Field(0.0, ge=0.0)
-    kl_log_ratio_clamp: float = Field(20.0, gt=0.0)
-    kl_clamp: float = Field(10.0, gt=0.0)
-    entropy_coef: float = Field(0.0, ge=0.0)
+    is_cap: float = Field(2.0, gt=0.0, description="tis: importance weights are clamped at this cap")
+    is_low: float = Field(0.5, ge=0.0, description="icepop: weights below this are zeroed")
+    is_high: float = Field(2.0, gt=0.0, description="icepop: weights above this are zeroed")
+    kl_coef: float = Field(0.0, ge=0.0, description="k3 KL penalty to a frozen reference; 0 disables")
+    kl_log_ratio_clamp: float = Field(20.0, gt=0.0, description="KL input clamp on the magnitude of lp_ref - lp")
+    kl_clamp: float = Field(10.0, gt=0.0, description="KL output clamp")
+    entropy_coef: float = Field(0.0, ge=0.0, description="entropy bonus coefficient")
     track_entropy: bool = Field(True, description="report policy entropy even when entropy_coef is 0")
 
     @model_validator(mode="after")
@@ -134,24 +148,28 @@ class LossConfig(Section):
 
 
 class SamplerConfig(Section):
+    """The staleness contract between the rollout and train loops."""
+
     name: str = Field("in_order", description="in_order, weight_fifo, windowed, or module:Class")
-    max_lag: int = Field(1, ge=0, description="how many weight versions behind trained data may be")
-    buffer_capacity: int | None = Field(None, ge=1, description="groups; None: the sampler's required capacity")
+    max_lag: int = Field(1, ge=0, description="how many weight versions behind trained data may be; 0 is synchronous")
+    buffer_capacity: int | None = Field(None, ge=1, description="replay buffer size in groups; null: the sampler's minimum")
 
 
 class TrainerConfig(Section):
-    optimizer: Literal["adamw"] = "adamw"
-    lr: float = Field(1e-4, gt=0.0)
-    weight_decay: float = Field(0.0, ge=0.0)
-    betas: tuple[float, float] = (0.9, 0.999)
-    eps: float = Field(1e-8, gt=0.0)
-    lr_schedule: Literal["constant", "cosine"] = "constant"
-    warmup_steps: int = Field(0, ge=0)
+    """Optimizer, schedule and numerics of the policy trainer."""
+
+    optimizer: Literal["adamw"] = Field("adamw", description="optimizer")
+    lr: float = Field(1e-4, gt=0.0, description="peak learning rate")
+    weight_decay: float = Field(0.0, ge=0.0, description="decoupled weight decay")
+    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas")
+    eps: float = Field(1e-8, gt=0.0, description="AdamW epsilon")
+    lr_schedule: Literal["constant", "cosine"] = Field("constant", description="schedule after warmup")
+    warmup_steps: int = Field(0, ge=0, description="linear warmup steps")
     min_lr_ratio: float = Field(0.0, ge=0.0, le=1.0, description="cosine floor as a fraction of lr")
     micro_batch_size: int = Field(16, ge=1, description="sequences per forward/backward")
-    max_grad_norm: float | None = Field(1.0, gt=0.0, description="None disables clipping")
-    dtype: Literal["float32", "bfloat16", "float64"] = "float32"
-    device: Literal["auto", "cpu", "cuda"] = "auto"
+    max_grad_norm: float | None = Field(1.0, gt=0.0, description="gradient clipping norm; null disables")
+    dtype: Literal["float32", "bfloat16", "float64"] = Field("float32", description="parameter dtype")
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: cuda when available")
 
     @model_validator(mode="after")
     def _betas_in_range(self) -> TrainerConfig:
@@ -161,25 +179,33 @@ class TrainerConfig(Section):
 
 
 class RuntimeConfig(Section):
-    name: Literal["local", "ray"] = "local"
-    max_inflight_groups: int | None = Field(None, ge=1, description="None: bounded by buffer capacity only")
+    """Where workers run."""
+
+    name: Literal["local", "ray"] = Field("local", description="local: one process, worker threads; ray: actors")
+    max_inflight_groups: int | None = Field(None, ge=1, description="dispatched, uncommitted groups; null: capacity")
 
 
 class CheckpointConfig(Section):
-    every_steps: int | None = Field(None, ge=1, description="None: only at the end")
-    keep_last: int = Field(2, ge=1)
+    """When run state is saved."""
+
+    every_steps: int | None = Field(None, ge=1, description="save every k steps; null: only at the end")
+    keep_last: int = Field(2, ge=1, description="checkpoints kept on disk")
 
 
 class LoggingConfig(Section):
-    output_dir: str = "runs/latest"
-    eval_every_steps: int | None = Field(10, ge=1)
-    tensorboard: bool = True
-    wandb: bool = False
-    progress: bool = True
+    """Outputs, evaluation cadence and metric sinks."""
+
+    output_dir: str = Field("runs/latest", description="run directory (metrics, checkpoints, report)")
+    eval_every_steps: int | None = Field(10, ge=1, description="held-out evaluation cadence; null: start and end only")
+    tensorboard: bool = Field(True, description="write TensorBoard event files")
+    wandb: bool = Field(False, description="log to Weights & Biases when it is installed")
+    progress: bool = Field(True, description="live progress display")
 
 
 class RunConfig(Section):
-    seed: int = 0
+    """One asyncrl run."""
+
+    seed: int = Field(0, description="run seed: sampling seeds derive from it, the prompt uid and the sample index")
     model: ModelConfig = Field(default_factory=ModelConfig)
     tokenizer: TokenizerConfig = Field(default_factory=TokenizerConfig)
     data: DataConfig = Field(default_factory=DataConfig)
@@ -318,3 +344,40 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
 def dump_config(config: RunConfig) -> str:
     """The fully resolved configuration as YAML (written next to every run's outputs)."""
     return yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False)
+
+
+def _type_name(annotation: Any) -> str:
+    args = get_args(annotation)
+    if get_origin(annotation) is Literal:
+        return " \\| ".join(str(a) for a in args)
+    if args:
+        inner = [_type_name(a) for a in args if a is not type(None)]
+        suffix = " or null" if type(None) in args else ""
+        if get_origin(annotation) in (list, tuple):
+            return f"{get_origin(annotation).__name__}[{', '.join(inner)}]"
+        return " or ".join(inner) + suffix
+    return getattr(annotation, "__name__", str(annotation))
+
+
+def config_reference() -> str:
+    """Every section and key with its type, default and meaning, as Markdown (docs/configuration.md)."""
+    defaults = RunConfig().model_dump(mode="json")
+    lines = [
+        "# Configuration reference",
+        "",
+        "Generated by `asyncrl config --reference`; every key can be set in YAML or overridden on the",
+        "command line as `section.key=value`. Unknown keys, wrong types, out-of-range values and",
+        "inconsistent combinations are rejected at load time with a one-line error naming the field.",
+        "",
+        f"- `seed` ({_type_name(RunConfig.model_fields['seed'].annotation)}, default `{defaults['seed']}`): "
+        f"{RunConfig.model_fields['seed'].description}",
+    ]
+    for name, field in RunConfig.model_fields.items():
+        section = field.annotation
+        if not (isinstance(section, type) and issubclass(section, BaseModel)):
+            continue
+        lines += ["", f"## `{name}`", "", section.__doc__.strip(), "", "| key | type | default | meaning |", "|---|---|---|---|"]
+        for key, sub in section.model_fields.items():
+            default = yaml.safe_dump(defaults[name][key], default_flow_style=True).strip().removesuffix("...").strip()
+            lines.append(f"| `{key}` | {_type_name(sub.annotation)} | `{default}` | {sub.description} |")
+    return "\n".join(lines) + "\n"

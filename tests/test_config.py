@@ -161,3 +161,20 @@ def test_installed_script_reports_errors_without_traceback():
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr
     assert proc.stderr.startswith("error: sampler.buffer_capacity: 1 < 16")
+
+
+def test_every_key_is_documented_and_the_reference_is_current():
+    from pathlib import Path
+
+    from asyncrl.config import config_reference
+
+    for name, field in RunConfig.model_fields.items():
+        section = field.annotation
+        keys = section.model_fields.items() if hasattr(section, "model_fields") else [(name, field)]
+        assert section.__doc__ or name == "seed", name
+        for key, sub in keys:
+            assert sub.description, f"{name}.{key} has no description"
+    reference = config_reference()
+    assert "| `max_lag` | int | `1` |" in reference
+    committed = Path(__file__).resolve().parents[1] / "docs" / "configuration.md"
+    assert committed.read_text() == reference, "regenerate with: asyncrl config --reference > docs/configuration.md"
