@@ -70,10 +70,12 @@ def verify(
     seed: int = typer.Option(0, "--seed"),
 ) -> None:
     """Check that a split train step equals the monolithic step, for every loss mode."""
-    from asyncrl.verify import TOLERANCES, DTYPES, verify as run_verify
+    from asyncrl.verify import BATCH_ROWS, DTYPES, TOLERANCES, verify as run_verify
 
-    if micro_batches > 16:
-        raise typer.BadParameter(f"{micro_batches} exceeds the 16 rows of the verification batch", param_hint="--micro-batches")
+    if micro_batches > BATCH_ROWS:
+        raise typer.BadParameter(
+            f"{micro_batches} exceeds the {BATCH_ROWS} rows of the verification batch", param_hint="--micro-batches"
+        )
     dtype, plant = dtype.value, plant.value if plant else None
     modes = tuple(m.value for m in mode) if mode else AGG_MODES
     results = run_verify(modes, micro_batches=micro_batches, dtype=dtype, plant=plant, seed=seed)

@@ -8,7 +8,7 @@ padding. Per-token tensors are aligned with ``input_ids``: position t describes 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, fields, replace
 from typing import Sequence
 
 import torch
@@ -129,7 +129,7 @@ class TrainBatch:
     response_lengths: Tensor  # [B] int64
     prox_logprobs: Tensor | None = None  # [B, T] trainer logprobs at step start (None: use detached)
     ref_logprobs: Tensor | None = None  # [B, T] frozen reference logprobs (for the KL term)
-    versions: Tensor = field(default=None)  # type: ignore[assignment]  # [B] int64 start_version
+    versions: Tensor | None = None  # [B] int64 start_version of each row's group; zeros if not given
 
     def __post_init__(self) -> None:
         b, t = self.input_ids.shape

@@ -32,6 +32,8 @@ from asyncrl.types import TrainBatch
 Plant = Literal["per-microbatch-mean"]
 PLANTS: tuple[str, ...] = ("per-microbatch-mean",)
 DTYPES = {"float64": torch.float64, "float32": torch.float32}
+NUM_GROUPS, GROUP_SIZE = 4, 4
+BATCH_ROWS = NUM_GROUPS * GROUP_SIZE  # the most micro-batches a check can use
 
 
 @dataclass(frozen=True)
@@ -162,7 +164,7 @@ def verify_mode(
     """Run reference and split steps for one aggregation mode and compare them."""
     torch.manual_seed(seed)
     model = build_tiny_model(vocab_size, seed=seed, dtype=dtype, hidden_size=64, num_layers=2, intermediate_size=128)
-    batch = random_batch(model, num_groups=4, group_size=4, vocab_size=vocab_size, seed=seed)
+    batch = random_batch(model, num_groups=NUM_GROUPS, group_size=GROUP_SIZE, vocab_size=vocab_size, seed=seed)
     loss_cfg = LossConfig(
         mode=mode,
         norm_constant=16.0 if mode == "seq-mean-token-sum-norm" else None,
