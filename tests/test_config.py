@@ -178,3 +178,12 @@ def test_every_key_is_documented_and_the_reference_is_current():
     assert "| `max_lag` | int | `1` |" in reference
     committed = Path(__file__).resolve().parents[1] / "docs" / "configuration.md"
     assert committed.read_text() == reference, "regenerate with: asyncrl config --reference > docs/configuration.md"
+
+
+def test_loading_a_config_stays_light():
+    code = (
+        "import sys; from asyncrl.cli import main; from asyncrl.config import load_config; load_config(None, []);"
+        "heavy = [m for m in ('torch', 'transformers', 'ray', 'datasets') if m in sys.modules]; print(heavy)"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert proc.stdout.strip() == "[]"
