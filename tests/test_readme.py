@@ -1,0 +1,21 @@
+"""The README's Python example runs as written."""
+
+import re
+from pathlib import Path
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+def test_readme_python_examples_run():
+    blocks = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
+    assert blocks, "the README has no Python example"
+    for block in blocks:
+        exec(compile(block, str(README), "exec"), {})
+
+
+def test_readme_opens_with_the_install_and_test_commands():
+    commands = re.findall(r"```bash\n(.*?)```", README.read_text(), flags=re.S)
+    assert commands[0].strip() == "pip install -e . && asyncrl verify"
+    assert commands[1].strip() == 'pip install -e ".[test]" && python -m pytest'
+    ci = (README.parent / ".ci" / "run").read_text()
+    assert commands[1].strip() in ci
