@@ -65,6 +65,14 @@ class RolloutGroup:
     def size(self) -> int:
         return self.input_ids.shape[0]
 
+    def state_dict(self) -> dict:
+        """Tensors and plain Python only, so a checkpoint loads with ``torch.load(weights_only=True)``."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    @classmethod
+    def from_state_dict(cls, state: dict) -> RolloutGroup:
+        return cls(**state)
+
     @classmethod
     def from_rollouts(
         cls,

@@ -1,5 +1,7 @@
 """The data contract: tensorization of rollouts, batch assembly, slicing that keeps full counts."""
 
+import pickle
+
 import pytest
 import torch
 
@@ -85,3 +87,15 @@ def test_trim_keeps_every_real_token_even_with_left_padding():
     assert trimmed.input_ids.tolist() == [[0, 0, 5, 6, 7], [5, 6, 7, 0, 0]]
     assert trimmed.num_response_tokens == 4
     assert batch.select([1]).input_ids.tolist() == [[5, 6, 7]]
+
+
+def test_group_state_survives_a_weights_only_checkpoint(tmp_path):
+    g = group("uid-7", [5, 6], [[7], [8, 9]], [1.0, 0.0], version=2)
+    torch.save({"groups": [g.state_dict()]}, tmp_path / "state.pt")
+    loaded = torch.load(tmp_path / "state.pt", weights_only=True)
+    restored = RolloutGroup.from_state_dict(loaded["groups"][0])
+    assert restored.prompt_uid == "uid-7" and restored.target_step == 2 and restored.finish_reasons == ["stop", "stop"]
+    assert torch.equal(restored.input_ids, g.input_ids) and torch.equal(restored.rewards, g.rewards)
+    torch.save({"groups": [g]}, tmp_path / "objects.pt")
+    with pytest.raises(pickle.UnpicklingError):  # why the state dict exists: objects are refused
+        torch.load(tmp_path / "objects.pt", weights_only=True)
