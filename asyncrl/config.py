@@ -259,6 +259,11 @@ def _unknown_key_error(path: tuple[str, ...], key: str, valid: list[str]) -> Con
     return ConfigError(f"{dotted}: unknown key{hint}")
 
 
+def _section(annotation: Any) -> type[BaseModel] | None:
+    """The section model a field holds, or None for a plain value."""
+    return annotation if isinstance(annotation, type) and issubclass(annotation, BaseModel) else None
+
+
 def _check_keys(model: type[BaseModel], data: Any, path: tuple[str, ...] = ()) -> None:
     """Reject unknown keys anywhere in the tree, suggesting the closest valid one."""
     if not isinstance(data, dict):
@@ -267,9 +272,9 @@ def _check_keys(model: type[BaseModel], data: Any, path: tuple[str, ...] = ()) -
     for key, value in data.items():
         if key not in fields:
             raise _unknown_key_error(path, str(key), list(fields))
-        annotation = fields[key].annotation
-        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-            _check_keys(annotation, value, (*path, key))
+        section = _section(fields[key].annotation)
+        if section is not None:
+            _check_keys(section, value, (*path, key))
 
 
 _NAMES_ITS_FIELD = re.compile(r"^[a-z_]+(\.[a-z_]+)+: ")
@@ -304,12 +309,15 @@ def _set_dotted(data: dict, override: str) -> None:
             except yaml.YAMLError:
                 node[key] = raw
             return
-        annotation = fields[key].annotation
-        if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
+        section = _section(fields[key].annotation)
+        if section is None:
             raise ConfigError(f"{'.'.join(keys[: depth + 1])}: is a value, not a section")
-        model = annotation
-        child = node.get(key)
-        node = node.setdefault(key, {}) if isinstance(child, dict) or child is None else child
+        model = section
+        if node.get(key) is None:
+            node[key] = {}
+        if not isinstance(node[key], dict):
+            raise ConfigError(f"{'.'.join(keys[: depth + 1])}: expected a section (a mapping), got {node[key]!r}")
+        node = node[key]
 
 
 def config_from_dict(data: dict[str, Any]) -> RunConfig:
@@ -373,8 +381,8 @@ def config_reference() -> str:
         f"{RunConfig.model_fields['seed'].description}",
     ]
     for name, field in RunConfig.model_fields.items():
-        section = field.annotation
-        if not (isinstance(section, type) and issubclass(section, BaseModel)):
+        section = _section(field.annotation)
+        if section is None:
             continue
         lines += ["", f"## `{name}`", "", section.__doc__.strip(), "", "| key | type | default | meaning |", "|---|---|---|---|"]
         for key, sub in section.model_fields.items():

@@ -187,3 +187,10 @@ def test_loading_a_config_stays_light():
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert proc.stdout.strip() == "[]"
+
+
+def test_override_into_a_section_that_yaml_set_to_a_value_is_one_line(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("loss: 5\n")
+    assert error_of(["loss.mode=token-mean"], path=path) == "loss: expected a section (a mapping), got 5"
+    assert error_of(path=path).startswith("loss: ")
