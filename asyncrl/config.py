@@ -62,6 +62,8 @@ class DataConfig(Section):
     chat_template: bool = Field(False, description="wrap prompts in the tokenizer's chat template")
     difficulty: int = Field(1, ge=1, description="built-in task difficulty")
     shuffle_seed: int = Field(0, description="seed of the prompt order")
+    epochs: int | None = Field(None, ge=1, description="passes over the train split; null repeats it forever")
+    eval_size: int = Field(64, ge=1, description="held-out prompts per evaluation")
 
 
 class GenerationConfig(Section):
@@ -183,6 +185,25 @@ class RuntimeConfig(Section):
 
     name: Literal["local", "ray"] = Field("local", description="local: one process, worker threads; ray: actors")
     max_inflight_groups: int | None = Field(None, ge=1, description="dispatched, uncommitted groups; null: capacity")
+    max_rollout_retries: int = Field(2, ge=0, description="retries of a failed rollout before the run stops")
+
+
+class SyncConfig(Section):
+    """Weight sync from the trainer to the generators."""
+
+    mode: Literal["drain", "inflight"] = Field(
+        "inflight", description="drain: wait for in-flight rollouts first; inflight: they finish on old weights"
+    )
+    timeout_s: float = Field(600.0, gt=0.0, description="a sync slower than this fails the run")
+
+
+class WarmStartConfig(Section):
+    """A short supervised warm start on the train split, cached on disk, before GRPO begins."""
+
+    steps: int = Field(0, ge=0, description="supervised steps; 0 skips the warm start")
+    lr: float = Field(3e-3, gt=0.0, description="warm start learning rate")
+    batch_size: int = Field(64, ge=1, description="examples per warm start step")
+    cache_dir: str = Field("~/.cache/asyncrl/warm_start", description="where warm-started weights are cached")
 
 
 class CheckpointConfig(Section):
@@ -216,6 +237,8 @@ class RunConfig(Section):
     sampler: SamplerConfig = Field(default_factory=SamplerConfig)
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
     runtime: RuntimeConfig = Field(default_factory=RuntimeConfig)
+    sync: SyncConfig = Field(default_factory=SyncConfig)
+    warm_start: WarmStartConfig = Field(default_factory=WarmStartConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
 
