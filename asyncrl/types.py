@@ -48,14 +48,20 @@ class RolloutGroup:
     start_version: int
     end_version: int
     target_step: int | None = None
+    correct: Tensor | None = None  # [n] float32, 1 where the sample's answer was judged correct
+    reward_errors: int = 0  # reward calls that raised while scoring this group
+    reward_timeouts: int = 0  # reward calls that ran past their timeout
+    retries: int = 0  # failed generation attempts before this group was produced
 
     def __post_init__(self) -> None:
         n, t = self.input_ids.shape
         for name in ("attention_mask", "response_mask", "behaviour_logprobs"):
             if tuple(getattr(self, name).shape) != (n, t):
                 raise ValueError(f"RolloutGroup.{name}: shape {tuple(getattr(self, name).shape)} != {(n, t)}")
-        if tuple(self.rewards.shape) != (n,):
-            raise ValueError(f"RolloutGroup.rewards: shape {tuple(self.rewards.shape)} != {(n,)}")
+        for name in ("rewards", "correct"):
+            value = getattr(self, name)
+            if value is not None and tuple(value.shape) != (n,):
+                raise ValueError(f"RolloutGroup.{name}: shape {tuple(value.shape)} != {(n,)}")
         if len(self.finish_reasons) != n:
             raise ValueError(f"RolloutGroup.finish_reasons: {len(self.finish_reasons)} reasons for {n} samples")
         if self.end_version < self.start_version:
@@ -184,6 +190,22 @@ class TrainBatch:
             response_lengths=response_mask.sum(dim=1).round().long(),
             versions=torch.cat([torch.full((g.size,), g.start_version, dtype=torch.long) for g in groups]),
         )
+
+    @classmethod
+    def concat(cls, batches: Sequence[TrainBatch]) -> TrainBatch:
+        """Stack rows of several batches, right-padding to the widest."""
+        if not batches:
+            raise ValueError("TrainBatch.concat: no batches")
+        width = max(b.input_ids.shape[1] for b in batches)
+        values = {}
+        for f in fields(cls):
+            parts = [getattr(b, f.name) for b in batches]
+            if any(p is None for p in parts):
+                if not all(p is None for p in parts):
+                    raise ValueError(f"TrainBatch.concat: {f.name} is set in some batches only")
+                continue
+            values[f.name] = torch.cat([p if p.dim() == 1 else _pad_right(p, width) for p in parts])
+        return cls(**values)
 
     def map_tensors(self, fn) -> TrainBatch:
         """Apply ``fn(name, tensor)`` to every tensor field."""

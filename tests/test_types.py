@@ -99,3 +99,26 @@ def test_group_state_survives_a_weights_only_checkpoint(tmp_path):
     torch.save({"groups": [g]}, tmp_path / "objects.pt")
     with pytest.raises(pickle.UnpicklingError):  # why the state dict exists: objects are refused
         torch.load(tmp_path / "objects.pt", weights_only=True)
+
+
+def test_concat_restores_a_split_batch_and_rejects_mixed_optional_fields():
+    a = group("a", [5, 6], [[7], [8, 9]], [1.0, 0.0])
+    b = group("b", [1], [[2, 3, 4, 5, 6]], [0.5])
+    batch = TrainBatch.from_groups([a, b], [torch.tensor([1.0, -1.0]), torch.tensor([0.5])])
+    parts = batch.split([1, 2])
+    assert parts[0].input_ids.shape[1] < batch.input_ids.shape[1]  # the slice was trimmed
+    joined = TrainBatch.concat(parts)
+    for name in ("input_ids", "attention_mask", "response_mask", "behaviour_logprobs", "advantages", "response_lengths"):
+        assert torch.equal(getattr(joined, name), getattr(batch, name)), name
+    parts[1].ref_logprobs = torch.zeros_like(parts[1].behaviour_logprobs)
+    with pytest.raises(ValueError, match="ref_logprobs is set in some batches only"):
+        TrainBatch.concat(parts)
+
+
+def test_group_carries_correctness_and_fault_counts_through_its_state_dict():
+    g = group("a", [5], [[7], [8]], [1.0, 0.0])
+    g = RolloutGroup(**{**g.__dict__, "correct": torch.tensor([1.0, 0.0]), "reward_timeouts": 1, "retries": 2})
+    restored = RolloutGroup.from_state_dict(g.state_dict())
+    assert restored.correct.tolist() == [1.0, 0.0] and restored.reward_timeouts == 1 and restored.retries == 2
+    with pytest.raises(ValueError, match="RolloutGroup.correct"):
+        RolloutGroup(**{**g.__dict__, "correct": torch.zeros(3)})

@@ -1,0 +1,156 @@
+"""WeightSync: move the trainer's weights into every generator, under the rollout gate.
+
+The gate is the only place admission and weight versions meet. The rollout loop stamps each
+admitted prompt with ``gate.version`` and dispatches it at once, so "admitted" and "dispatched"
+never drift apart. A sync then:
+
+1. closes the gate. With a gated sampler (``in_order``, ``weight_fifo``) it first lets the rollout
+   loop admit everything the sampler still allows under the old version: that is what makes a
+   group with target step t use weights max(0, t - max_lag) exactly, however the loops are timed;
+2. ``drain``: waits until no dispatched group is still generating; ``inflight``: does not, the
+   weight load is queued behind them on each worker, so they finish on the old weights;
+3. exports the trainer's weights once and loads them into every generator with their version;
+4. reopens the gate at the new version.
+
+Every phase runs under one timeout: a stuck worker fails the run loudly instead of hanging it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Literal, Sequence
+
+
+class SyncTimeoutError(RuntimeError):
+    """A weight sync did not finish within ``sync.timeout_s``."""
+
+
+@dataclass(frozen=True)
+class SyncReport:
+    version: int
+    pause_s: float  # gate closed: no new rollouts admitted
+    transfer_s: float  # export from the trainer + load into every generator
+    bytes: int
+
+
+class Changes:
+    """Wakes every waiter when shared state changes; a waiter re-checks its own condition.
+
+    Asyncio is single-threaded, so checking a condition and then waiting on the current event,
+    with no ``await`` in between, can never miss a change.
+    """
+
+    def __init__(self) -> None:
+        self._event = asyncio.Event()
+
+    def notify(self) -> None:
+        self._event.set()
+        self._event = asyncio.Event()
+
+    async def wait_for(self, predicate: Callable[[], bool]) -> None:
+        while not predicate():
+            await self._event.wait()
+
+    async def next(self) -> None:
+        """Wait for the next change, whatever it is."""
+        await self._event.wait()
+
+
+class RolloutGate:
+    """Admission control shared by the rollout loop, weight sync and checkpoints.
+
+    ``closing`` lets the rollout loop finish admitting under the current version; the loop calls
+    ``settled()`` once the sampler (or the data) refuses further admissions, and only then is the
+    gate closed. ``in_flight`` counts dispatched groups that are neither committed nor cancelled.
+    """
+
+    def __init__(self, version: int, changes: Changes, *, wait_for_admissions: bool) -> None:
+        self.version = version
+        self.changes = changes
+        self.wait_for_admissions = wait_for_admissions
+        self.in_flight = 0
+        self.loading = False  # weights are being loaded: nothing may be dispatched until open()
+        self._state: Literal["open", "closing", "closed"] = "open"
+
+    @property
+    def admitting(self) -> bool:
+        return self._state != "closed"
+
+    async def close(self) -> None:
+        """Stop admissions; with ``wait_for_admissions``, after the loop has admitted all it may."""
+        self._state = "closing" if self.wait_for_admissions else "closed"
+        self.changes.notify()
+        await self.changes.wait_for(lambda: self._state == "closed")
+
+    def settled(self) -> None:
+        """The rollout loop's admission pass ended because nothing more may be admitted now."""
+        if self._state == "closing":
+            self._state = "closed"
+            self.changes.notify()
+
+    async def drained(self) -> None:
+        await self.changes.wait_for(lambda: self.in_flight == 0)
+
+    def open(self, version: int) -> None:
+        self.version = version
+        self.loading = False
+        self._state = "open"
+        self.changes.notify()
+
+    def add_in_flight(self, delta: int) -> None:
+        self.in_flight += delta
+        self.changes.notify()
+
+
+def state_dict_bytes(state: dict[str, Any]) -> int:
+    return sum(t.numel() * t.element_size() for t in state.values())
+
+
+class WeightSync:
+    def __init__(
+        self,
+        trainer: Any,
+        generators: Sequence[Any],
+        gate: RolloutGate,
+        *,
+        mode: Literal["drain", "inflight"],
+        timeout_s: float,
+    ) -> None:
+        if mode not in ("drain", "inflight"):
+            raise ValueError(f"sync.mode: '{mode}' is not drain or inflight")
+        self.trainer = trainer
+        self.generators = list(generators)
+        self.gate = gate
+        self.mode = mode
+        self.timeout_s = timeout_s
+
+    async def sync(self) -> SyncReport:
+        """Bring every generator to the trainer's current version; see the module docstring."""
+        phase = "closing the rollout gate"
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                start = time.perf_counter()
+                await self.gate.close()
+                if self.mode == "drain":
+                    phase = "draining in-flight rollouts"
+                    await self.gate.drained()
+                phase = "exporting trainer weights"
+                transfer_start = time.perf_counter()
+                self.gate.loading = True
+                version, weights = await self.trainer.export_weights()
+                phase = f"loading weights version {version} into the generators"
+                await asyncio.gather(*(g.load_weights(weights, version) for g in self.generators))
+                transfer_s = time.perf_counter() - transfer_start
+                self.gate.open(version)
+                return SyncReport(
+                    version=version,
+                    pause_s=time.perf_counter() - start,
+                    transfer_s=transfer_s,
+                    bytes=state_dict_bytes(weights),
+                )
+        except TimeoutError:
+            raise SyncTimeoutError(
+                f"weight sync exceeded sync.timeout_s={self.timeout_s:g}s while {phase}"
+            ) from None

@@ -1,0 +1,122 @@
+"""Local runtime handles, the rollout gate and WeightSync."""
+
+import asyncio
+import threading
+import time
+
+import pytest
+import torch
+
+from asyncrl.runtime import LocalRuntime
+from asyncrl.weights import Changes, RolloutGate, SyncTimeoutError, WeightSync
+
+
+class Recorder:
+    """A worker that records the order in which its calls ran, and on which thread."""
+
+    def __init__(self, log: list, delay: float = 0.0) -> None:
+        self.log = log
+        self.delay = delay
+        self.version = 0
+
+    def generate(self, tag: str) -> str:
+        time.sleep(self.delay)
+        self.log.append(("generate", tag, self.version, threading.current_thread().name))
+        return tag
+
+    def load_weights(self, weights: dict, version: int) -> None:
+        self.log.append(("load", version, threading.current_thread().name))
+        self.version = version
+
+    def export_weights(self):
+        return 1, {"w": torch.zeros(4, dtype=torch.float32)}
+
+    def fail(self):
+        raise KeyError("boom")
+
+
+def test_handle_runs_calls_in_submission_order_on_the_worker_thread():
+    log: list = []
+
+    async def main():
+        runtime = LocalRuntime()
+        handle = runtime.spawn(lambda: Recorder(log, delay=0.05), "rollout")
+        first = handle.generate("a")  # submitted now, before the load below
+        load = handle.load_weights({}, 7)
+        second = handle.generate("b")
+        assert await asyncio.gather(first, load, second) == ["a", None, "b"]
+        with pytest.raises(KeyError, match="boom"):
+            await handle.fail()
+        runtime.shutdown()
+
+    asyncio.run(main())
+    assert [entry[:-1] for entry in log] == [("generate", "a", 0), ("load", 7), ("generate", "b", 7)]
+    assert {entry[-1].split("_")[0] for entry in log} == {"rollout"}
+
+
+def test_closing_gate_waits_until_the_rollout_loop_settles():
+    async def main():
+        changes = Changes()
+        gate = RolloutGate(0, changes, wait_for_admissions=True)
+        closer = asyncio.create_task(gate.close())
+        await asyncio.sleep(0.01)
+        assert not closer.done() and gate.admitting  # closing: admissions still allowed
+        gate.settled()
+        await asyncio.wait_for(closer, 1)
+        assert not gate.admitting
+        gate.open(1)
+        assert gate.admitting and gate.version == 1
+
+    asyncio.run(main())
+
+
+def test_ungated_close_is_immediate_and_drain_waits_for_in_flight():
+    async def main():
+        gate = RolloutGate(0, Changes(), wait_for_admissions=False)
+        await asyncio.wait_for(gate.close(), 1)
+        gate.add_in_flight(2)
+        drained = asyncio.create_task(gate.drained())
+        await asyncio.sleep(0.01)
+        assert not drained.done()
+        gate.add_in_flight(-2)
+        await asyncio.wait_for(drained, 1)
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("mode", ["drain", "inflight"])
+def test_sync_loads_every_generator_and_reports(mode):
+    log: list = []
+
+    async def main():
+        runtime = LocalRuntime()
+        trainer = runtime.spawn(lambda: Recorder([]), "trainer")
+        generators = [runtime.spawn(lambda: Recorder(log), f"gen{i}") for i in range(2)]
+        gate = RolloutGate(0, Changes(), wait_for_admissions=False)
+        report = await WeightSync(trainer, generators, gate, mode=mode, timeout_s=5).sync()
+        runtime.shutdown()
+        return gate, report
+
+    gate, report = asyncio.run(main())
+    assert report.version == 1 and report.bytes == 16 and report.pause_s >= report.transfer_s >= 0
+    assert gate.version == 1 and gate.admitting and not gate.loading
+    assert sorted(entry[:2] for entry in log) == [("load", 1), ("load", 1)]
+
+
+def test_sync_that_cannot_drain_fails_with_a_clear_error():
+    async def main():
+        runtime = LocalRuntime()
+        trainer = runtime.spawn(lambda: Recorder([]), "trainer")
+        gate = RolloutGate(0, Changes(), wait_for_admissions=False)
+        gate.add_in_flight(1)  # a rollout that never finishes
+        sync = WeightSync(trainer, [], gate, mode="drain", timeout_s=0.1)
+        with pytest.raises(SyncTimeoutError, match=r"sync.timeout_s=0.1s while draining in-flight rollouts"):
+            await sync.sync()
+        runtime.shutdown()
+
+    asyncio.run(main())
+
+
+def test_sync_mode_is_validated():
+    with pytest.raises(ValueError, match="sync.mode"):
+        WeightSync(None, [], RolloutGate(0, Changes(), wait_for_admissions=False), mode="eager", timeout_s=1)
