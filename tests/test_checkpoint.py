@@ -1,0 +1,63 @@
+"""Checkpoint files: atomic replacement, retention, lookup, HF-loadable weights."""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from asyncrl.checkpoint import load_state, load_weights, resolve_checkpoint, save_checkpoint
+from asyncrl.models import build_char_tokenizer, build_tiny_model
+
+TOKENIZER = build_char_tokenizer()
+
+
+def tiny(seed):
+    return build_tiny_model(len(TOKENIZER), seed=seed, hidden_size=32, num_layers=1, num_heads=4, num_kv_heads=2, intermediate_size=64)
+
+
+def save(run_dir, step, model, **kwargs):
+    return save_checkpoint(
+        run_dir, step, write_model=model.save_pretrained, tokenizer=TOKENIZER,
+        state={"step": step, "tensor": torch.arange(3)}, keep_last=kwargs.get("keep_last", 2),
+    )
+
+
+def test_latest_points_at_the_newest_and_old_ones_are_pruned(tmp_path):
+    model = tiny(0)
+    for step in (1, 2, 3):
+        save(tmp_path, step, model)
+    names = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+    assert names == ["latest", "step-000002", "step-000003"]
+    assert resolve_checkpoint(tmp_path).name == "step-000003"
+    assert resolve_checkpoint(tmp_path / "checkpoints" / "step-000002").name == "step-000002"
+    assert load_state(resolve_checkpoint(tmp_path))["step"] == 3
+
+
+def test_a_crash_while_writing_leaves_the_previous_checkpoint(tmp_path):
+    model = tiny(0)
+    save(tmp_path, 1, model)
+
+    def crash(directory):
+        raise OSError("disk full")
+
+    with pytest.raises(OSError, match="disk full"):
+        save_checkpoint(tmp_path, 2, write_model=crash, tokenizer=TOKENIZER, state={}, keep_last=2)
+    assert resolve_checkpoint(tmp_path).name == "step-000001"
+    assert load_state(resolve_checkpoint(tmp_path))["step"] == 1
+
+
+def test_weights_load_with_transformers_and_back_into_a_model(tmp_path):
+    model = tiny(0)
+    path = save(tmp_path, 1, model)
+    hf = AutoModelForCausalLM.from_pretrained(path)
+    restored = tiny(1)
+    load_weights(restored, path)
+    ids = torch.tensor([[4, 5, 6]])
+    assert torch.equal(hf(ids).logits, model(ids).logits)
+    assert torch.equal(restored(ids).logits, model(ids).logits)
+    with pytest.raises(ValueError, match="weights do not match"):
+        load_weights(build_tiny_model(len(TOKENIZER), seed=0, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=64), path)
+
+
+def test_missing_checkpoint_is_a_one_line_error(tmp_path):
+    with pytest.raises(FileNotFoundError, match="--resume: no checkpoint found"):
+        resolve_checkpoint(tmp_path)
