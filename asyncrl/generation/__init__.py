@@ -1,0 +1,30 @@
+"""Generation: the Generator protocol, sampling parameters and seeds, and the backends behind them."""
+
+from __future__ import annotations
+
+from transformers import PreTrainedModel
+
+from asyncrl.config import RunConfig
+from asyncrl.generation.base import Generator, SampleRequest, SamplingParams, sample_seed
+from asyncrl.generation.hf import HFGenerator
+
+
+def build_generator(config: RunConfig, model: PreTrainedModel, tokenizer) -> Generator:
+    """The backend ``generation.backend`` names (only "hf" today), batch size from ``generation``.
+
+    The generator owns ``model``: pass a copy if the trainer keeps training its own.
+    """
+    if config.generation.backend != "hf":
+        raise ValueError(f"generation.backend: unknown backend {config.generation.backend!r}; known: ['hf']")
+    if tokenizer.eos_token_id is None:
+        raise ValueError("tokenizer.path: the tokenizer has no eos token, so generation could never stop early")
+    pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    return HFGenerator(
+        model,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=pad_token_id,
+        batch_size=config.generation.batch_size,
+    )
+
+
+__all__ = ["Generator", "HFGenerator", "SampleRequest", "SamplingParams", "build_generator", "sample_seed"]

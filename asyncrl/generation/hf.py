@@ -1,0 +1,191 @@
+"""HFGenerator: batched sampling from a transformers causal LM with a KV cache.
+
+Requests run in consecutive chunks of at most ``batch_size``, in the order given. A chunk is
+left-padded, with position ids derived from the attention mask, so a padded row computes what the
+row would compute alone. One prefill forward fills the cache, then one forward per new token; a
+row stops at ``eos_token_id`` (kept in the response, finish reason "stop") or at
+``max_new_tokens`` ("length"), and the loop stops once every row has.
+
+Randomness: a request draws from its own ``torch.Generator`` seeded with ``request.seed``, one
+uniform per step, and picks the token by inverse CDF over the sampling distribution. Neither the
+global torch RNG, the batch's composition, the row's position nor timing enters, so a request
+gets the same tokens alone or among any neighbours, and the same chunk run twice is bit-identical.
+
+Logprob semantics: the returned logprob is that of the distribution actually sampled from, after
+temperature, top-k and top-p, so a sampled token always has a finite logprob. With temperature 0
+(greedy) it is the logprob of the argmax under the unmodified distribution. The trainer scores
+with the unmodified distribution, so with temperature != 1, top-p or top-k the behaviour and
+trainer logprobs differ by design, and importance sampling corrects for it. At temperature 1
+with neither filter they agree with ``token_logprobs`` to floating-point tolerance.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping, Sequence
+
+import torch
+from torch import Tensor
+from transformers import PreTrainedModel
+
+from asyncrl.generation.base import SampleRequest, SamplingParams
+from asyncrl.models.logprobs import position_ids_from_mask
+from asyncrl.types import Rollout
+
+
+class HFGenerator:
+    """Owns ``model`` (the caller passes its own copy) and runs on the model's device and dtype."""
+
+    def __init__(self, model: PreTrainedModel, *, eos_token_id: int, pad_token_id: int, batch_size: int) -> None:
+        vocab_size = model.get_input_embeddings().num_embeddings
+        for name, token_id in (("eos_token_id", eos_token_id), ("pad_token_id", pad_token_id)):
+            if not 0 <= token_id < vocab_size:
+                raise ValueError(f"HFGenerator.{name}: {token_id} is outside the model's vocabulary of {vocab_size}")
+        if batch_size < 1:
+            raise ValueError(f"HFGenerator.batch_size: must be >= 1, got {batch_size}")
+        self.model = model.eval()
+        self.eos_token_id = eos_token_id
+        self.pad_token_id = pad_token_id
+        self.batch_size = batch_size
+        self.version = 0
+
+    def generate(self, requests: Sequence[SampleRequest], params: SamplingParams) -> list[Rollout]:
+        """One Rollout per request, in request order."""
+        rollouts: list[Rollout] = []
+        for start in range(0, len(requests), self.batch_size):
+            rollouts += self._generate_chunk(requests[start : start + self.batch_size], params)
+        return rollouts
+
+    def load_weights(self, state_dict: Mapping[str, Tensor], version: int) -> None:
+        """Copy every tensor into the model (strictly: same names, same shapes), then set ``version``.
+
+        Names and shapes are checked before anything is copied, so a bad state dict leaves the
+        loaded weights and version as they were.
+        """
+        expected = self.model.state_dict()
+        missing = sorted(expected.keys() - state_dict.keys())
+        unexpected = sorted(state_dict.keys() - expected.keys())
+        if missing or unexpected:
+            raise ValueError(
+                f"HFGenerator.load_weights: version {version} does not match the model: "
+                f"missing tensors {missing}, unexpected tensors {unexpected}"
+            )
+        for name, tensor in state_dict.items():
+            if tensor.shape != expected[name].shape:
+                raise ValueError(
+                    f"HFGenerator.load_weights: tensor {name} of version {version} has shape {tuple(tensor.shape)}, "
+                    f"the model's has {tuple(expected[name].shape)}"
+                )
+        self.model.load_state_dict(state_dict, strict=True)
+        self.version = version
+
+    @torch.inference_mode()
+    def _generate_chunk(self, requests: Sequence[SampleRequest], params: SamplingParams) -> list[Rollout]:
+        device = self.model.device
+        input_ids, attention_mask = self._left_pad(requests, device)
+        uniforms = None if params.temperature == 0 else _uniforms(requests, params.max_new_tokens, device)
+        rows = len(requests)
+        tokens = torch.full((rows, params.max_new_tokens), self.pad_token_id, dtype=torch.long, device=device)
+        logprobs = torch.zeros((rows, params.max_new_tokens), dtype=torch.float64, device=device)
+        done = torch.zeros(rows, dtype=torch.bool, device=device)
+        position_ids = position_ids_from_mask(attention_mask)
+        next_ids, cache, steps = input_ids, None, 0
+        while steps < params.max_new_tokens and not bool(done.all()):
+            output = self.model(
+                input_ids=next_ids,
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                past_key_values=cache,
+                use_cache=True,
+                logits_to_keep=1,
+            )
+            cache = output.past_key_values
+            step_uniforms = None if uniforms is None else uniforms[:, steps]
+            token, logprob = sample_next(output.logits[:, -1], params.temperature, params.top_k, params.top_p, step_uniforms)
+            token = token.masked_fill(done, self.pad_token_id)
+            tokens[:, steps] = token
+            logprobs[:, steps] = logprob.masked_fill(done, 0.0)
+            done |= token == self.eos_token_id
+            steps += 1
+            next_ids = token[:, None]
+            attention_mask = torch.cat([attention_mask, attention_mask.new_ones(rows, 1)], dim=1)
+            position_ids = position_ids[:, -1:] + 1
+        return self._rollouts(requests, tokens[:, :steps], logprobs[:, :steps])
+
+    def _left_pad(self, requests: Sequence[SampleRequest], device: torch.device) -> tuple[Tensor, Tensor]:
+        width = max(len(r.prompt_ids) for r in requests)
+        input_ids = torch.full((len(requests), width), self.pad_token_id, dtype=torch.long)
+        attention_mask = torch.zeros((len(requests), width), dtype=torch.long)
+        for row, request in enumerate(requests):
+            input_ids[row, width - len(request.prompt_ids) :] = torch.tensor(request.prompt_ids, dtype=torch.long)
+            attention_mask[row, width - len(request.prompt_ids) :] = 1
+        return input_ids.to(device), attention_mask.to(device)
+
+    def _rollouts(self, requests: Sequence[SampleRequest], tokens: Tensor, logprobs: Tensor) -> list[Rollout]:
+        """Cut each row after its first EOS; one host transfer for the whole chunk."""
+        is_eos = tokens == self.eos_token_id
+        stopped = is_eos.any(dim=1)
+        lengths = torch.where(stopped, is_eos.long().argmax(dim=1) + 1, tokens.shape[1])
+        token_rows, logprob_rows = tokens.tolist(), logprobs.tolist()
+        return [
+            Rollout(
+                prompt_ids=list(request.prompt_ids),
+                response_ids=token_rows[row][:length],
+                logprobs=logprob_rows[row][:length],
+                finish_reason="stop" if stop else "length",
+            )
+            for row, (request, length, stop) in enumerate(zip(requests, lengths.tolist(), stopped.tolist()))
+        ]
+
+
+def _uniforms(requests: Sequence[SampleRequest], steps: int, device: torch.device) -> Tensor:
+    """``[rows, steps]`` uniforms in [0, 1): row i comes from its own generator seeded with its seed."""
+    draws = [torch.rand(steps, generator=torch.Generator().manual_seed(r.seed), dtype=torch.float64) for r in requests]
+    return torch.stack(draws).to(device)
+
+
+def sample_next(
+    logits: Tensor, temperature: float, top_k: int, top_p: float, uniforms: Tensor | None
+) -> tuple[Tensor, Tensor]:
+    """The next token of each row and its logprob (see the module docstring for which distribution).
+
+    ``logits`` is ``[rows, vocab]``; ``uniforms`` is one draw per row, None when greedy. Computed
+    in float64 for a float64 model and in float32 otherwise, like ``token_logprobs``.
+    """
+    logits = logits.to(torch.float64 if logits.dtype == torch.float64 else torch.float32)
+    if temperature == 0:
+        token = logits.argmax(dim=-1)
+        return token, _gather(logits, token) - logits.logsumexp(dim=-1)
+    logits = _keep_top_p(_keep_top_k(logits / temperature, top_k), top_p)
+    logprobs = logits - logits.logsumexp(dim=-1, keepdim=True)
+    cdf = logprobs.exp().cumsum(dim=-1)
+    total = cdf[:, -1:]
+    # Strictly below the total mass, so the first cdf entry above the target always exists and
+    # belongs to a token of non-zero probability (a zero-probability token does not raise the cdf).
+    target = torch.minimum(uniforms[:, None].to(cdf.dtype) * total, torch.nextafter(total, torch.zeros_like(total)))
+    token = torch.searchsorted(cdf, target, right=True).squeeze(-1)
+    return token, _gather(logprobs, token)
+
+
+def _keep_top_k(logits: Tensor, top_k: int) -> Tensor:
+    """Mask every logit below the k-th largest (ties with it are kept)."""
+    if top_k == 0 or top_k >= logits.shape[-1]:
+        return logits
+    kth = logits.topk(top_k, dim=-1).values[:, -1:]
+    return logits.masked_fill(logits < kth, -torch.inf)
+
+
+def _keep_top_p(logits: Tensor, top_p: float) -> Tensor:
+    """Keep the most likely tokens until their mass reaches ``top_p`` (the most likely one always)."""
+    if top_p >= 1.0:
+        return logits
+    sorted_logits, order = logits.sort(dim=-1, descending=True, stable=True)
+    probs = sorted_logits.softmax(dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs
+    drop_sorted = mass_before >= top_p
+    drop_sorted[:, 0] = False
+    drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+    return logits.masked_fill(drop, -torch.inf)
+
+
+def _gather(values: Tensor, index: Tensor) -> Tensor:
+    return values.gather(-1, index[:, None]).squeeze(-1)
