@@ -1,0 +1,315 @@
+"""Run metrics: the jsonl files every run writes, optional TensorBoard and W&B sinks, live progress.
+
+``metrics.jsonl`` (one record per optimizer step) and ``eval.jsonl`` (one per evaluation) are the
+source of truth; the report, the summary and resumption read them back. Keys whose values depend
+on wall-clock timing start with ``TIMING_PREFIX``, so a determinism test can compare two runs with
+``strip_timing``. The record schema is documented in docs/metrics.md.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console, Group
+from rich.live import Live
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.text import Text
+
+from asyncrl.config import LoggingConfig
+
+TIMING_PREFIX = "time/"
+METRICS_FILE = "metrics.jsonl"
+EVAL_FILE = "eval.jsonl"
+TENSORBOARD_DIR = "tensorboard"
+
+
+# ---- files -----------------------------------------------------------------------------------
+
+
+def read_jsonl(path: str | Path) -> list[dict]:
+    """All records of a jsonl file. A last line cut short by a crash mid-write is dropped; a
+    broken line anywhere else is real corruption and raises."""
+    path = Path(path)
+    lines = path.read_text().splitlines()
+    records = []
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError as err:
+            if number == len(lines):
+                break
+            raise ValueError(f"{path}: line {number} is not valid JSON ({err.msg})") from None
+    return records
+
+
+def write_json_atomic(path: str | Path, obj: Any) -> None:
+    """Write JSON so a reader sees the old file or the new one, never half of one."""
+    _replace_atomic(Path(path), json.dumps(obj, indent=2) + "\n")
+
+
+def _replace_atomic(path: Path, text: str) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _truncate_jsonl(path: Path, last_step: int) -> None:
+    """Keep the records up to ``last_step``: what a resumed run continues from."""
+    if not path.exists():
+        return
+    kept = [record for record in read_jsonl(path) if record.get("step", 0) <= last_step]
+    _replace_atomic(path, "".join(json.dumps(record) + "\n" for record in kept))
+
+
+def strip_timing(record: dict) -> dict:
+    """The record without wall-clock dependent keys: equal for two identical runs."""
+    return {key: value for key, value in record.items() if not key.startswith(TIMING_PREFIX)}
+
+
+def scalars(record: dict, prefix: str = "") -> dict[str, float]:
+    """The numeric values of a record as flat scalar tags; ``step`` is the x axis, not a scalar.
+
+    A dict value (``lag_histogram``) becomes one tag per entry, ``lag_histogram/<lag>``.
+    """
+    flat: dict[str, float] = {}
+    for key, value in record.items():
+        if key == "step":
+            continue
+        entries = value.items() if isinstance(value, dict) else [(None, value)]
+        for sub, number in entries:
+            if isinstance(number, (int, float)) and not isinstance(number, bool):
+                flat[prefix + key + (f"/{sub}" if sub is not None else "")] = float(number)
+    return flat
+
+
+# ---- sinks -----------------------------------------------------------------------------------
+
+
+class MetricsWriter:
+    """Appends step and eval records to the run's jsonl files and mirrors them to TensorBoard / W&B."""
+
+    def __init__(
+        self,
+        output_dir: str | Path,
+        cfg: LoggingConfig,
+        *,
+        run_config: dict | None = None,
+        resume_step: int | None = None,
+    ):
+        self.output_dir = Path(output_dir)
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        if resume_step is not None:
+            for name in (METRICS_FILE, EVAL_FILE):
+                _truncate_jsonl(self.output_dir / name, resume_step)
+        self._files = {name: open(self.output_dir / name, "a") for name in (METRICS_FILE, EVAL_FILE)}
+        self._tensorboard = _TensorBoard(self.output_dir / TENSORBOARD_DIR, resume_step) if cfg.tensorboard else None
+        self._wandb = _start_wandb(self.output_dir, run_config) if cfg.wandb else None
+        self._closed = False
+
+    def log_step(self, record: dict) -> None:
+        self._log(METRICS_FILE, record, prefix="")
+
+    def log_eval(self, record: dict) -> None:
+        self._log(EVAL_FILE, record, prefix="eval/")
+
+    def _log(self, name: str, record: dict, prefix: str) -> None:
+        f = self._files[name]
+        f.write(json.dumps(record) + "\n")
+        f.flush()
+        values = scalars(record, prefix)
+        if self._tensorboard is not None:
+            self._tensorboard.write(record["step"], values)
+        if self._wandb is not None:
+            self._wandb.log(values, step=record["step"])
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for f in self._files.values():
+            f.close()
+        if self._tensorboard is not None:
+            self._tensorboard.close()
+        if self._wandb is not None:
+            self._wandb.finish()
+
+    def __enter__(self) -> MetricsWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class _TensorBoard:
+    """Scalar event files, written with tensorboard's own writer (no torch import needed)."""
+
+    def __init__(self, logdir: Path, resume_step: int | None):
+        from tensorboard.compat.proto import event_pb2
+        from tensorboard.summary.writer.event_file_writer import EventFileWriter
+
+        self._event_pb2 = event_pb2
+        self._writer = EventFileWriter(str(logdir))
+        if resume_step is not None:
+            # TensorBoard drops events at or after a START session log's step from earlier files,
+            # so the steps a crashed run logged past its checkpoint are not shown twice.
+            start = event_pb2.SessionLog(status=event_pb2.SessionLog.START)
+            self._writer.add_event(event_pb2.Event(wall_time=time.time(), step=resume_step + 1, session_log=start))
+
+    def write(self, step: int, values: dict[str, float]) -> None:
+        from tensorboard.compat.proto.summary_pb2 import Summary
+
+        summary = Summary(value=[Summary.Value(tag=tag, simple_value=value) for tag, value in values.items()])
+        self._writer.add_event(self._event_pb2.Event(wall_time=time.time(), step=step, summary=summary))
+        self._writer.flush()
+
+    def close(self) -> None:
+        self._writer.close()
+
+
+def _start_wandb(output_dir: Path, run_config: dict | None) -> Any:
+    """A W&B run, or None with one warning line when wandb is not installed: it is optional."""
+    try:
+        import wandb
+    except ImportError:
+        print("warning: logging.wandb is true but wandb is not installed; W&B logging is off", file=sys.stderr)
+        return None
+    return wandb.init(project="asyncrl", name=output_dir.name, dir=str(output_dir), config=run_config or {})
+
+
+# ---- live progress ---------------------------------------------------------------------------
+
+# (label, record key, format) of the numbers shown per step, in this order.
+_STEP_FIELDS = (
+    ("reward", "reward_mean", "{:.3f}"),
+    ("acc", "accuracy", "{:.3f}"),
+    ("eval acc", "eval/accuracy", "{:.3f}"),
+    ("loss", "loss", "{:.4f}"),
+    ("lag", "lag_mean", "{:.2f}"),
+    ("tok/s", "time/tokens_per_s", "{:,.0f}"),
+)
+_EVAL_FIELDS = (
+    ("accuracy", "accuracy", "{:.3f}"),
+    ("reward", "reward_mean", "{:.3f}"),
+    ("prompts", "num_prompts", "{}"),
+    ("seconds", "time/eval_s", "{:.1f}"),
+)
+# A plain-mode status of the same kind as the previous one (equal but for its numbers) is printed
+# at most this often, so a log is not flooded by e.g. one warm start line per supervised step.
+_STATUS_INTERVAL_S = 10.0
+
+
+class ProgressDisplay:
+    """What a user watches during a run: a live bar on a terminal, one line per step in a log.
+
+    Used as a context manager around the run. ``enabled=False`` prints nothing.
+    """
+
+    def __init__(self, total_steps: int, *, enabled: bool, console: Console | None = None):
+        self.total_steps = total_steps
+        self.enabled = enabled
+        self.console = console if console is not None else Console()
+        self.live_mode = enabled and self.console.is_terminal
+        self._latest: dict = {}
+        self._latest_eval: dict = {}
+        self._status = ""
+        self._last_status: tuple[str, float] | None = None
+        self._progress = Progress(
+            TextColumn("[bold]GRPO"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("steps"),
+            TimeElapsedColumn(),
+            TextColumn("eta"),
+            TimeRemainingColumn(),
+            console=self.console,
+            speed_estimate_period=600.0,
+        )
+        self._task = self._progress.add_task("steps", total=total_steps)
+        self._live: Live | None = None
+
+    def __enter__(self) -> ProgressDisplay:
+        if self.live_mode:
+            self._live = Live(self._renderable(), console=self.console, refresh_per_second=4)
+            self._live.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._live is not None:
+            self._live.update(self._renderable(), refresh=True)
+            self._live.stop()
+            self._live = None
+
+    def update(self, record: dict) -> None:
+        """Show a step record; until the next status the run is training."""
+        self._latest, self._status = record, "training"
+        if "step" in record:
+            self._progress.update(self._task, completed=record["step"])
+        if self.live_mode:
+            self._refresh()
+        elif self.enabled:
+            self._print(f"step {record.get('step', '?')}/{self.total_steps}  {self._numbers()}{_wall(record)}")
+
+    def update_eval(self, record: dict) -> None:
+        """Show an evaluation record."""
+        self._latest_eval, self._status = record, "training"
+        if self.live_mode:
+            self._refresh()
+        elif self.enabled:
+            parts = [f"eval step {record.get('step', '?')}"]
+            parts += [f"{label} {_number(record, key, fmt)}" for label, key, fmt in _EVAL_FIELDS if key in record]
+            self._print("  ".join(parts))
+
+    def status(self, text: str) -> None:
+        """Say what the run is doing between steps (warm start, evaluating, checkpointing)."""
+        self._status = text
+        if self.live_mode:
+            self._refresh()
+        elif self.enabled and self._status_is_news(text):
+            self._print(text)
+
+    def _status_is_news(self, text: str) -> bool:
+        kind, now = re.sub(r"[\d.,]+", "#", text), time.monotonic()
+        if self._last_status is not None and self._last_status[0] == kind and now - self._last_status[1] < _STATUS_INTERVAL_S:
+            return False
+        self._last_status = (kind, now)
+        return True
+
+    def _numbers(self) -> str:
+        latest = {**self._latest, **{f"eval/{key}": value for key, value in self._latest_eval.items()}}
+        return "  ".join(f"{label} {_number(latest, key, fmt)}" for label, key, fmt in _STEP_FIELDS if key in latest)
+
+    def _renderable(self) -> Group:
+        return Group(self._progress, Text(self._numbers()), Text(self._status, style="dim"))
+
+    def _refresh(self) -> None:
+        if self._live is not None:
+            self._live.update(self._renderable())
+
+    def _print(self, line: str) -> None:
+        self.console.print(line, highlight=False, markup=False, soft_wrap=True)
+
+
+def _number(record: dict, key: str, fmt: str) -> str:
+    value = record[key]
+    return fmt.format(value) if isinstance(value, (int, float)) else "-"
+
+
+def _wall(record: dict) -> str:
+    wall = record.get("time/wall_s")
+    return f"  wall {wall:.0f} s" if isinstance(wall, (int, float)) else ""
