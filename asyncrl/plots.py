@@ -15,7 +15,7 @@ from asyncrl.metrics import EVAL_FILE, METRICS_FILE, read_jsonl
 REPORT_FILE = "report.png"
 SUMMARY_FILE = "summary.json"
 # Past this many steps a per-step curve is drawn faint with a moving average over it.
-_SMOOTH_FROM_STEPS = 20
+_SMOOTH_FROM_STEPS = 60
 # The per-step curves: (grid cell, [(record key, legend label)], title, y-axis label).
 _LINE_PANELS = (
     ((1, 2), [("time/tokens_per_s", "generated tokens/s")], "throughput", "tokens / s"),
@@ -95,7 +95,7 @@ def _moving_average(values: list[float], window: int) -> list[float]:
 
 
 def _window(values: list[float]) -> int:
-    return max(len(values) // 20, 2)
+    return max(len(values) // 20, 3)
 
 
 def _lag_counts(steps: list[dict]) -> dict[int, int]:
@@ -255,5 +255,13 @@ def _title(run_dir: Path, steps: list[dict], evals: list[dict], summary: dict) -
         parts.append(f"final train reward {steps[-1]['reward_mean']:.3f}")
     wall = summary.get("wall_seconds", steps[-1].get("time/wall_s"))
     if _is_number(wall):
-        parts.append(f"{wall / 60:.1f} min")
+        parts.append(_duration(wall))
     return "   ·   ".join(parts)
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    if seconds < 2 * 3600:
+        return f"{seconds / 60:.1f} min"
+    return f"{seconds / 3600:.1f} h"

@@ -53,8 +53,8 @@ def assert_png(path):
 
 
 def test_report_is_a_png_drawn_from_the_run_files(tmp_path):
-    run_dir = synthetic_run(tmp_path / "run-a", 40)
-    write_json_atomic(run_dir / "summary.json", {"steps": 40, "initial_eval_accuracy": 0.1, "final_eval_accuracy": 0.6})
+    run_dir = synthetic_run(tmp_path / "run-a", 80)
+    write_json_atomic(run_dir / "summary.json", {"steps": 80, "initial_eval_accuracy": 0.1, "final_eval_accuracy": 0.6})
     path = write_report(run_dir)
     assert path == run_dir / "report.png"
     assert_png(path)
@@ -106,8 +106,9 @@ def test_title_prefers_the_summary_and_falls_back_to_the_records(tmp_path):
     steps = [step_record(1), step_record(2)]
     evals = [{"step": 0, "accuracy": 0.25}, {"step": 2, "accuracy": 0.5}]
     title = _title(tmp_path / "run-b", steps, evals, {})
-    assert title.startswith("run-b: 2 steps") and "eval accuracy 0.250 → 0.500" in title and "0.1 min" in title
+    assert title.startswith("run-b: 2 steps") and "eval accuracy 0.250 → 0.500" in title and title.endswith("4 s")
     summary = {"steps": 7, "initial_eval_accuracy": 0.1, "final_eval_accuracy": 0.9, "wall_seconds": 600}
     assert "7 steps" in _title(tmp_path / "run-b", steps, evals, summary)
     assert "eval accuracy 0.100 → 0.900" in _title(tmp_path / "run-b", steps, evals, summary)
-    assert "10.0 min" in _title(tmp_path / "run-b", steps, [], summary)
+    assert _title(tmp_path / "run-b", steps, [], summary).endswith("10.0 min")
+    assert _title(tmp_path / "run-b", steps, [], {"wall_seconds": 9000}).endswith("2.5 h")
