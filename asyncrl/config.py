@@ -55,15 +55,42 @@ class TokenizerConfig(Section):
 class DataConfig(Section):
     """Where prompts and reference answers come from."""
 
-    task: str = Field("arithmetic", description="built-in task name, or jsonl / parquet for a local file")
+    task: str = Field(
+        "arithmetic", description="built-in task (arithmetic, running_sum; docs/data.md), or jsonl / parquet for a local file"
+    )
     path: str | None = Field(None, description="the jsonl / parquet file")
+    eval_path: str | None = Field(
+        None, description="a jsonl / parquet file of held-out rows; null: the last eval_size rows of path are held out"
+    )
     prompt_field: str = Field("prompt", description="row field holding the prompt")
     answer_field: str = Field("answer", description="row field holding the reference answer")
     chat_template: bool = Field(False, description="wrap prompts in the tokenizer's chat template")
-    difficulty: int = Field(1, ge=1, description="built-in task difficulty")
+    difficulty: int = Field(1, ge=1, description="built-in task difficulty (levels in docs/data.md)")
+    task_seed: int = Field(0, description="built-in tasks: seed choosing the problems and their train / held-out split")
+    num_problems: int = Field(
+        10000, ge=2, description="built-in tasks: distinct problems drawn (held-out first); a level may have fewer"
+    )
     shuffle_seed: int = Field(0, description="seed of the prompt order")
     epochs: int | None = Field(None, ge=1, description="passes over the train split; null repeats it forever")
     eval_size: int = Field(64, ge=1, description="held-out prompts per evaluation")
+
+    @model_validator(mode="after")
+    def _task_known(self) -> DataConfig:
+        from asyncrl.data.synthetic import SYNTHETIC_TASKS, check_difficulty
+
+        if self.task in SYNTHETIC_TASKS:
+            for name in ("path", "eval_path"):
+                if getattr(self, name) is not None:
+                    raise ValueError(f"data.{name}: set, but data.task '{self.task}' is built in; use jsonl or parquet")
+            check_difficulty(self.task, self.difficulty)
+        elif self.task in ("jsonl", "parquet"):
+            if self.path is None:
+                raise ValueError(f"data.path: required when data.task is {self.task}")
+        else:
+            raise ValueError(
+                f"data.task: unknown task '{self.task}'; built-ins are {', '.join(SYNTHETIC_TASKS)}, or jsonl / parquet"
+            )
+        return self
 
 
 class GenerationConfig(Section):
@@ -80,14 +107,41 @@ class GenerationConfig(Section):
 class RewardConfig(Section):
     """How responses are scored."""
 
-    functions: list[str] = Field(default_factory=lambda: ["exact_match"], description="reward names or module:function")
+    functions: list[str] = Field(
+        default_factory=lambda: ["exact_match"],
+        description="exact_match, numeric_match, math, format, or package.module:function; the first one decides accuracy",
+    )
     weights: list[float] | None = Field(None, description="one weight per function; null: all 1")
     timeout_s: float = Field(5.0, gt=0.0, description="wall-clock limit of one reward call; past it the reward is 0")
+    format_pattern: str | None = Field(
+        None, description="regex the whole stripped completion must match for the format reward; null: the task's own"
+    )
+    threads: int = Field(32, ge=1, description="reward calls of one batch run on up to this many threads at once")
+    max_hung_threads: int = Field(
+        64, ge=1, description="threads stuck in calls past their timeout before scoring fails instead of starting more"
+    )
 
     @model_validator(mode="after")
-    def _weights_match(self) -> RewardConfig:
+    def _functions_valid(self) -> RewardConfig:
+        from asyncrl.rewards.functions import BUILTIN_REWARDS
+
+        if not self.functions:
+            raise ValueError("rewards.functions: at least one reward function is needed")
+        for name in self.functions:
+            if name not in BUILTIN_REWARDS and ":" not in name:
+                raise ValueError(
+                    f"rewards.functions: unknown reward '{name}'; built-ins are {', '.join(BUILTIN_REWARDS)}, "
+                    "or give package.module:function"
+                )
+            if self.functions.count(name) > 1:
+                raise ValueError(f"rewards.functions: '{name}' is listed twice")
         if self.weights is not None and len(self.weights) != len(self.functions):
             raise ValueError(f"rewards.weights: {len(self.weights)} weights for {len(self.functions)} functions")
+        if self.format_pattern is not None:
+            try:
+                re.compile(self.format_pattern)
+            except re.error as err:
+                raise ValueError(f"rewards.format_pattern: invalid regex ({err})") from None
         return self
 
 

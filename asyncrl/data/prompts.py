@@ -1,0 +1,37 @@
+"""Prompt and Task: all the rest of asyncrl sees of a dataset, whatever its source."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+
+@dataclass(frozen=True)
+class Prompt:
+    uid: str  # stable and unique within its split; sampling seeds derive from it
+    text: str  # what the policy sees (chat template already applied when enabled)
+    answer: str  # the reference answer the rewards compare against
+
+
+@dataclass(frozen=True)
+class Task:
+    """A train split, a disjoint held-out split, and the shape a well-formed answer has.
+
+    ``format_pattern`` is the regex the ``format`` reward uses when ``rewards.format_pattern`` is
+    not set; None where the task cannot know it (user files).
+    """
+
+    name: str
+    train: Sequence[Prompt]
+    heldout: Sequence[Prompt]
+    format_pattern: str | None = None
+
+
+def apply_chat_template(texts: Sequence[str], tokenizer) -> list[str]:
+    """Wrap each text as one user turn, ending where the assistant's reply begins."""
+    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+        raise ValueError("data.chat_template: the tokenizer has no chat template; set data.chat_template=false")
+    return [
+        tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False)
+        for text in texts
+    ]

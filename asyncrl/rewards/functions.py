@@ -1,0 +1,112 @@
+"""Reward functions: (completion text, reference answer) -> score, 1.0 meaning correct.
+
+Built-ins, by name:
+
+- ``exact_match``: the stripped completion equals the stripped answer.
+- ``numeric_match``: both parse as numbers and are equal ("19", "19.0", " 19 " all match 19);
+  anything that is not a plain decimal number scores 0.
+- ``math``: equivalence checked by math-verify (LaTeX, fractions, boxed answers, ...).
+- ``format``: the stripped completion matches a regex as a whole (``rewards.format_pattern``, or
+  the task's own pattern).
+- ``package.module:function``: any importable callable taking (completion, answer).
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import logging
+import re
+from decimal import Decimal
+from typing import Callable
+
+RewardFn = Callable[[str, str], float]
+BUILTIN_REWARDS = ("exact_match", "numeric_match", "math", "format")
+
+_NUMBER = re.compile(r"[+-]?(\d+(\.\d*)?|\.\d+)([eE][+-]?\d+)?")
+
+
+def exact_match(completion: str, answer: str) -> float:
+    return float(completion.strip() == answer.strip())
+
+
+def _number(text: str) -> Decimal | None:
+    text = text.strip()
+    return Decimal(text) if _NUMBER.fullmatch(text) else None
+
+
+def numeric_match(completion: str, answer: str) -> float:
+    """Exact decimal comparison: no float rounding makes two different numbers equal."""
+    got, expected = _number(completion), _number(answer)
+    return float(got is not None and expected is not None and got == expected)
+
+
+def format_reward(pattern: str) -> RewardFn:
+    compiled = re.compile(pattern)
+
+    def format(completion: str, answer: str) -> float:
+        return float(compiled.fullmatch(completion.strip()) is not None)
+
+    return format
+
+
+class _DropTimeoutNotice(logging.Filter):
+    """math-verify warns when its own timeouts are off; the runner enforces ours instead."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "Timeout is disabled" not in record.getMessage()
+
+
+_DROP_TIMEOUT_NOTICE = _DropTimeoutNotice()
+
+
+def math_reward() -> RewardFn:
+    """Imported here, not per call, so the slow first import never counts against a call's timeout.
+
+    math-verify's own timeouts use SIGALRM, which only works on the main thread; reward calls run
+    on worker threads, so they are switched off and the runner's wall-clock timeout applies.
+    """
+    from math_verify import parse, verify
+
+    for logger in ("math_verify.parser", "math_verify.grader"):
+        logging.getLogger(logger).addFilter(_DROP_TIMEOUT_NOTICE)  # adding it again is a no-op
+
+    def math(completion: str, answer: str) -> float:
+        gold = parse(answer, parsing_timeout=None)
+        predicted = parse(completion, parsing_timeout=None)
+        return float(verify(gold, predicted, timeout_seconds=None))
+
+    return math
+
+
+def resolve_reward(name: str, *, format_pattern: str | None = None) -> RewardFn:
+    """A built-in reward by name, or a ``package.module:function`` path."""
+    if name == "exact_match":
+        return exact_match
+    if name == "numeric_match":
+        return numeric_match
+    if name == "math":
+        return math_reward()
+    if name == "format":
+        if format_pattern is None:
+            raise ValueError("rewards.format_pattern: the format reward needs a pattern and the task has none")
+        return format_reward(format_pattern)
+    if ":" not in name:
+        raise ValueError(
+            f"rewards.functions: unknown reward '{name}'; built-ins are {', '.join(BUILTIN_REWARDS)}, "
+            "or give package.module:function"
+        )
+    module_name, _, attribute = name.partition(":")
+    try:
+        fn = getattr(importlib.import_module(module_name), attribute)
+    except (ImportError, AttributeError, ValueError) as err:
+        raise ValueError(f"rewards.functions: cannot load '{name}' ({type(err).__name__}: {err})") from None
+    if not callable(fn):
+        raise ValueError(f"rewards.functions: '{name}' is not callable")
+    try:
+        inspect.signature(fn).bind("completion", "answer")
+    except TypeError:
+        raise ValueError(f"rewards.functions: '{name}' must accept (completion, answer)") from None
+    except ValueError:
+        pass  # no inspectable signature (some builtins); a wrong one surfaces as counted errors
+    return fn

@@ -1,0 +1,256 @@
+"""RewardRunner: every configured reward on every completion, each call under a wall-clock timeout.
+
+Python cannot stop a thread, so a reward call that never returns can only be left behind. Calls
+run on a pool of daemon worker threads; all calls of one ``score`` are queued at once and up to
+``threads`` of them run together. The caller waits until each call has returned or has run for
+``timeout_s``, whichever comes first. A call past its timeout scores 0 and is counted; its thread
+is abandoned (it exits if the call ever returns) and a fresh thread takes its place, so the pool
+keeps its size and the next ``score`` runs normally. Scoring n completions with a reward that
+hangs on all of them therefore takes about one timeout while n <= threads.
+
+Abandoned threads are bounded: while ``max_hung_threads`` of them are still stuck, ``score``
+raises instead of starting more. A reward that hangs that often is broken, and a thread leaked
+per call would eventually exhaust the process.
+
+Calls share the interpreter lock: a slow pure-Python reward's wall time includes the work of the
+calls running beside it, so ``timeout_s`` should cover a batch's compute (or lower ``threads``).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+import numbers
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Sequence
+
+from asyncrl.rewards.functions import RewardFn, resolve_reward
+
+if TYPE_CHECKING:
+    from asyncrl.config import RewardConfig
+    from asyncrl.data import Task
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class RewardResult:
+    rewards: list[float]  # weighted sum over functions, per completion
+    correct: list[bool]  # the first configured function scored >= 1.0
+    per_function: dict[str, list[float]]
+    errors: int  # calls that raised or returned a non-finite / non-number value, in this score()
+    timeouts: int  # calls that exceeded the timeout, in this score()
+
+
+@dataclass
+class RewardCounts:
+    """Cumulative over the runner's life, per function, for metrics."""
+
+    calls: int = 0
+    errors: int = 0
+    timeouts: int = 0
+
+
+class _Call:
+    """One function applied to one completion; a worker fills in the outcome."""
+
+    def __init__(self, name: str, fn: RewardFn, completion: str, answer: str) -> None:
+        self.name, self.fn, self.completion, self.answer = name, fn, completion, answer
+        self.started: float | None = None
+        self.worker: threading.Thread | None = None
+        self.done = False
+        self.abandoned = False
+        self.value: object = None
+        self.error: BaseException | None = None
+
+
+class RewardRunner:
+    def __init__(
+        self,
+        functions: Sequence[tuple[str, RewardFn]],
+        *,
+        weights: Sequence[float] | None = None,
+        timeout_s: float = 5.0,
+        threads: int = 32,
+        max_hung_threads: int = 64,
+    ) -> None:
+        names = [name for name, _ in functions]
+        if not names:
+            raise ValueError("rewards.functions: at least one reward function is needed")
+        if len(set(names)) != len(names):
+            raise ValueError(f"rewards.functions: names must be unique, got {names}")
+        weights = [1.0] * len(names) if weights is None else [float(w) for w in weights]
+        if len(weights) != len(names):
+            raise ValueError(f"rewards.weights: {len(weights)} weights for {len(names)} functions")
+        if not all(math.isfinite(w) for w in weights):
+            raise ValueError(f"rewards.weights: must be finite, got {weights}")
+        if not (math.isfinite(timeout_s) and timeout_s > 0):
+            raise ValueError(f"rewards.timeout_s: must be a positive number of seconds, got {timeout_s}")
+        if threads < 1 or max_hung_threads < 1:
+            raise ValueError("rewards.threads: threads and max_hung_threads must be at least 1")
+        self.names = names
+        self.weights = weights
+        self.timeout_s = timeout_s
+        self.threads = threads
+        self.max_hung_threads = max_hung_threads
+        self.counts = {name: RewardCounts() for name in names}
+        self._functions = [fn for _, fn in functions]
+        self._tasks: queue.SimpleQueue[_Call | None] = queue.SimpleQueue()
+        self._progress = threading.Condition()  # guards everything below; notified on every call start and end
+        self._workers: set[threading.Thread] = set()
+        self._hung: dict[threading.Thread, str] = {}  # abandoned thread -> the reward it is stuck in
+        self._pending = 0  # calls queued or running, neither returned nor abandoned
+        self._warned: set[tuple[str, str]] = set()
+        self._thread_ids = itertools.count()
+        self._closed = False
+
+    @classmethod
+    def from_config(cls, cfg: RewardConfig, task: Task | None = None) -> RewardRunner:
+        """``task`` supplies the format reward's pattern when ``rewards.format_pattern`` is not set."""
+        pattern = cfg.format_pattern if cfg.format_pattern is not None else getattr(task, "format_pattern", None)
+        functions = [(name, resolve_reward(name, format_pattern=pattern)) for name in cfg.functions]
+        return cls(
+            functions,
+            weights=cfg.weights,
+            timeout_s=cfg.timeout_s,
+            threads=cfg.threads,
+            max_hung_threads=cfg.max_hung_threads,
+        )
+
+    @property
+    def hung_threads(self) -> int:
+        """Abandoned threads whose call has still not returned."""
+        with self._progress:
+            return len(self._hung)
+
+    def score(self, completions: Sequence[str], answers: Sequence[str]) -> RewardResult:
+        if len(completions) != len(answers):
+            raise ValueError(f"RewardRunner.score: {len(completions)} completions for {len(answers)} answers")
+        calls = {
+            name: [_Call(name, fn, c, a) for c, a in zip(completions, answers)]
+            for name, fn in zip(self.names, self._functions)
+        }
+        every_call = [call for row in calls.values() for call in row]
+        with self._progress:
+            self._check_usable()
+            for call in every_call:
+                self._tasks.put(call)
+            self._pending += len(every_call)
+            self._grow()
+            self._wait(every_call)
+            per_function, errors, timeouts = self._collect(calls)
+        first = per_function[self.names[0]]
+        rewards = [sum(w * per_function[name][i] for name, w in zip(self.names, self.weights)) for i in range(len(first))]
+        return RewardResult(rewards, [s >= 1.0 for s in first], per_function, errors, timeouts)
+
+    def close(self) -> None:
+        """Let idle workers exit; threads stuck in a call are daemons and die with the process."""
+        with self._progress:
+            if self._closed:
+                return
+            self._closed = True
+            for _ in self._workers:
+                self._tasks.put(None)
+
+    def __enter__(self) -> RewardRunner:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _check_usable(self) -> None:
+        if self._closed:
+            raise RuntimeError("RewardRunner.score: the runner is closed")
+        if len(self._hung) >= self.max_hung_threads:
+            stuck = ", ".join(sorted(set(self._hung.values())))
+            raise RuntimeError(
+                f"rewards.max_hung_threads: {len(self._hung)} reward threads are stuck in calls past "
+                f"rewards.timeout_s (in {stuck}); no more are started. Fix the reward or raise the limit"
+            )
+
+    def _grow(self) -> None:
+        while len(self._workers) < min(self.threads, self._pending):
+            worker = threading.Thread(target=self._work, name=f"asyncrl-reward-{next(self._thread_ids)}", daemon=True)
+            self._workers.add(worker)
+            worker.start()
+
+    def _work(self) -> None:
+        me = threading.current_thread()
+        while (call := self._tasks.get()) is not None:
+            with self._progress:
+                call.started, call.worker = time.monotonic(), me
+                self._progress.notify_all()
+            try:
+                call.value = call.fn(call.completion, call.answer)
+            except BaseException as err:  # a reward's failure is scored, never propagated into the pool
+                call.error = err
+            with self._progress:
+                if call.abandoned:  # replaced long ago: leave the pool
+                    del self._hung[me]
+                    return
+                call.done = True
+                self._pending -= 1
+                self._progress.notify_all()
+
+    def _wait(self, calls: list[_Call]) -> None:
+        """Until every call has returned or been abandoned at its deadline (lock held)."""
+        while True:
+            now = time.monotonic()
+            for call in calls:
+                if not call.done and call.started is not None and now - call.started >= self.timeout_s:
+                    self._abandon(call)
+            calls = [call for call in calls if not (call.done or call.abandoned)]
+            if not calls:
+                return
+            deadlines = [call.started + self.timeout_s for call in calls if call.started is not None]
+            self._progress.wait(min(deadlines) - now if deadlines else None)
+
+    def _abandon(self, call: _Call) -> None:
+        call.abandoned = True
+        self._pending -= 1
+        self._workers.discard(call.worker)
+        self._hung[call.worker] = call.name
+        self._grow()
+
+    def _collect(self, calls: dict[str, list[_Call]]) -> tuple[dict[str, list[float]], int, int]:
+        per_function: dict[str, list[float]] = {}
+        errors = timeouts = 0
+        for name, row in calls.items():
+            counts, scores = self.counts[name], []
+            for call in row:
+                counts.calls += 1
+                if call.abandoned:
+                    counts.timeouts += 1
+                    timeouts += 1
+                    self._warn_once(name, "timeout", f"a call ran past rewards.timeout_s={self.timeout_s}s")
+                    scores.append(0.0)
+                    continue
+                score, problem = _as_score(call)
+                if problem is not None:
+                    counts.errors += 1
+                    errors += 1
+                    self._warn_once(name, "error", problem)
+                scores.append(score)
+            per_function[name] = scores
+        return per_function, errors, timeouts
+
+    def _warn_once(self, name: str, kind: str, detail: str) -> None:
+        if (name, kind) not in self._warned:
+            self._warned.add((name, kind))
+            logger.warning("reward %s: %s; it scores 0 (later ones are only counted)", name, detail)
+
+
+def _as_score(call: _Call) -> tuple[float, str | None]:
+    """(score, None), or (0.0, what went wrong)."""
+    if call.error is not None:
+        return 0.0, f"raised {type(call.error).__name__}: {call.error}"
+    value = call.value
+    if not isinstance(value, numbers.Real):
+        return 0.0, f"returned {type(value).__name__}, not a number"
+    if not math.isfinite(value):
+        return 0.0, f"returned {value}"
+    return float(value), None
