@@ -87,6 +87,11 @@ def test_sample_request_rejects_nonsense(prompt_ids, seed, field):
         SampleRequest(prompt_ids, seed)
 
 
+def test_generate_rejects_token_ids_outside_the_vocabulary():
+    with pytest.raises(ValueError, match=r"^SampleRequest\.prompt_ids: request 1 has a token id outside .* of 82"):
+        generator().generate([SampleRequest([3], 0), SampleRequest([3, 82], 0)], SamplingParams(max_new_tokens=2))
+
+
 # --- the sampling step ------------------------------------------------------------------------
 
 

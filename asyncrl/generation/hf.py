@@ -43,6 +43,7 @@ class HFGenerator:
         if batch_size < 1:
             raise ValueError(f"HFGenerator.batch_size: must be >= 1, got {batch_size}")
         self.model = model.eval()
+        self.vocab_size = vocab_size
         self.eos_token_id = eos_token_id
         self.pad_token_id = pad_token_id
         self.batch_size = batch_size
@@ -50,6 +51,12 @@ class HFGenerator:
 
     def generate(self, requests: Sequence[SampleRequest], params: SamplingParams) -> list[Rollout]:
         """One Rollout per request, in request order."""
+        for index, request in enumerate(requests):
+            if min(request.prompt_ids) < 0 or max(request.prompt_ids) >= self.vocab_size:
+                raise ValueError(
+                    f"SampleRequest.prompt_ids: request {index} has a token id outside the model's vocabulary "
+                    f"of {self.vocab_size}"
+                )
         rollouts: list[Rollout] = []
         for start in range(0, len(requests), self.batch_size):
             rollouts += self._generate_chunk(requests[start : start + self.batch_size], params)
@@ -80,16 +87,17 @@ class HFGenerator:
 
     @torch.inference_mode()
     def _generate_chunk(self, requests: Sequence[SampleRequest], params: SamplingParams) -> list[Rollout]:
+        """Decode until every row has stopped; a stopped row leaves the batch (and the cache) at once."""
         device = self.model.device
         input_ids, attention_mask = self._left_pad(requests, device)
         uniforms = None if params.temperature == 0 else _uniforms(requests, params.max_new_tokens, device)
         rows = len(requests)
         tokens = torch.full((rows, params.max_new_tokens), self.pad_token_id, dtype=torch.long, device=device)
         logprobs = torch.zeros((rows, params.max_new_tokens), dtype=torch.float64, device=device)
-        done = torch.zeros(rows, dtype=torch.bool, device=device)
+        active = torch.arange(rows, device=device)  # the chunk row of each batch row still decoding
         position_ids = position_ids_from_mask(attention_mask)
         next_ids, cache, steps = input_ids, None, 0
-        while steps < params.max_new_tokens and not bool(done.all()):
+        while steps < params.max_new_tokens and len(active):
             output = self.model(
                 input_ids=next_ids,
                 attention_mask=attention_mask,
@@ -99,15 +107,18 @@ class HFGenerator:
                 logits_to_keep=1,
             )
             cache = output.past_key_values
-            step_uniforms = None if uniforms is None else uniforms[:, steps]
+            step_uniforms = None if uniforms is None else uniforms[active, steps]
             token, logprob = sample_next(output.logits[:, -1], params.temperature, params.top_k, params.top_p, step_uniforms)
-            token = token.masked_fill(done, self.pad_token_id)
-            tokens[:, steps] = token
-            logprobs[:, steps] = logprob.masked_fill(done, 0.0)
-            done |= token == self.eos_token_id
+            tokens[active, steps] = token
+            logprobs[active, steps] = logprob.to(logprobs.dtype)
             steps += 1
+            running = token != self.eos_token_id
+            if not bool(running.all()):
+                keep = running.nonzero().squeeze(1)
+                cache.batch_select_indices(keep)
+                active, token, attention_mask, position_ids = active[keep], token[keep], attention_mask[keep], position_ids[keep]
             next_ids = token[:, None]
-            attention_mask = torch.cat([attention_mask, attention_mask.new_ones(rows, 1)], dim=1)
+            attention_mask = torch.cat([attention_mask, attention_mask.new_ones(len(active), 1)], dim=1)
             position_ids = position_ids[:, -1:] + 1
         return self._rollouts(requests, tokens[:, :steps], logprobs[:, :steps])
 
@@ -182,7 +193,6 @@ def _keep_top_p(logits: Tensor, top_p: float) -> Tensor:
     probs = sorted_logits.softmax(dim=-1)
     mass_before = probs.cumsum(dim=-1) - probs
     drop_sorted = mass_before >= top_p
-    drop_sorted[:, 0] = False
     drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
     return logits.masked_fill(drop, -torch.inf)
 
