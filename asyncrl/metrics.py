@@ -1,7 +1,7 @@
 """Run metrics: the jsonl files every run writes, optional TensorBoard and W&B sinks, live progress.
 
-``metrics.jsonl`` (one record per optimizer step) and ``eval.jsonl`` (one per evaluation) are the
-source of truth; the report, the summary and resumption read them back. Keys whose values depend
+``metrics.jsonl`` (one record per optimizer step), ``eval.jsonl`` (one per evaluation) and
+``groups.jsonl`` (one per trained prompt group) are the source of truth; the report, the summary and resumption read them back. Keys whose values depend
 on wall-clock timing start with ``TIMING_PREFIX``, so a determinism test can compare two runs with
 ``strip_timing``. The record schema is documented in docs/metrics.md.
 """
@@ -27,6 +27,7 @@ from asyncrl.config import LoggingConfig
 TIMING_PREFIX = "time/"
 METRICS_FILE = "metrics.jsonl"
 EVAL_FILE = "eval.jsonl"
+GROUPS_FILE = "groups.jsonl"
 TENSORBOARD_DIR = "tensorboard"
 
 
@@ -115,9 +116,9 @@ class MetricsWriter:
         self.output_dir = Path(output_dir)
         self.output_dir.mkdir(parents=True, exist_ok=True)
         if resume_step is not None:
-            for name in (METRICS_FILE, EVAL_FILE):
+            for name in (METRICS_FILE, EVAL_FILE, GROUPS_FILE):
                 _truncate_jsonl(self.output_dir / name, resume_step)
-        self._files = {name: open(self.output_dir / name, "a") for name in (METRICS_FILE, EVAL_FILE)}
+        self._files = {name: open(self.output_dir / name, "a") for name in (METRICS_FILE, EVAL_FILE, GROUPS_FILE)}
         self._tensorboard = _TensorBoard(self.output_dir / TENSORBOARD_DIR, resume_step) if cfg.tensorboard else None
         self._wandb = _start_wandb(self.output_dir, run_config) if cfg.wandb else None
         self._closed = False
@@ -127,6 +128,12 @@ class MetricsWriter:
 
     def log_eval(self, record: dict) -> None:
         self._log(EVAL_FILE, record, prefix="eval/")
+
+    def log_groups(self, records: list[dict]) -> None:
+        """One line per trained group (its versions and lag): the staleness audit trail."""
+        f = self._files[GROUPS_FILE]
+        f.writelines(json.dumps(record) + "\n" for record in records)
+        f.flush()
 
     def _log(self, name: str, record: dict, prefix: str) -> None:
         f = self._files[name]

@@ -81,7 +81,18 @@ def test_resume_keeps_records_up_to_the_checkpoint_and_continues_the_files(tmp_p
     write_run(tmp_path, [4, 5], [4], resume_step=3)
     assert [r["step"] for r in read_jsonl(tmp_path / "metrics.jsonl")] == [1, 2, 3, 4, 5]
     assert [r["step"] for r in read_jsonl(tmp_path / "eval.jsonl")] == [0, 2, 4]
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["eval.jsonl", "metrics.jsonl"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["eval.jsonl", "groups.jsonl", "metrics.jsonl"]
+
+
+def test_group_records_append_and_are_truncated_on_resume(tmp_path):
+    groups = [{"step": step, "prompt_uid": f"p{step}-{i}", "lag": 1} for step in (1, 2, 3) for i in range(2)]
+    with MetricsWriter(tmp_path, PLAIN) as writer:
+        writer.log_groups(groups[:4])
+        writer.log_groups(groups[4:])
+    assert read_jsonl(tmp_path / "groups.jsonl") == groups
+    with MetricsWriter(tmp_path, PLAIN, resume_step=2):
+        pass
+    assert read_jsonl(tmp_path / "groups.jsonl") == groups[:4]
 
 
 def test_resume_without_files_starts_them(tmp_path):
