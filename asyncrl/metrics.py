@@ -1,9 +1,10 @@
 """Run metrics: the jsonl files every run writes, optional TensorBoard and W&B sinks, live progress.
 
 ``metrics.jsonl`` (one record per optimizer step), ``eval.jsonl`` (one per evaluation) and
-``groups.jsonl`` (one per trained prompt group) are the source of truth; the report, the summary and resumption read them back. Keys whose values depend
-on wall-clock timing start with ``TIMING_PREFIX``, so a determinism test can compare two runs with
-``strip_timing``. The record schema is documented in docs/metrics.md.
+``groups.jsonl`` (one per trained prompt group) are the source of truth; the report, the summary
+and resumption read them back. Keys whose values depend on wall-clock timing start with
+``TIMING_PREFIX``, so a determinism test can compare two runs with ``strip_timing``. The record
+schema is documented in docs/metrics.md.
 """
 
 from __future__ import annotations
