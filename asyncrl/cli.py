@@ -110,6 +110,65 @@ def verify(
     raise typer.Exit(0 if passed else 1)
 
 
+@app.command()
+def train(
+    config: Optional[Path] = typer.Option(None, "--config", help="YAML run config (default: the embedded one)"),
+    output_dir: Optional[Path] = typer.Option(None, "--output-dir", help="run directory (logging.output_dir)"),
+    resume: Optional[Path] = typer.Option(
+        None, "--resume", help="continue from a checkpoint, its run directory, or the checkpoints folder"
+    ),
+    overrides: Optional[list[str]] = typer.Argument(None, help="dotted overrides, e.g. grpo.max_steps=50"),
+) -> None:
+    """Train with asynchronous GRPO. With no arguments: a tiny model learns arithmetic on the CPU."""
+    from asyncrl.run import resumed_config_path, train as run_train
+
+    if resume is not None and config is None:
+        config = resumed_config_path(resume)
+    settings = list(overrides or ())
+    if output_dir is not None:
+        settings.append(f"logging.output_dir={output_dir}")
+    run_config = load_config(config, settings)
+    summary = run_train(run_config, resume=resume, console=console)
+    console.print(
+        f"eval accuracy {summary['initial_eval_accuracy']:.3f} -> {summary['final_eval_accuracy']:.3f} "
+        f"after {summary['steps']} steps in {summary['wall_seconds']:.0f} s",
+        highlight=False,
+    )
+    console.print(
+        f"outputs in {summary['run_dir']}/: metrics.jsonl, eval.jsonl, summary.json, report.png, checkpoints/",
+        highlight=False,
+    )
+
+
+@app.command("eval")
+def evaluate(
+    config: Optional[Path] = typer.Option(None, "--config", help="YAML run config (default: the embedded one)"),
+    checkpoint: Optional[Path] = typer.Option(
+        None, "--checkpoint", help="a checkpoint or run directory; default: the config's (warm-started) model"
+    ),
+    overrides: Optional[list[str]] = typer.Argument(None, help="dotted overrides, e.g. data.eval_size=200"),
+) -> None:
+    """Greedy accuracy and mean reward on the held-out split, printed as JSON."""
+    import json
+
+    from asyncrl.run import evaluate as run_evaluate
+
+    result = run_evaluate(load_config(config, overrides or ()), checkpoint=checkpoint)
+    typer.echo(json.dumps(result, indent=2))
+
+
+@app.command()
+def plot(run_dir: Path = typer.Argument(..., help="a run directory holding metrics.jsonl")) -> None:
+    """Regenerate report.png of a run from its metrics."""
+    from asyncrl.plots import write_report
+
+    try:
+        path = write_report(run_dir)
+    except (FileNotFoundError, ValueError) as err:
+        raise ConfigError(f"plot: {err}") from None
+    typer.echo(str(path))
+
+
 def _one_line(message: str) -> str:
     return " ".join(message.split())
 

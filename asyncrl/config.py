@@ -242,6 +242,21 @@ class RuntimeConfig(Section):
     max_rollout_retries: int = Field(2, ge=0, description="retries of a failed rollout before the run stops")
 
 
+class ParallelConfig(Section):
+    """Trainer ranks: data parallel (dp) times context parallel (cp), see docs/parallelism.md."""
+
+    dp: int = Field(1, ge=1, description="data-parallel ranks: each trains its own sequences of the step")
+    cp: int = Field(1, ge=1, description="context-parallel ranks per sequence: each holds 2 of its 2*cp chunks")
+    wrap: Literal["fsdp", "ddp"] = Field(
+        "fsdp", description="fsdp: FSDP2 shards parameters over all dp*cp ranks; ddp: every rank holds them all"
+    )
+    backend: Literal["auto", "gloo", "nccl"] = Field("auto", description="collectives; auto: nccl on cuda, gloo on cpu")
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.cp
+
+
 class SyncConfig(Section):
     """Weight sync from the trainer to the generators."""
 
@@ -270,7 +285,9 @@ class CheckpointConfig(Section):
 class LoggingConfig(Section):
     """Outputs, evaluation cadence and metric sinks."""
 
-    output_dir: str = Field("runs/latest", description="run directory (metrics, checkpoints, report)")
+    output_dir: str | None = Field(
+        None, description="run directory (metrics, checkpoints, report); null: runs/<date>-<time>; must not hold another run"
+    )
     eval_every_steps: int | None = Field(10, ge=1, description="held-out evaluation cadence; null: start and end only")
     tensorboard: bool = Field(True, description="write TensorBoard event files")
     wandb: bool = Field(False, description="log to Weights & Biases when it is installed")
@@ -291,6 +308,7 @@ class RunConfig(Section):
     sampler: SamplerConfig = Field(default_factory=SamplerConfig)
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
     runtime: RuntimeConfig = Field(default_factory=RuntimeConfig)
+    parallel: ParallelConfig = Field(default_factory=ParallelConfig)
     sync: SyncConfig = Field(default_factory=SyncConfig)
     warm_start: WarmStartConfig = Field(default_factory=WarmStartConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
@@ -307,6 +325,22 @@ class RunConfig(Section):
                 f"sampler.buffer_capacity: {capacity} < {required} groups required by sampler "
                 f"'{self.sampler.name}' ({why if sampler.gated else 'one step of groups'})"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _parallel_ranks(self) -> RunConfig:
+        parallel, ranks = self.parallel, self.parallel.world_size
+        if parallel.backend == "nccl" and self.trainer.device == "cpu":
+            raise ValueError("parallel.backend: nccl needs GPU trainer ranks, but trainer.device is cpu (use gloo)")
+        if parallel.backend == "gloo" and self.trainer.device == "cuda":
+            raise ValueError("parallel.backend: gloo runs CPU trainer ranks, but trainer.device is cuda (use nccl)")
+        if ranks > 1 and self.runtime.name == "local":
+            raise ValueError(
+                f"parallel.dp: dp*cp = {ranks} trainer ranks need runtime.name ray (the local runtime runs one)"
+            )
+        sequences = self.grpo.prompts_per_step * self.grpo.generations_per_prompt
+        if parallel.dp > sequences:
+            raise ValueError(f"parallel.dp: {parallel.dp} data-parallel ranks but only {sequences} sequences per step")
         return self
 
     def _sampler(self):

@@ -38,6 +38,7 @@ class StepData:
     reward_timeouts: int = 0
     rollout_retries: int = 0
     lag_histogram: Counter = field(default_factory=Counter)
+    groups: list[dict] = field(default_factory=list)  # one record per group, for groups.jsonl
 
     def add(self, group: RolloutGroup, version: int) -> None:
         self.num_groups += 1
@@ -51,6 +52,19 @@ class StepData:
         self.reward_timeouts += group.reward_timeouts
         self.rollout_retries += group.retries
         self.lag_histogram[version - group.start_version] += 1
+        self.groups.append(
+            {
+                "step": version + 1,
+                "prompt_uid": group.prompt_uid,
+                "target_step": group.target_step,
+                "start_version": group.start_version,
+                "end_version": group.end_version,
+                "trained_at": version,
+                "lag": version - group.start_version,
+                "reward_mean": float(group.rewards.mean()),
+                "num_correct": float(group.correct.sum()) if group.correct is not None else None,
+            }
+        )
 
 
 @dataclass

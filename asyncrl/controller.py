@@ -1,0 +1,437 @@
+"""SingleController: asynchronous GRPO in one file.
+
+Three loops share one event loop and touch only metadata; workers do the heavy lifting behind
+awaited handles (threads on the local runtime, actors on Ray):
+
+- rollout loop: ``sampler.admit`` -> ``buffer.reserve`` -> generate on a RolloutWorker ->
+  ``buffer.commit``. Admission is gated by buffer capacity, the in-flight limit and the rollout
+  gate that weight syncs close. A failed generation batch is retried, slots kept, within a budget.
+- train loop: ``sampler.evict`` -> ``sampler.select`` chunks of at least ``min_groups_per_chunk``
+  groups, streamed into the trainer while stragglers still generate -> advantages, micro-batches,
+  the split step -> weight sync. Then evaluation and checkpoints at their cadence.
+- weight sync (``weights.WeightSync``): gate closed, weights exported once, loaded by version.
+
+A group's lag when trained is ``V - start_version``; the sampler bounds it. Under ``in_order``
+every decision above is a function of the version alone, never of timing: that is what makes a
+run reproducible, and a resumed run identical to an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, Sequence
+
+from asyncrl.buffer import ReplayBuffer
+from asyncrl.config import RunConfig
+from asyncrl.data import Prompt, PromptLoader, Task
+from asyncrl.rollout import RolloutBatch, RolloutJob
+from asyncrl.sampler import Sampler
+from asyncrl.trainer.worker import StepReport
+from asyncrl.types import RolloutGroup
+from asyncrl.weights import Changes, RolloutGate, SyncReport, WeightSync
+
+STATE_VERSION = 1
+
+
+class RolloutFailedError(RuntimeError):
+    """A prompt's generation failed more often than ``runtime.max_rollout_retries`` allows."""
+
+
+@dataclass
+class _Clock:
+    """Busy and idle seconds of the loops since the last step record."""
+
+    generation_s: float = 0.0
+    generated_tokens: int = 0
+    train_s: float = 0.0
+    train_wait_s: float = 0.0
+
+
+class SingleController:
+    def __init__(
+        self,
+        config: RunConfig,
+        *,
+        trainer: Any,
+        rollout_workers: Sequence[Any],
+        task: Task,
+        loader: PromptLoader,
+        sampler: Sampler,
+        buffer: ReplayBuffer,
+        metrics: Any,
+        progress: Any,
+        run_dir: str | Path,
+    ) -> None:
+        if not rollout_workers:
+            raise ValueError("SingleController: at least one rollout worker is needed")
+        self.config = config
+        self.trainer = trainer
+        self.rollout_workers = list(rollout_workers)
+        self.task = task
+        self.loader = loader
+        self.sampler = sampler
+        self.buffer = buffer
+        self.metrics = metrics
+        self.progress = progress
+        self.run_dir = Path(run_dir)
+
+        self.prompts_per_step = config.grpo.prompts_per_step
+        self.chunk_groups = config.grpo.min_groups_per_chunk
+        self.groups_per_batch = max(1, config.generation.batch_size // config.grpo.generations_per_prompt)
+        self.max_in_flight = config.runtime.max_inflight_groups or buffer.capacity
+        self.max_retries = config.runtime.max_rollout_retries
+
+        self.version = 0
+        self.changes = Changes()
+        self.gate = RolloutGate(0, self.changes, wait_for_admissions=sampler.gated)
+        self.weight_sync = WeightSync(
+            trainer, self.rollout_workers, self.gate, mode=config.sync.mode, timeout_s=config.sync.timeout_s
+        )
+        self.stopping = False
+        self.data_exhausted = False
+        self.retry_queue: list[RolloutJob] = []
+        self.jobs: dict[int, RolloutJob] = {}  # reserved slot -> its job, until committed
+        self.num_evicted = 0
+        self.next_worker = 0
+        self.clock = _Clock()
+        self.start_time = time.perf_counter()
+        self.evals: list[dict] = []
+        self._tasks: asyncio.TaskGroup | None = None
+
+    # ---- the run --------------------------------------------------------------------------
+
+    async def run(self) -> dict:
+        """Train to ``grpo.max_steps`` (or the end of the data); returns the run summary."""
+        if self.version == 0:
+            await self.evaluate()
+        try:
+            async with asyncio.TaskGroup() as tasks:
+                self._tasks = tasks
+                tasks.create_task(self.rollout_loop())
+                tasks.create_task(self.train_loop())
+        except BaseExceptionGroup as group:
+            raise _first_error(group) from None
+        if not self.evals or self.evals[-1]["step"] != self.version:
+            await self.evaluate()
+        await self.checkpoint()
+        return {"steps": self.version, "wall_seconds": time.perf_counter() - self.start_time}
+
+    # ---- rollout loop -------------------------------------------------------------------------
+
+    async def rollout_loop(self) -> None:
+        while True:
+            await self.changes.wait_for(
+                lambda: self.stopping or self.gate.admitting or (self.retry_queue and not self.gate.loading)
+            )
+            if self.stopping and self.gate.in_flight == 0:
+                return
+            if not self.gate.loading:
+                self._dispatch_retries()
+            if self.gate.admitting and not self.stopping:
+                jobs, settled = self._admit()
+                self._dispatch(jobs)
+                if settled:
+                    self.gate.settled()
+            await self.changes.next()
+
+    def _admit(self) -> tuple[list[RolloutJob], bool]:
+        """Admit and reserve until refused; True when the sampler or the data refused (settled)."""
+        jobs: list[RolloutJob] = []
+        while self.gate.in_flight + len(jobs) < self.max_in_flight:
+            if self.data_exhausted:
+                return jobs, True
+            admission = self.sampler.admit(self.gate.version, self.buffer)
+            if admission is None:
+                return jobs, True
+            prompt = self.loader.next()
+            if prompt is None:
+                self.data_exhausted = True
+                self.changes.notify()
+                return jobs, True
+            slot_id = self.buffer.reserve(admission.start_version, admission.target_step)
+            jobs.append(RolloutJob(slot_id, prompt, admission.start_version, admission.target_step))
+        return jobs, False
+
+    def _dispatch(self, jobs: list[RolloutJob]) -> None:
+        """Generation batches: consecutive jobs of one target step and version, at most
+        ``groups_per_batch`` each, so batch composition never depends on timing."""
+        batch: list[RolloutJob] = []
+        for job in jobs:
+            if batch and (
+                len(batch) == self.groups_per_batch
+                or (job.target_step, job.start_version) != (batch[0].target_step, batch[0].start_version)
+            ):
+                self._submit(batch)
+                batch = []
+            batch.append(job)
+        if batch:
+            self._submit(batch)
+
+    def _submit(self, batch: list[RolloutJob], *, retried: bool = False) -> None:
+        worker = self.rollout_workers[self.next_worker % len(self.rollout_workers)]
+        self.next_worker += 1
+        for job in batch:
+            self.jobs[job.slot_id] = job
+        if not retried:
+            self.gate.add_in_flight(len(batch))
+        # Submitted now, not when the task first runs: a later weight load queues behind it.
+        future = worker.generate(batch)
+        self._tasks.create_task(self._collect(batch, future))
+
+    async def _collect(self, batch: list[RolloutJob], future: asyncio.Future) -> None:
+        try:
+            result: RolloutBatch = await future
+        except Exception as err:
+            self._schedule_retry(batch, err)
+            return
+        for job, group in zip(batch, result.groups):
+            self.buffer.commit(job.slot_id, group)
+            del self.jobs[job.slot_id]
+        self.clock.generation_s += result.seconds
+        self.clock.generated_tokens += result.num_tokens
+        self.gate.add_in_flight(-len(batch))
+
+    def _schedule_retry(self, batch: list[RolloutJob], err: Exception) -> None:
+        exhausted = [job for job in batch if job.retries >= self.max_retries]
+        if exhausted:
+            job = exhausted[0]
+            raise RolloutFailedError(
+                f"prompt {job.prompt.uid}: generation failed {job.retries + 1} times "
+                f"(runtime.max_rollout_retries={self.max_retries}); last error: {type(err).__name__}: {err}"
+            ) from err
+        self.retry_queue.extend(replace(job, retries=job.retries + 1) for job in batch)
+        self.changes.notify()
+
+    def _dispatch_retries(self) -> None:
+        """Re-dispatch failed jobs; one whose weights are gone gets a fresh slot at the current version."""
+        if not self.retry_queue:
+            return
+        jobs, self.retry_queue = self.retry_queue, []
+        restamped = []
+        for job in jobs:
+            if job.start_version != self.gate.version:
+                self.buffer.cancel(job.slot_id)
+                del self.jobs[job.slot_id]
+                slot_id = self.buffer.reserve(self.gate.version, job.target_step)
+                job = replace(job, slot_id=slot_id, start_version=self.gate.version)
+            restamped.append(job)
+        for start in range(0, len(restamped), self.groups_per_batch):
+            self._submit(restamped[start : start + self.groups_per_batch], retried=True)
+
+    # ---- train loop ---------------------------------------------------------------------------
+
+    async def train_loop(self) -> None:
+        try:
+            while self.version < self.config.grpo.max_steps:
+                step_start = time.perf_counter()
+                report = await self.train_step()
+                if report is None:
+                    break
+                sync = await self.weight_sync.sync()
+                self.version = sync.version
+                self._log_step(report, sync, time.perf_counter() - step_start)
+                every = self.config.logging.eval_every_steps
+                if every and self.version % every == 0:
+                    await self.evaluate()
+                every = self.config.checkpoint.every_steps
+                if every and self.version % every == 0 and self.version < self.config.grpo.max_steps:
+                    await self.checkpoint()
+        finally:
+            self.stopping = True
+            self.changes.notify()
+
+    async def train_step(self) -> StepReport | None:
+        """Stream step V's groups into the split step; None when the data ran out before it."""
+        version, target = self.version, self.prompts_per_step
+        stale = self.sampler.evict(version, self.buffer)
+        self.num_evicted += self.buffer.evict(stale)
+        await self.trainer.begin_step(version)
+        try:
+            trained = 0
+            while trained < target:
+                remaining = target - trained
+                exhausted = self.data_exhausted and self.gate.in_flight == 0
+                min_k = 1 if exhausted else min(self.chunk_groups, remaining)
+                slot_ids = self.sampler.select(version, self.buffer, min_k, remaining)
+                if not slot_ids:
+                    if exhausted:
+                        break
+                    wait_start = time.perf_counter()
+                    await self.changes.next()
+                    self.clock.train_wait_s += time.perf_counter() - wait_start
+                    continue
+                groups = self.buffer.take(slot_ids)
+                self.changes.notify()
+                busy_start = time.perf_counter()
+                await self.trainer.train_groups(groups)
+                self.clock.train_s += time.perf_counter() - busy_start
+                trained += len(groups)
+            if trained == 0:
+                await self.trainer.abort_step()
+                return None
+            busy_start = time.perf_counter()
+            report = await self.trainer.finish_step()
+            self.clock.train_s += time.perf_counter() - busy_start
+            return report
+        except BaseException:
+            await asyncio.shield(self.trainer.abort_step())
+            raise
+
+    # ---- evaluation, checkpoints, metrics ---------------------------------------------------
+
+    async def evaluate(self) -> None:
+        self.progress.status(f"evaluating at step {self.version}")
+        prompts: list[Prompt] = list(self.task.heldout[: self.config.data.eval_size])
+        result = await self.rollout_workers[0].evaluate(prompts)
+        record = {
+            "step": self.version,
+            "accuracy": result.accuracy,
+            "reward_mean": result.reward_mean,
+            "num_prompts": result.num_prompts,
+            "response_length_mean": result.response_length_mean,
+            "time/eval_s": result.seconds,
+        }
+        self.evals.append(record)
+        self.metrics.log_eval(record)
+        self.progress.update_eval(record)
+
+    async def checkpoint(self) -> Path:
+        """Save at a quiet point: admissions closed and every dispatched rollout committed, so the
+        checkpoint holds whole groups and a resumed run regenerates nothing."""
+        self.progress.status(f"checkpointing step {self.version}")
+        if not self.stopping:
+            await self.gate.close()
+        await self.gate.drained()
+        path = await self.trainer.save_checkpoint(
+            str(self.run_dir), self.version, self.state_dict(), self.config.checkpoint.keep_last
+        )
+        if not self.stopping:
+            self.gate.open(self.gate.version)
+        return path
+
+    def state_dict(self) -> dict:
+        buffer_state = self.buffer.state_dict()
+        for slot in buffer_state["ready"]:
+            slot["group"] = slot["group"].state_dict()
+        pending = [self.jobs[slot.slot_id] for slot in self.buffer.reserved_slots()]
+        return {
+            "format": STATE_VERSION,
+            "version": self.version,
+            "data_exhausted": self.data_exhausted,
+            "num_evicted": self.num_evicted,
+            "sampler": self.sampler.state_dict(),
+            "loader": self.loader.state_dict(),
+            "buffer": buffer_state,
+            "pending": [_job_state(job) for job in pending],
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        if state.get("format") != STATE_VERSION:
+            raise ValueError(f"checkpoint state format {state.get('format')} is not {STATE_VERSION}")
+        self.version = state["version"]
+        self.gate.version = self.version
+        self.data_exhausted = state["data_exhausted"]
+        self.num_evicted = state["num_evicted"]
+        self.sampler.load_state_dict(state["sampler"])
+        self.loader.load_state_dict(state["loader"])
+        buffer_state = dict(state["buffer"])
+        buffer_state["ready"] = [
+            {**slot, "group": RolloutGroup.from_state_dict(slot["group"])} for slot in buffer_state["ready"]
+        ]
+        self.buffer.load_state_dict(buffer_state)
+        for job_state in state["pending"]:
+            job = _job_from_state(job_state)
+            slot_id = self.buffer.reserve(job.start_version, job.target_step)
+            self.jobs[slot_id] = replace(job, slot_id=slot_id)
+            self.retry_queue.append(self.jobs[slot_id])
+            self.gate.in_flight += 1
+
+    def _log_step(self, report: StepReport, sync: SyncReport, step_s: float) -> None:
+        result, data = report.result, report.data
+        samples = max(data.num_samples, 1)
+        reward_mean = data.reward_sum / samples
+        lags = data.lag_histogram
+        record = {
+            "step": result.version,
+            "reward_mean": reward_mean,
+            "reward_std": max(data.reward_sq_sum / samples - reward_mean**2, 0.0) ** 0.5,
+            "accuracy": data.num_correct / samples,
+            "response_length_mean": data.response_tokens / samples,
+            "num_groups": data.num_groups,
+            "num_filtered_groups": data.num_filtered_groups,
+            "num_sequences": result.num_sequences,
+            "num_tokens": result.num_tokens,
+            "loss": result.loss,
+            "grad_norm": result.grad_norm,
+            "lr": result.lr,
+            "clip_fraction": result.metrics["clip_mean"],
+            "is_weight_mean": result.metrics["is_weight_mean"],
+            "is_weight_min": result.metrics.get("is_weight_min"),
+            "is_weight_max": result.metrics.get("is_weight_max"),
+            "mismatch_kl": result.metrics["mismatch_kl_mean"],
+            "lag_histogram": {str(lag): lags[lag] for lag in sorted(lags)},
+            "lag_mean": sum(lag * count for lag, count in lags.items()) / max(sum(lags.values()), 1),
+            "reward_errors": data.reward_errors,
+            "reward_timeouts": data.reward_timeouts,
+            "rollout_retries": data.rollout_retries,
+            "evicted_groups": self.num_evicted,
+            "sync_bytes": sync.bytes,
+            "sync_version": sync.version,
+        }
+        for source, name in (("entropy_mean", "entropy"), ("kl_mean", "kl")):
+            if source in result.metrics:
+                record[name] = result.metrics[source]
+        clock, workers = self.clock, len(self.rollout_workers)
+        record.update(
+            {
+                "time/step_s": step_s,
+                "time/wall_s": time.perf_counter() - self.start_time,
+                "time/tokens_per_s": clock.generated_tokens / step_s if step_s > 0 else 0.0,
+                "time/generation_s": clock.generation_s,
+                "time/generation_idle_fraction": _idle(clock.generation_s, step_s * workers),
+                "time/train_s": clock.train_s,
+                "time/train_idle_fraction": _idle(clock.train_s, step_s),
+                "time/sync_pause_s": sync.pause_s,
+                "time/sync_transfer_s": sync.transfer_s,
+            }
+        )
+        self.clock = _Clock()
+        self.metrics.log_groups(data.groups)
+        self.metrics.log_step(record)
+        self.progress.update(record)
+
+
+def _idle(busy_s: float, total_s: float) -> float:
+    return min(max(1.0 - busy_s / total_s, 0.0), 1.0) if total_s > 0 else 0.0
+
+
+def _job_state(job: RolloutJob) -> dict:
+    return {
+        "prompt": {"uid": job.prompt.uid, "text": job.prompt.text, "answer": job.prompt.answer},
+        "start_version": job.start_version,
+        "target_step": job.target_step,
+        "retries": job.retries,
+    }
+
+
+def _job_from_state(state: dict) -> RolloutJob:
+    return RolloutJob(
+        slot_id=-1,
+        prompt=Prompt(**state["prompt"]),
+        start_version=state["start_version"],
+        target_step=state["target_step"],
+        retries=state["retries"],
+    )
+
+
+def _first_error(group: BaseExceptionGroup) -> BaseException:
+    """The root failure of the loops, rather than the cancellations it caused."""
+    for err in group.exceptions:
+        if isinstance(err, BaseExceptionGroup):
+            return _first_error(err)
+        if not isinstance(err, asyncio.CancelledError):
+            return err
+    return group.exceptions[0]

@@ -1,0 +1,144 @@
+"""RolloutWorker: prompts -> generator -> rewards -> tensorized RolloutGroups.
+
+The worker is a plain object; a runtime puts it behind a handle (a thread, or a Ray actor). One
+``generate`` call is one deterministic generation batch: the caller composes it, the worker keeps
+its order, and every sample's seed comes from (run seed, prompt uid, sample index) alone.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, replace
+from typing import Mapping, Sequence
+
+import torch
+from torch import Tensor
+
+from asyncrl.data import Prompt
+from asyncrl.generation import Generator, SampleRequest, SamplingParams, sample_seed
+from asyncrl.rewards import RewardRunner
+from asyncrl.types import Rollout, RolloutGroup
+
+
+@dataclass(frozen=True)
+class RolloutJob:
+    """One admitted prompt: the buffer slot its group fills and the sampler's stamps."""
+
+    slot_id: int
+    prompt: Prompt
+    start_version: int
+    target_step: int | None
+    retries: int = 0
+
+
+@dataclass
+class RolloutBatch:
+    """The groups of one generation call, in job order, and what it cost."""
+
+    groups: list[RolloutGroup]
+    num_tokens: int
+    seconds: float
+
+
+@dataclass(frozen=True)
+class EvalResult:
+    num_prompts: int
+    accuracy: float
+    reward_mean: float
+    response_length_mean: float
+    seconds: float
+
+
+class RolloutWorker:
+    def __init__(
+        self,
+        generator: Generator,
+        rewards: RewardRunner,
+        tokenizer,
+        *,
+        run_seed: int,
+        group_size: int,
+        sampling: SamplingParams,
+    ) -> None:
+        self.generator = generator
+        self.rewards = rewards
+        self.tokenizer = tokenizer
+        self.run_seed = run_seed
+        self.group_size = group_size
+        self.sampling = sampling
+        self.pad_id = tokenizer.pad_token_id
+
+    @property
+    def version(self) -> int:
+        return self.generator.version
+
+    def load_weights(self, state_dict: Mapping[str, Tensor], version: int) -> None:
+        self.generator.load_weights(state_dict, version)
+
+    def generate(self, jobs: Sequence[RolloutJob]) -> RolloutBatch:
+        """Sample ``group_size`` completions per job, score them, tensorize one group per job."""
+        start = time.perf_counter()
+        n = self.group_size
+        requests = [
+            SampleRequest(self._encode(job.prompt), sample_seed(self.run_seed, job.prompt.uid, i))
+            for job in jobs
+            for i in range(n)
+        ]
+        stale = [job.slot_id for job in jobs if job.start_version != self.generator.version]
+        if stale:
+            raise RuntimeError(
+                f"RolloutWorker.generate: slots {stale} were admitted for another weight version than the "
+                f"loaded {self.generator.version}; a weight sync overtook its generation batch"
+            )
+        rollouts = self.generator.generate(requests, self.sampling)
+        end_version = self.generator.version
+        groups = [self._score_group(job, rollouts[j * n : (j + 1) * n], end_version) for j, job in enumerate(jobs)]
+        num_tokens = sum(len(r.response_ids) for r in rollouts)
+        return RolloutBatch(groups=groups, num_tokens=num_tokens, seconds=time.perf_counter() - start)
+
+    def evaluate(self, prompts: Sequence[Prompt]) -> EvalResult:
+        """Greedy accuracy and mean reward of one completion per prompt."""
+        start = time.perf_counter()
+        requests = [SampleRequest(self._encode(p), sample_seed(self.run_seed, p.uid, 0)) for p in prompts]
+        rollouts = self.generator.generate(requests, self.sampling.greedy())
+        scores = self.rewards.score([self._decode(r) for r in rollouts], [p.answer for p in prompts])
+        count = max(len(prompts), 1)
+        return EvalResult(
+            num_prompts=len(prompts),
+            accuracy=sum(scores.correct) / count,
+            reward_mean=sum(scores.rewards) / count,
+            response_length_mean=sum(len(r.response_ids) for r in rollouts) / count,
+            seconds=time.perf_counter() - start,
+        )
+
+    def close(self) -> None:
+        self.rewards.close()
+
+    def _score_group(self, job: RolloutJob, samples: list[Rollout], end_version: int) -> RolloutGroup:
+        scores = self.rewards.score([self._decode(r) for r in samples], [job.prompt.answer] * len(samples))
+        for rollout, reward in zip(samples, scores.rewards):
+            rollout.reward = reward
+        group = RolloutGroup.from_rollouts(
+            job.prompt.uid,
+            samples,
+            pad_id=self.pad_id,
+            start_version=job.start_version,
+            end_version=end_version,
+            target_step=job.target_step,
+        )
+        return replace(
+            group,
+            correct=torch.tensor(scores.correct, dtype=torch.float32),
+            reward_errors=scores.errors,
+            reward_timeouts=scores.timeouts,
+            retries=job.retries,
+        )
+
+    def _encode(self, prompt: Prompt) -> list[int]:
+        ids = self.tokenizer(prompt.text, add_special_tokens=False)["input_ids"]
+        if not ids:
+            raise ValueError(f"prompt {prompt.uid}: tokenizes to no tokens")
+        return ids
+
+    def _decode(self, rollout: Rollout) -> str:
+        return self.tokenizer.decode(rollout.response_ids, skip_special_tokens=True)

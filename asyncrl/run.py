@@ -1,0 +1,191 @@
+"""Build a run from its config and drive it: the code behind ``asyncrl train`` and ``asyncrl eval``.
+
+Everything heavy is built here (tokenizer, models, task, workers) and handed to the controller as
+handles, so ``controller.py`` stays the algorithm and nothing else.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import time
+from pathlib import Path
+from typing import Any, Callable, TypeVar
+
+import torch
+import transformers
+
+from asyncrl.buffer import ReplayBuffer
+from asyncrl.checkpoint import load_state, load_weights, resolve_checkpoint
+from asyncrl.config import ConfigError, RunConfig, dump_config
+from asyncrl.controller import SingleController
+from asyncrl.data import PromptLoader, build_task
+from asyncrl.generation import SamplingParams, build_generator
+from asyncrl.metrics import MetricsWriter, ProgressDisplay, read_jsonl, write_json_atomic
+from asyncrl.models.factory import build_model, build_tokenizer
+from asyncrl.plots import write_report
+from asyncrl.rewards import RewardRunner
+from asyncrl.rollout import RolloutWorker
+from asyncrl.runtime import build_runtime
+from asyncrl.sampler import build_sampler
+from asyncrl.trainer.policy import PolicyTrainer
+from asyncrl.trainer.worker import TrainerWorker
+from asyncrl.warm_start import warm_start
+
+T = TypeVar("T")
+
+
+def train(config: RunConfig, *, resume: str | Path | None = None, console: Any = None) -> dict:
+    """Run GRPO to the end; returns the summary that is also written to ``summary.json``."""
+    checkpoint_dir = _input(resolve_checkpoint, resume) if resume is not None else None
+    run_dir = run_directory(config, resuming=checkpoint_dir is not None)
+    config = config.model_copy(update={"logging": config.logging.model_copy(update={"output_dir": str(run_dir)})})
+    tokenizer = _input(build_tokenizer, config)
+    model = _input(build_model, config, tokenizer)
+    task = _input(build_task, config.data, tokenizer)
+    rewards = _input(RewardRunner.from_config, config.rewards)
+    runtime = _input(build_runtime, config.runtime.name)
+    state = load_state(checkpoint_dir) if checkpoint_dir is not None else None
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(dump_config(config))
+    torch.manual_seed(config.seed)
+    transformers.utils.logging.disable_progress_bar()  # checkpoint saves would print bars over the display
+    progress = ProgressDisplay(config.grpo.max_steps, enabled=config.logging.progress, console=console)
+    metrics = MetricsWriter(
+        run_dir,
+        config.logging,
+        run_config=config.model_dump(mode="json"),
+        resume_step=state["run"]["version"] if state is not None else None,
+    )
+    try:
+        with progress:
+            warm_start(
+                model,
+                tokenizer,
+                task.train,
+                config.warm_start,
+                seed=config.seed,
+                on_progress=lambda step, total, loss: progress.status(f"warm start {step}/{total}, loss {loss:.3f}"),
+            )
+            trainer = PolicyTrainer.from_config(config, model)
+            trainer_worker = TrainerWorker(trainer, config.grpo, tokenizer)
+            if checkpoint_dir is not None:
+                trainer_worker.load_checkpoint(checkpoint_dir, state["trainer"])
+            generator = build_generator(config, copy.deepcopy(model), tokenizer)
+            version, weights = trainer.export_weights()
+            generator.load_weights(weights, version)
+            rollout_worker = RolloutWorker(
+                generator,
+                rewards,
+                tokenizer,
+                run_seed=config.seed,
+                group_size=config.grpo.generations_per_prompt,
+                sampling=SamplingParams.from_config(config.generation),
+            )
+            controller = SingleController(
+                config,
+                trainer=runtime.spawn(lambda: trainer_worker, "trainer"),
+                rollout_workers=[runtime.spawn(lambda: rollout_worker, "rollout")],
+                task=task,
+                loader=PromptLoader(task.train, shuffle_seed=config.data.shuffle_seed, epochs=config.data.epochs),
+                sampler=build_sampler(config.sampler.name, config.grpo.prompts_per_step, config.sampler.max_lag),
+                buffer=ReplayBuffer(config.buffer_capacity),
+                metrics=metrics,
+                progress=progress,
+                run_dir=run_dir,
+            )
+            if state is not None:
+                controller.load_state_dict(state["run"])
+            result = asyncio.run(controller.run())
+            progress.status("writing the report")
+    finally:
+        runtime.shutdown()
+        rewards.close()
+        metrics.close()
+    summary = _summary(run_dir, result)
+    write_json_atomic(run_dir / "summary.json", summary)
+    write_report(run_dir)
+    return summary
+
+
+def run_directory(config: RunConfig, *, resuming: bool) -> Path:
+    """``logging.output_dir``, or a new ``runs/<date>-<time>``; a fresh run never reuses another's."""
+    if config.logging.output_dir is None:
+        return Path("runs") / time.strftime("%Y%m%d-%H%M%S")
+    run_dir = Path(config.logging.output_dir).expanduser()
+    if not resuming and any((run_dir / name).exists() for name in ("metrics.jsonl", "checkpoints")):
+        raise ConfigError(
+            f"logging.output_dir: '{run_dir}' already holds a run; resume it with --resume {run_dir} "
+            "or choose another --output-dir"
+        )
+    return run_dir
+
+
+def _input(build: Callable[..., T], *args: Any) -> T:
+    """Build from user input; a ValueError or a missing file becomes a one-line config error."""
+    try:
+        return build(*args)
+    except (ValueError, FileNotFoundError) as err:
+        raise ConfigError(" ".join(str(err).split())) from None
+
+
+def resumed_config_path(resume: str | Path) -> Path:
+    """The config a run saved beside its checkpoints: a resumed run continues with it."""
+    checkpoint_dir = _input(resolve_checkpoint, resume)
+    path = checkpoint_dir.parent.parent / "config.yaml"
+    if not path.is_file():
+        raise ConfigError(f"--resume: no config.yaml in the run directory {path.parent}; pass --config")
+    return path
+
+
+def _summary(run_dir: Path, result: dict) -> dict:
+    """Headline numbers; eval records come from eval.jsonl so a resumed run reports the whole run."""
+    evals = read_jsonl(run_dir / "eval.jsonl")
+    steps = read_jsonl(run_dir / "metrics.jsonl")
+    summary = {
+        "run_dir": str(run_dir),
+        "steps": result["steps"],
+        "wall_seconds": result["wall_seconds"],
+        "initial_eval_accuracy": evals[0]["accuracy"] if evals else None,
+        "final_eval_accuracy": evals[-1]["accuracy"] if evals else None,
+        "initial_eval_reward_mean": evals[0]["reward_mean"] if evals else None,
+        "final_eval_reward_mean": evals[-1]["reward_mean"] if evals else None,
+        "final_train_reward_mean": steps[-1]["reward_mean"] if steps else None,
+        "evicted_groups": steps[-1]["evicted_groups"] if steps else 0,
+        "reward_errors": sum(s["reward_errors"] for s in steps),
+        "reward_timeouts": sum(s["reward_timeouts"] for s in steps),
+        "rollout_retries": sum(s["rollout_retries"] for s in steps),
+        "max_lag_trained": max((int(lag) for s in steps for lag in s["lag_histogram"]), default=0),
+    }
+    return summary
+
+
+def evaluate(config: RunConfig, *, checkpoint: str | Path | None = None) -> dict:
+    """Greedy held-out accuracy of the config's policy (warm start included) or of a checkpoint."""
+    tokenizer = _input(build_tokenizer, config)
+    model = _input(build_model, config, tokenizer)
+    task = _input(build_task, config.data, tokenizer)
+    if checkpoint is not None:
+        load_weights(model, _input(resolve_checkpoint, checkpoint))
+    else:
+        warm_start(model, tokenizer, task.train, config.warm_start, seed=config.seed)
+    rewards = _input(RewardRunner.from_config, config.rewards)
+    try:
+        worker = RolloutWorker(
+            build_generator(config, model, tokenizer),
+            rewards,
+            tokenizer,
+            run_seed=config.seed,
+            group_size=1,
+            sampling=SamplingParams.from_config(config.generation),
+        )
+        result = worker.evaluate(list(task.heldout[: config.data.eval_size]))
+    finally:
+        rewards.close()
+    return {
+        "checkpoint": str(checkpoint) if checkpoint is not None else None,
+        "num_prompts": result.num_prompts,
+        "accuracy": result.accuracy,
+        "reward_mean": result.reward_mean,
+        "response_length_mean": result.response_length_mean,
+    }
