@@ -20,7 +20,8 @@ def small_model(seed: int = 0, dtype: torch.dtype = torch.float32):
 
 def generator(seed: int = 0, *, dtype: torch.dtype = torch.float32, batch_size: int = 64, eos: int | None = None):
     eos = TOKENIZER.eos_token_id if eos is None else eos
-    return HFGenerator(small_model(seed, dtype), eos_token_id=eos, pad_token_id=TOKENIZER.pad_token_id, batch_size=batch_size)
+    model = small_model(seed, dtype)
+    return HFGenerator(model, eos_token_id=eos, pad_token_id=TOKENIZER.pad_token_id, batch_size=batch_size)
 
 
 def requests(prompts=PROMPTS, samples: int = 2, run_seed: int = 0) -> list[SampleRequest]:

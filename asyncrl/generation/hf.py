@@ -107,8 +107,8 @@ class HFGenerator:
                 logits_to_keep=1,
             )
             cache = output.past_key_values
-            step_uniforms = None if uniforms is None else uniforms[active, steps]
-            token, logprob = sample_next(output.logits[:, -1], params.temperature, params.top_k, params.top_p, step_uniforms)
+            draws = None if uniforms is None else uniforms[active, steps]
+            token, logprob = sample_next(output.logits[:, -1], params.temperature, params.top_k, params.top_p, draws)
             tokens[active, steps] = token
             logprobs[active, steps] = logprob.to(logprobs.dtype)
             steps += 1
@@ -116,7 +116,8 @@ class HFGenerator:
             if not bool(running.all()):
                 keep = running.nonzero().squeeze(1)
                 cache.batch_select_indices(keep)
-                active, token, attention_mask, position_ids = active[keep], token[keep], attention_mask[keep], position_ids[keep]
+                active, token = active[keep], token[keep]
+                attention_mask, position_ids = attention_mask[keep], position_ids[keep]
             next_ids = token[:, None]
             attention_mask = torch.cat([attention_mask, attention_mask.new_ones(len(active), 1)], dim=1)
             position_ids = position_ids[:, -1:] + 1
