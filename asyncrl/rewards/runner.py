@@ -111,7 +111,9 @@ class RewardRunner:
     @classmethod
     def from_config(cls, cfg: RewardConfig, task: Task | None = None) -> RewardRunner:
         """``task`` supplies the format reward's pattern when ``rewards.format_pattern`` is not set."""
-        pattern = cfg.format_pattern if cfg.format_pattern is not None else getattr(task, "format_pattern", None)
+        pattern = cfg.format_pattern
+        if pattern is None and task is not None:
+            pattern = task.format_pattern
         functions = [(name, resolve_reward(name, format_pattern=pattern)) for name in cfg.functions]
         return cls(
             functions,
