@@ -8,7 +8,7 @@ import pytest
 
 from asyncrl.config import ConfigError, RewardConfig, load_config
 from asyncrl.data import Task
-from asyncrl.rewards import RewardRunner, exact_match, format_reward, numeric_match, resolve_reward
+from asyncrl.rewards import RewardRunner, exact_match, FormatReward, numeric_match, resolve_reward
 
 TIMEOUT = 0.2
 
@@ -54,6 +54,7 @@ def test_exact_match_compares_stripped_strings(completion, answer, score):
         ("nan", "nan", 0.0),
         ("inf", "inf", 0.0),
         ("19", "3,11,19", 0.0),
+        ("1e99999999999999999999999", "1", 0.0),
         ("", "", 0.0),
     ],
 )
@@ -61,8 +62,8 @@ def test_numeric_match_parses_numbers(completion, answer, score):
     assert numeric_match(completion, answer) == score
 
 
-def test_format_reward_matches_the_whole_stripped_completion():
-    integer = format_reward(r"-?\d+")
+def test_FormatReward_matches_the_whole_stripped_completion():
+    integer = FormatReward(r"-?\d+")
     assert integer(" -12\n", "anything") == 1.0
     assert integer("12 apples", "12") == 0.0
     assert integer("x12", "12") == 0.0
@@ -104,7 +105,7 @@ def test_resolve_rejects_bad_names_naming_the_field(name, match):
 
 def test_weighted_sum_and_correct_come_from_the_first_function():
     half = lambda completion, answer: 0.5  # noqa: E731
-    functions = [("format", format_reward(r"\d+")), ("exact_match", exact_match), ("half", half)]
+    functions = [("format", FormatReward(r"\d+")), ("exact_match", exact_match), ("half", half)]
     with RewardRunner(functions, weights=[0.1, 1.0, 2.0], timeout_s=5.0) as runner:
         result = runner.score(["19", "20", "x"], ["19", "19", "19"])
     assert result.per_function == {"format": [1.0, 1.0, 0.0], "exact_match": [1.0, 0.0, 0.0], "half": [0.5] * 3}
@@ -285,3 +286,44 @@ def test_config_rejects_bad_reward_settings(override, message):
     with pytest.raises(ConfigError) as info:
         load_config(None, [override])
     assert str(info.value).startswith(message)
+
+
+def test_a_call_spinning_on_the_cpu_does_not_stall_the_caller(release):
+    def spin(completion, answer):
+        while not release.is_set():
+            pass
+        return 1.0
+
+    with RewardRunner([("spin", spin)], timeout_s=TIMEOUT) as runner:
+        start = time.monotonic()
+        assert runner.score(["a"] * 4, ["a"] * 4).timeouts == 4
+        assert time.monotonic() - start < 5 * TIMEOUT
+
+
+def test_first_error_and_first_timeout_of_a_function_are_logged_once(release, caplog):
+    def flaky(completion, answer):
+        if completion == "hang":
+            release.wait()
+        raise KeyError(completion)
+
+    with RewardRunner([("flaky", flaky)], timeout_s=TIMEOUT) as runner:
+        runner.score(["a", "b", "hang"], ["", "", ""])
+        runner.score(["c"], [""])
+    messages = [r.getMessage() for r in caplog.records if r.name == "asyncrl.rewards.runner"]
+    assert len(messages) == 2
+    assert any(m.startswith("reward flaky: raised KeyError") for m in messages)
+    assert any(m.startswith("reward flaky: a call ran past rewards.timeout_s=0.2s") for m in messages)
+
+
+@pytest.mark.parametrize("name", ["exact_match", "numeric_match", "math", "format", "operator:eq"])
+def test_a_pickled_runner_scores_the_same_on_its_own_threads(name):
+    import pickle
+
+    runner = RewardRunner([(name, resolve_reward(name, format_pattern=r"\d+"))], weights=[2.0], timeout_s=30.0)
+    runner.score(["19"], ["19"])
+    copy = pickle.loads(pickle.dumps(runner))
+    assert copy.counts == runner.counts and copy.weights == [2.0] and copy.timeout_s == 30.0
+    assert copy.score(["19", "x"], ["19", "19"]) == runner.score(["19", "x"], ["19", "19"])
+    runner.close()
+    assert copy.score(["19"], ["19"]).rewards == [2.0]  # independent of the closed original
+    copy.close()

@@ -2,7 +2,8 @@
 
 Nothing is downloaded: the files are read with the library's packaged json / parquet builders into
 a throwaway cache. Every row is checked before training starts, and a bad one is reported by
-field, row number (1-based, the line of a jsonl file) and file. A row's uid is ``split/row``.
+field, row number (1-based; blank lines of a jsonl file do not count) and file. A row's uid is
+``split/row``.
 
 The held-out split comes from ``data.eval_path`` when it is set; otherwise the last
 ``data.eval_size`` rows of ``data.path`` are held out and the rows before them are trained on.

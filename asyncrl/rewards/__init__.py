@@ -2,9 +2,10 @@
 
 from asyncrl.rewards.functions import (
     BUILTIN_REWARDS,
+    FormatReward,
+    MathReward,
     RewardFn,
     exact_match,
-    format_reward,
     numeric_match,
     resolve_reward,
 )
@@ -12,12 +13,13 @@ from asyncrl.rewards.runner import RewardCounts, RewardResult, RewardRunner
 
 __all__ = [
     "BUILTIN_REWARDS",
+    "FormatReward",
+    "MathReward",
     "RewardCounts",
     "RewardFn",
     "RewardResult",
     "RewardRunner",
     "exact_match",
-    "format_reward",
     "numeric_match",
     "resolve_reward",
 ]

@@ -17,7 +17,7 @@ import importlib
 import inspect
 import logging
 import re
-from decimal import Decimal
+from decimal import Decimal, InvalidOperation
 from typing import Callable
 
 RewardFn = Callable[[str, str], float]
@@ -32,7 +32,12 @@ def exact_match(completion: str, answer: str) -> float:
 
 def _number(text: str) -> Decimal | None:
     text = text.strip()
-    return Decimal(text) if _NUMBER.fullmatch(text) else None
+    if not _NUMBER.fullmatch(text):
+        return None
+    try:
+        return Decimal(text)
+    except InvalidOperation:  # an exponent beyond what decimal represents
+        return None
 
 
 def numeric_match(completion: str, answer: str) -> float:
@@ -41,13 +46,14 @@ def numeric_match(completion: str, answer: str) -> float:
     return float(got is not None and expected is not None and got == expected)
 
 
-def format_reward(pattern: str) -> RewardFn:
-    compiled = re.compile(pattern)
+class FormatReward:
+    """1.0 when the stripped completion matches ``pattern`` as a whole; the answer is not looked at."""
 
-    def format(completion: str, answer: str) -> float:
-        return float(compiled.fullmatch(completion.strip()) is not None)
+    def __init__(self, pattern: str) -> None:
+        self.pattern = re.compile(pattern)
 
-    return format
+    def __call__(self, completion: str, answer: str) -> float:
+        return float(self.pattern.fullmatch(completion.strip()) is not None)
 
 
 class _DropTimeoutNotice(logging.Filter):
@@ -60,23 +66,28 @@ class _DropTimeoutNotice(logging.Filter):
 _DROP_TIMEOUT_NOTICE = _DropTimeoutNotice()
 
 
-def math_reward() -> RewardFn:
-    """Imported here, not per call, so the slow first import never counts against a call's timeout.
+class MathReward:
+    """Equivalence by math-verify, imported on construction so that the slow first import never
+    counts against a call's timeout.
 
     math-verify's own timeouts use SIGALRM, which only works on the main thread; reward calls run
     on worker threads, so they are switched off and the runner's wall-clock timeout applies.
     """
-    from math_verify import parse, verify
 
-    for logger in ("math_verify.parser", "math_verify.grader"):
-        logging.getLogger(logger).addFilter(_DROP_TIMEOUT_NOTICE)  # adding it again is a no-op
+    def __init__(self) -> None:
+        import math_verify
 
-    def math(completion: str, answer: str) -> float:
-        gold = parse(answer, parsing_timeout=None)
-        predicted = parse(completion, parsing_timeout=None)
-        return float(verify(gold, predicted, timeout_seconds=None))
+        self._math_verify = math_verify
+        for logger in ("math_verify.parser", "math_verify.grader"):
+            logging.getLogger(logger).addFilter(_DROP_TIMEOUT_NOTICE)  # adding it again is a no-op
 
-    return math
+    def __call__(self, completion: str, answer: str) -> float:
+        gold = self._math_verify.parse(answer, parsing_timeout=None)
+        predicted = self._math_verify.parse(completion, parsing_timeout=None)
+        return float(self._math_verify.verify(gold, predicted, timeout_seconds=None))
+
+    def __reduce__(self):
+        return MathReward, ()
 
 
 def resolve_reward(name: str, *, format_pattern: str | None = None) -> RewardFn:
@@ -86,11 +97,11 @@ def resolve_reward(name: str, *, format_pattern: str | None = None) -> RewardFn:
     if name == "numeric_match":
         return numeric_match
     if name == "math":
-        return math_reward()
+        return MathReward()
     if name == "format":
         if format_pattern is None:
             raise ValueError("rewards.format_pattern: the format reward needs a pattern and the task has none")
-        return format_reward(format_pattern)
+        return FormatReward(format_pattern)
     if ":" not in name:
         raise ValueError(
             f"rewards.functions: unknown reward '{name}'; built-ins are {', '.join(BUILTIN_REWARDS)}, "

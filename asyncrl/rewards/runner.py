@@ -123,6 +123,23 @@ class RewardRunner:
             max_hung_threads=cfg.max_hung_threads,
         )
 
+    def __getstate__(self) -> dict:
+        """Configuration and counters only: a copy (say, sent to a Ray actor) starts its own threads."""
+        return {
+            "functions": list(zip(self.names, self._functions)),
+            "weights": self.weights,
+            "timeout_s": self.timeout_s,
+            "threads": self.threads,
+            "max_hung_threads": self.max_hung_threads,
+            "counts": self.counts,
+        }
+
+    def __setstate__(self, state: dict) -> None:
+        state = dict(state)
+        counts = state.pop("counts")
+        self.__init__(state.pop("functions"), **state)
+        self.counts = counts
+
     @property
     def hung_threads(self) -> int:
         """Abandoned threads whose call has still not returned."""
