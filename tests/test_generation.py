@@ -330,6 +330,13 @@ def test_build_generator_uses_the_config_and_the_tokenizers_special_tokens():
     assert (gen.batch_size, gen.eos_token_id, gen.pad_token_id) == (5, TOKENIZER.eos_token_id, TOKENIZER.pad_token_id)
 
 
+def test_build_generator_rejects_an_unknown_backend():
+    config = load_config(None, [])
+    config = config.model_copy(update={"generation": GenerationConfig.model_construct(backend="other", batch_size=4)})
+    with pytest.raises(ValueError, match=r"^generation\.backend: unknown backend 'other'"):
+        build_generator(config, small_model(), TOKENIZER)
+
+
 def test_build_generator_needs_an_eos_token():
     tokenizer = build_char_tokenizer()
     tokenizer.eos_token = None
