@@ -50,7 +50,7 @@ def trainer_logits(model, rollout) -> torch.Tensor:
 
 def test_sample_seed_is_a_fixed_hash_of_its_arguments():
     expected = int.from_bytes(hashlib.sha256(b"7:3:prompt-42").digest()[:8], "little") >> 1
-    assert sample_seed(7, "prompt-42", 3) == expected
+    assert sample_seed(7, "prompt-42", 3) == expected == 2540106890583816718  # pinned: resumed runs rely on it
     seeds = {sample_seed(r, uid, i) for r in (0, 1) for uid in ("a", "b", "1:0") for i in (0, 1)}
     assert len(seeds) == 12
     assert all(0 <= s < 2**63 for s in seeds)
