@@ -30,9 +30,9 @@ class ModelConfig(Section):
 
     path: str | None = Field(None, description="local HF causal LM directory; null builds the tiny model below")
     arch: Literal["qwen2", "llama"] = Field("qwen2", description="tiny model architecture")
-    hidden_size: int = Field(192, ge=8, description="tiny model width")
-    num_layers: int = Field(4, ge=1, description="tiny model depth")
-    num_heads: int = Field(6, ge=1, description="tiny model attention heads; must divide hidden_size")
+    hidden_size: int = Field(128, ge=8, description="tiny model width")
+    num_layers: int = Field(2, ge=1, description="tiny model depth")
+    num_heads: int = Field(4, ge=1, description="tiny model attention heads; must divide hidden_size")
     num_kv_heads: int = Field(2, ge=1, description="tiny model key/value heads; must divide num_heads")
     intermediate_size: int = Field(512, ge=8, description="tiny model MLP width")
     init_seed: int = Field(0, description="seed of the tiny model's initialization")
@@ -148,10 +148,10 @@ class RewardConfig(Section):
 class GRPOConfig(Section):
     """Step shape and advantages."""
 
-    prompts_per_step: int = Field(8, ge=1, description="P: prompt groups per optimizer step")
+    prompts_per_step: int = Field(16, ge=1, description="P: prompt groups per optimizer step")
     generations_per_prompt: int = Field(8, ge=1, description="n: samples per prompt")
     step_batch_size: int | None = Field(None, ge=1, description="sequences per step; must equal P*n if given")
-    max_steps: int = Field(100, ge=1, description="optimizer steps of the run (also the cosine schedule's length)")
+    max_steps: int = Field(800, ge=1, description="optimizer steps of the run (also the cosine schedule's length)")
     baseline: Literal["mean", "leave_one_out"] = Field("mean", description="advantage baseline within a group")
     scale_by_std: bool = Field(True, description="divide advantages by the group std; false is Dr. GRPO")
     filter_zero_variance: bool = Field(False, description="drop groups whose rewards are all equal")
@@ -215,7 +215,7 @@ class TrainerConfig(Section):
     """Optimizer, schedule and numerics of the policy trainer."""
 
     optimizer: Literal["adamw"] = Field("adamw", description="optimizer")
-    lr: float = Field(1e-4, gt=0.0, description="peak learning rate")
+    lr: float = Field(3e-4, gt=0.0, description="peak learning rate")
     weight_decay: float = Field(0.0, ge=0.0, description="decoupled weight decay")
     betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas")
     eps: float = Field(1e-8, gt=0.0, description="AdamW epsilon")
@@ -240,6 +240,9 @@ class RuntimeConfig(Section):
     name: Literal["local", "ray"] = Field("local", description="local: one process, worker threads; ray: actors")
     max_inflight_groups: int | None = Field(None, ge=1, description="dispatched, uncommitted groups; null: capacity")
     max_rollout_retries: int = Field(2, ge=0, description="retries of a failed rollout before the run stops")
+    torch_threads: int | None = Field(
+        None, ge=1, description="CPU threads per torch op; null: cores / 2, so the trainer and generator threads don't fight"
+    )
 
 
 class ParallelConfig(Section):
@@ -269,7 +272,7 @@ class SyncConfig(Section):
 class WarmStartConfig(Section):
     """A short supervised warm start on the train split, cached on disk, before GRPO begins."""
 
-    steps: int = Field(0, ge=0, description="supervised steps; 0 skips the warm start")
+    steps: int = Field(300, ge=0, description="supervised steps; 0 skips the warm start")
     lr: float = Field(3e-3, gt=0.0, description="warm start learning rate")
     batch_size: int = Field(64, ge=1, description="examples per warm start step")
     cache_dir: str = Field("~/.cache/asyncrl/warm_start", description="where warm-started weights are cached")
@@ -278,7 +281,7 @@ class WarmStartConfig(Section):
 class CheckpointConfig(Section):
     """When run state is saved."""
 
-    every_steps: int | None = Field(None, ge=1, description="save every k steps; null: only at the end")
+    every_steps: int | None = Field(200, ge=1, description="save every k steps (and at the end); null: only at the end")
     keep_last: int = Field(2, ge=1, description="checkpoints kept on disk")
 
 
@@ -288,7 +291,7 @@ class LoggingConfig(Section):
     output_dir: str | None = Field(
         None, description="run directory (metrics, checkpoints, report); null: runs/<date>-<time>; must not hold another run"
     )
-    eval_every_steps: int | None = Field(10, ge=1, description="held-out evaluation cadence; null: start and end only")
+    eval_every_steps: int | None = Field(100, ge=1, description="held-out evaluation cadence; null: start and end only")
     tensorboard: bool = Field(True, description="write TensorBoard event files")
     wandb: bool = Field(False, description="log to Weights & Biases when it is installed")
     progress: bool = Field(True, description="live progress display")

@@ -103,8 +103,8 @@ class SingleController:
 
     # ---- the run --------------------------------------------------------------------------
 
-    async def run(self) -> dict:
-        """Train to ``grpo.max_steps`` (or the end of the data); returns the run summary."""
+    async def run(self) -> int:
+        """Train to ``grpo.max_steps`` or the end of the data; returns the steps taken in total."""
         if self.version == 0:
             await self.evaluate()
         try:
@@ -117,7 +117,7 @@ class SingleController:
         if not self.evals or self.evals[-1]["step"] != self.version:
             await self.evaluate()
         await self.checkpoint()
-        return {"steps": self.version, "wall_seconds": time.perf_counter() - self.start_time}
+        return self.version
 
     # ---- rollout loop -------------------------------------------------------------------------
 
@@ -255,8 +255,8 @@ class SingleController:
                 remaining = target - trained
                 exhausted = self.data_exhausted and self.gate.in_flight == 0
                 min_k = 1 if exhausted else min(self.chunk_groups, remaining)
-                slot_ids = self.sampler.select(version, self.buffer, min_k, remaining)
-                if not slot_ids:
+                slot_ids = self._in_dispatch_order(self.sampler.select(version, self.buffer, min_k, remaining))
+                if len(slot_ids) < min_k:
                     if exhausted:
                         break
                     wait_start = time.perf_counter()
@@ -279,6 +279,20 @@ class SingleController:
         except BaseException:
             await asyncio.shield(self.trainer.abort_step())
             raise
+
+    def _in_dispatch_order(self, slot_ids: list[int]) -> list[int]:
+        """Hold back groups dispatched after a still-generating group that has a target step.
+
+        Groups then reach the trainer in dispatch order even when a batch is retried, so a
+        step's micro-batches (and its result) do not depend on which batch finished first.
+        """
+        first_in_flight = min(
+            (slot.slot_id for slot in self.buffer.reserved_slots() if slot.target_step is not None),
+            default=None,
+        )
+        if first_in_flight is None:
+            return slot_ids
+        return [slot_id for slot_id in slot_ids if slot_id < first_in_flight]
 
     # ---- evaluation, checkpoints, metrics ---------------------------------------------------
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import os
 import time
 from pathlib import Path
 from typing import Any, Callable, TypeVar
@@ -37,18 +38,20 @@ T = TypeVar("T")
 
 def train(config: RunConfig, *, resume: str | Path | None = None, console: Any = None) -> dict:
     """Run GRPO to the end; returns the summary that is also written to ``summary.json``."""
+    start = time.perf_counter()
     checkpoint_dir = _input(resolve_checkpoint, resume) if resume is not None else None
     run_dir = run_directory(config, resuming=checkpoint_dir is not None)
     config = config.model_copy(update={"logging": config.logging.model_copy(update={"output_dir": str(run_dir)})})
     tokenizer = _input(build_tokenizer, config)
     model = _input(build_model, config, tokenizer)
     task = _input(build_task, config.data, tokenizer)
-    rewards = _input(RewardRunner.from_config, config.rewards)
+    rewards = _input(RewardRunner.from_config, config.rewards, task)
     runtime = _input(build_runtime, config.runtime.name)
     state = load_state(checkpoint_dir) if checkpoint_dir is not None else None
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(dump_config(config))
     torch.manual_seed(config.seed)
+    torch.set_num_threads(config.runtime.torch_threads or max(1, (os.cpu_count() or 2) // 2))
     transformers.utils.logging.disable_progress_bar()  # checkpoint saves would print bars over the display
     progress = ProgressDisplay(config.grpo.max_steps, enabled=config.logging.progress, console=console)
     metrics = MetricsWriter(
@@ -96,13 +99,13 @@ def train(config: RunConfig, *, resume: str | Path | None = None, console: Any =
             )
             if state is not None:
                 controller.load_state_dict(state["run"])
-            result = asyncio.run(controller.run())
+            steps_done = asyncio.run(controller.run())
             progress.status("writing the report")
     finally:
         runtime.shutdown()
         rewards.close()
         metrics.close()
-    summary = _summary(run_dir, result)
+    summary = _summary(run_dir, steps_done, time.perf_counter() - start)
     write_json_atomic(run_dir / "summary.json", summary)
     write_report(run_dir)
     return summary
@@ -138,14 +141,14 @@ def resumed_config_path(resume: str | Path) -> Path:
     return path
 
 
-def _summary(run_dir: Path, result: dict) -> dict:
+def _summary(run_dir: Path, steps_done: int, wall_seconds: float) -> dict:
     """Headline numbers; eval records come from eval.jsonl so a resumed run reports the whole run."""
     evals = read_jsonl(run_dir / "eval.jsonl")
     steps = read_jsonl(run_dir / "metrics.jsonl")
     summary = {
         "run_dir": str(run_dir),
-        "steps": result["steps"],
-        "wall_seconds": result["wall_seconds"],
+        "steps": steps_done,
+        "wall_seconds": wall_seconds,
         "initial_eval_accuracy": evals[0]["accuracy"] if evals else None,
         "final_eval_accuracy": evals[-1]["accuracy"] if evals else None,
         "initial_eval_reward_mean": evals[0]["reward_mean"] if evals else None,
@@ -169,7 +172,7 @@ def evaluate(config: RunConfig, *, checkpoint: str | Path | None = None) -> dict
         load_weights(model, _input(resolve_checkpoint, checkpoint))
     else:
         warm_start(model, tokenizer, task.train, config.warm_start, seed=config.seed)
-    rewards = _input(RewardRunner.from_config, config.rewards)
+    rewards = _input(RewardRunner.from_config, config.rewards, task)
     try:
         worker = RolloutWorker(
             build_generator(config, model, tokenizer),

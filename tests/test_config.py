@@ -2,11 +2,14 @@
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from asyncrl.cli import main
 from asyncrl.config import ConfigError, RunConfig, dump_config, load_config
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def error_of(overrides=(), path=None) -> str:
@@ -100,7 +103,7 @@ def test_mode_constant_and_other_cross_field_rules():
     assert error_of(["grpo.baseline=leave_one_out", "grpo.generations_per_prompt=1"]).startswith("grpo.baseline: ")
     assert error_of(["model.hidden_size=100", "model.num_heads=3"]).startswith("model.num_heads: ")
     assert error_of(["rewards.weights=[1.0, 2.0]"]).startswith("rewards.weights: 2 weights for 1 functions")
-    assert error_of(["grpo.min_groups_per_chunk=9"]).startswith("grpo.min_groups_per_chunk: 9 > prompts_per_step 8")
+    assert error_of(["grpo.min_groups_per_chunk=17"]).startswith("grpo.min_groups_per_chunk: 17 > prompts_per_step 16")
 
 
 def test_unknown_sampler_names_the_field():
@@ -160,7 +163,7 @@ def test_installed_script_reports_errors_without_traceback():
     )
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr
-    assert proc.stderr.startswith("error: sampler.buffer_capacity: 1 < 16")
+    assert proc.stderr.startswith("error: sampler.buffer_capacity: 1 < 32")
 
 
 def test_every_key_is_documented_and_the_reference_is_current():
@@ -194,3 +197,12 @@ def test_override_into_a_section_that_yaml_set_to_a_value_is_one_line(tmp_path):
     path.write_text("loss: 5\n")
     assert error_of(["loss.mode=token-mean"], path=path) == "loss: expected a section (a mapping), got 5"
     assert error_of(path=path).startswith("loss: ")
+
+
+def test_shipped_configs_load_and_the_default_one_is_the_embedded_default():
+    configs = sorted((ROOT / "configs").glob("*.yaml"))
+    assert {p.name for p in configs} >= {"default.yaml", "sync.yaml", "gpu-hf.yaml"}
+    for path in configs:
+        load_config(path)
+    assert load_config(ROOT / "configs" / "default.yaml") == RunConfig()
+    assert load_config(ROOT / "configs" / "sync.yaml").sampler.max_lag == 0

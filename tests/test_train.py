@@ -83,3 +83,60 @@ def test_the_end_of_the_data_stops_the_run_cleanly(tmp_path):
     assert summary["steps"] == len(metrics) == 3  # 10 prompts: steps of 4, 4 and the last 2
     assert metrics[-1]["num_groups"] == 2
     assert threading.active_count() < 10
+
+
+def raising_reward(completion: str, answer: str) -> float:
+    raise ValueError("this reward always fails")
+
+
+def hanging_reward(completion: str, answer: str) -> float:
+    time.sleep(1.0)
+    return 1.0
+
+
+@pytest.mark.slow
+def test_rewards_that_raise_or_hang_score_zero_and_are_counted(tmp_path):
+    summary, metrics, _ = run(
+        tmp_path,
+        "faulty",
+        "grpo.max_steps=2",
+        "rewards.functions=[exact_match, test_train:raising_reward, test_train:hanging_reward]",
+        "rewards.timeout_s=0.1",
+    )
+    samples_per_step = 4 * 4
+    assert [m["reward_errors"] for m in metrics] == [samples_per_step] * 2
+    assert [m["reward_timeouts"] for m in metrics] == [samples_per_step] * 2
+    assert summary["reward_errors"] == summary["reward_timeouts"] == 2 * samples_per_step
+    assert max(m["reward_mean"] for m in metrics) <= 1.0  # only exact_match can score
+
+
+def fail_some_generations(monkeypatch, failing_calls: set[int]):
+    from asyncrl.generation.hf import HFGenerator
+
+    original, calls = HFGenerator.generate, {"n": 0}
+
+    def generate(self, requests, params):
+        calls["n"] += 1
+        if calls["n"] in failing_calls:
+            raise RuntimeError(f"injected generation failure {calls['n']}")
+        return original(self, requests, params)
+
+    monkeypatch.setattr(HFGenerator, "generate", generate)
+
+
+@pytest.mark.slow
+def test_a_failed_generation_is_retried_with_the_same_slots_and_seeds(tmp_path, monkeypatch):
+    _, clean, clean_groups = run(tmp_path, "clean", "sampler.max_lag=0")
+    fail_some_generations(monkeypatch, {2, 4})  # call 1 is the initial evaluation
+    summary, retried, retried_groups = run(tmp_path, "retried", "sampler.max_lag=0")
+    assert summary["rollout_retries"] == 2 * 2  # two failed batches of two groups
+    without_retries = [{k: v for k, v in strip_timing(m).items() if k != "rollout_retries"} for m in retried]
+    assert without_retries == [{k: v for k, v in strip_timing(m).items() if k != "rollout_retries"} for m in clean]
+    assert [g["prompt_uid"] for g in retried_groups] == [g["prompt_uid"] for g in clean_groups]
+
+
+@pytest.mark.slow
+def test_a_generation_that_keeps_failing_stops_the_run_with_a_clear_error(tmp_path, monkeypatch):
+    fail_some_generations(monkeypatch, set(range(2, 100)))
+    with pytest.raises(RolloutFailedError, match=r"generation failed 3 times \(runtime.max_rollout_retries=2\)"):
+        run(tmp_path, "broken")
