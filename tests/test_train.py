@@ -140,3 +140,52 @@ def test_a_generation_that_keeps_failing_stops_the_run_with_a_clear_error(tmp_pa
     fail_some_generations(monkeypatch, set(range(2, 100)))
     with pytest.raises(RolloutFailedError, match=r"generation failed 3 times \(runtime.max_rollout_retries=2\)"):
         run(tmp_path, "broken")
+
+
+@pytest.mark.slow
+def test_max_lag_zero_reproduces_a_plain_synchronous_loop(tmp_path):
+    """The reference: the same components called in sequence, with no controller, threads or buffer."""
+    import copy
+
+    from safetensors.torch import load_file
+
+    from asyncrl.data import PromptLoader, build_task
+    from asyncrl.generation import SamplingParams, build_generator
+    from asyncrl.models.factory import build_model, build_tokenizer
+    from asyncrl.rewards import RewardRunner
+    from asyncrl.rollout import RolloutJob, RolloutWorker
+    from asyncrl.trainer import PolicyTrainer
+    from asyncrl.trainer.worker import TrainerWorker
+
+    steps = 3
+    _, metrics, _ = run(tmp_path, "async", "sampler.max_lag=0", f"grpo.max_steps={steps}")
+
+    config = load_config(None, [*SMALL, "sampler.max_lag=0"])
+    tokenizer = build_tokenizer(config)
+    model = build_model(config, tokenizer)
+    task = build_task(config.data, tokenizer)
+    trainer = TrainerWorker(PolicyTrainer.from_config(config, model), config.grpo, tokenizer)
+    rewards = RewardRunner.from_config(config.rewards, task)
+    rollout = RolloutWorker(
+        build_generator(config, copy.deepcopy(model), tokenizer), rewards, tokenizer,
+        run_seed=config.seed, group_size=config.grpo.generations_per_prompt,
+        sampling=SamplingParams.from_config(config.generation),
+    )
+    loader = PromptLoader(task.train, shuffle_seed=config.data.shuffle_seed, epochs=None)
+    per_batch = config.generation.batch_size // config.grpo.generations_per_prompt
+    reference = []
+    for step in range(steps):
+        jobs = [RolloutJob(i, loader.next(), step, step) for i in range(config.grpo.prompts_per_step)]
+        groups = [g for b in range(0, len(jobs), per_batch) for g in rollout.generate(jobs[b : b + per_batch]).groups]
+        trainer.begin_step(step)
+        trainer.train_groups(groups)
+        report = trainer.finish_step()
+        version, weights = trainer.export_weights()
+        rollout.load_weights(weights, version)
+        reference.append((report.result.loss, report.result.grad_norm, report.data.reward_sum / report.data.num_samples))
+    rewards.close()
+
+    assert [(m["loss"], m["grad_norm"], m["reward_mean"]) for m in metrics] == reference
+    saved = load_file(tmp_path / "async" / "checkpoints" / f"step-{steps:06d}" / "model.safetensors")
+    for name, tensor in saved.items():
+        assert torch.equal(tensor, model.state_dict()[name]), name
