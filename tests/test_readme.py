@@ -15,7 +15,7 @@ def test_readme_python_examples_run():
 
 def test_readme_opens_with_the_install_and_test_commands():
     commands = re.findall(r"```bash\n(.*?)```", README.read_text(), flags=re.S)
-    assert commands[0].strip() == "pip install -e . && asyncrl verify"
+    assert commands[0].strip() == "pip install -e . && asyncrl train"
     assert commands[1].strip() == 'pip install -e ".[test]" && python -m pytest'
     ci = (README.parent / ".ci" / "run").read_text()
     assert commands[1].strip() in ci
