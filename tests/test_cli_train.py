@@ -1,0 +1,49 @@
+"""`asyncrl train | eval | plot` from the command line: outputs, resume, and one-line input errors."""
+
+import json
+
+import pytest
+
+from asyncrl.cli import main
+from test_train import SMALL
+
+
+def one_line_error(capsys, argv) -> str:
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1 and "Traceback" not in err
+    return err
+
+
+def test_bad_input_is_one_line_with_exit_code_2(tmp_path, capsys):
+    assert "trainer.lrr: unknown key" in one_line_error(capsys, ["train", "trainer.lrr=1"])
+    assert "--resume: no checkpoint found" in one_line_error(capsys, ["train", "--resume", str(tmp_path / "nope")])
+    missing = one_line_error(capsys, ["train", *SMALL, "data.task=jsonl", f"data.path={tmp_path / 'missing.jsonl'}"])
+    assert "data.path" in missing
+    (tmp_path / "old").mkdir()
+    (tmp_path / "old" / "metrics.jsonl").write_text("")
+    taken = one_line_error(capsys, ["train", "--output-dir", str(tmp_path / "old")])
+    assert "logging.output_dir" in taken and "already holds a run" in taken
+    assert "plot:" in one_line_error(capsys, ["plot", str(tmp_path / "nope")])
+
+
+@pytest.mark.slow
+def test_train_then_resume_eval_and_plot(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    assert main(["train", "--output-dir", str(run_dir), *SMALL, "grpo.max_steps=2"]) == 0
+    out = capsys.readouterr().out
+    assert "after 2 steps" in out and str(run_dir) in out
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == 2 and {"initial_eval_accuracy", "final_eval_accuracy", "wall_seconds"} <= summary.keys()
+
+    assert main(["train", "--resume", str(run_dir), "grpo.max_steps=3"]) == 0  # the run's own config.yaml
+    assert json.loads((run_dir / "summary.json").read_text())["steps"] == 3
+    capsys.readouterr()
+
+    assert main(["eval", "--checkpoint", str(run_dir), *SMALL]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["num_prompts"] == 8 and 0.0 <= result["accuracy"] <= 1.0
+
+    (run_dir / "report.png").unlink()
+    assert main(["plot", str(run_dir)]) == 0
+    assert (run_dir / "report.png").read_bytes().startswith(b"\x89PNG")
