@@ -189,3 +189,18 @@ def test_max_lag_zero_reproduces_a_plain_synchronous_loop(tmp_path):
     saved = load_file(tmp_path / "async" / "checkpoints" / f"step-{steps:06d}" / "model.safetensors")
     for name, tensor in saved.items():
         assert torch.equal(tensor, model.state_dict()[name]), name
+
+
+@pytest.mark.slow
+def test_drain_and_inflight_syncs_train_the_same_in_order_run(tmp_path):
+    _, inflight, _ = run(tmp_path, "inflight", "sync.mode=inflight")
+    _, drained, _ = run(tmp_path, "drained", "sync.mode=drain")
+    assert deterministic(inflight) == deterministic(drained)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sampler", ["weight_fifo", "windowed"])
+def test_other_samplers_keep_their_lag_bound(tmp_path, sampler):
+    summary, metrics, groups = run(tmp_path, sampler, f"sampler.name={sampler}", "sampler.max_lag=1")
+    assert summary["steps"] == 4 and all(m["num_groups"] == 4 for m in metrics)
+    assert all(0 <= g["lag"] <= 1 for g in groups)
