@@ -22,16 +22,18 @@ import asyncio
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 from asyncrl.buffer import ReplayBuffer
 from asyncrl.config import RunConfig
 from asyncrl.data import Prompt, PromptLoader, Task
-from asyncrl.rollout import RolloutBatch, RolloutJob
 from asyncrl.sampler import Sampler
-from asyncrl.trainer.worker import StepReport
-from asyncrl.types import RolloutGroup
+from asyncrl.types import RolloutGroup, RolloutJob
 from asyncrl.weights import Changes, RolloutGate, SyncReport, WeightSync
+
+if TYPE_CHECKING:  # worker-side types; the controller never imports model code
+    from asyncrl.rollout import RolloutBatch
+    from asyncrl.trainer.worker import StepReport
 
 STATE_VERSION = 1
 

@@ -17,18 +17,7 @@ from torch import Tensor
 from asyncrl.data import Prompt
 from asyncrl.generation import Generator, SampleRequest, SamplingParams, sample_seed
 from asyncrl.rewards import RewardRunner
-from asyncrl.types import Rollout, RolloutGroup
-
-
-@dataclass(frozen=True)
-class RolloutJob:
-    """One admitted prompt: the buffer slot its group fills and the sampler's stamps."""
-
-    slot_id: int
-    prompt: Prompt
-    start_version: int
-    target_step: int | None
-    retries: int = 0
+from asyncrl.types import Rollout, RolloutGroup, RolloutJob
 
 
 @dataclass

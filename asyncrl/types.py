@@ -14,6 +14,19 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
+from asyncrl.data.prompts import Prompt
+
+
+@dataclass(frozen=True)
+class RolloutJob:
+    """One admitted prompt, controller -> rollout worker: its buffer slot and the sampler's stamps."""
+
+    slot_id: int
+    prompt: Prompt
+    start_version: int
+    target_step: int | None
+    retries: int = 0
+
 
 @dataclass
 class Rollout:

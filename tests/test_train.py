@@ -3,7 +3,6 @@
 Each run is a few seconds: a 2-layer model, 4 prompts x 4 samples per step, short answers.
 """
 
-import json
 import threading
 import time
 
@@ -153,9 +152,10 @@ def test_max_lag_zero_reproduces_a_plain_synchronous_loop(tmp_path):
     from asyncrl.generation import SamplingParams, build_generator
     from asyncrl.models.factory import build_model, build_tokenizer
     from asyncrl.rewards import RewardRunner
-    from asyncrl.rollout import RolloutJob, RolloutWorker
+    from asyncrl.rollout import RolloutWorker
     from asyncrl.trainer import PolicyTrainer
     from asyncrl.trainer.worker import TrainerWorker
+    from asyncrl.types import RolloutJob
 
     steps = 3
     _, metrics, _ = run(tmp_path, "async", "sampler.max_lag=0", f"grpo.max_steps={steps}")
@@ -204,3 +204,11 @@ def test_other_samplers_keep_their_lag_bound(tmp_path, sampler):
     summary, metrics, groups = run(tmp_path, sampler, f"sampler.name={sampler}", "sampler.max_lag=1")
     assert summary["steps"] == 4 and all(m["num_groups"] == 4 for m in metrics)
     assert all(0 <= g["lag"] <= 1 for g in groups)
+
+
+def test_the_controller_imports_no_model_code():
+    import subprocess
+    import sys
+
+    probe = "import sys, asyncrl.controller; print([m for m in ('transformers', 'asyncrl.models', 'asyncrl.generation') if m in sys.modules])"
+    assert subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout.strip() == "[]"
