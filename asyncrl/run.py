@@ -73,7 +73,7 @@ def train(config: RunConfig, *, resume: str | Path | None = None, console: Any =
             trainer = PolicyTrainer.from_config(config, model)
             trainer_worker = TrainerWorker(trainer, config.grpo, tokenizer)
             if checkpoint_dir is not None:
-                trainer_worker.load_checkpoint(checkpoint_dir, state["trainer"])
+                _input(trainer_worker.load_checkpoint, checkpoint_dir, state["trainer"])
             generator = build_generator(config, copy.deepcopy(model), tokenizer)
             version, weights = trainer.export_weights()
             generator.load_weights(weights, version)
@@ -98,7 +98,7 @@ def train(config: RunConfig, *, resume: str | Path | None = None, console: Any =
                 run_dir=run_dir,
             )
             if state is not None:
-                controller.load_state_dict(state["run"])
+                _input(controller.load_state_dict, state["run"])
             steps_done = asyncio.run(controller.run())
             progress.status("writing the report")
     finally:

@@ -47,3 +47,14 @@ def test_train_then_resume_eval_and_plot(tmp_path, capsys):
     (run_dir / "report.png").unlink()
     assert main(["plot", str(run_dir)]) == 0
     assert (run_dir / "report.png").read_bytes().startswith(b"\x89PNG")
+
+
+@pytest.mark.slow
+def test_resuming_with_an_incompatible_config_is_a_one_line_error(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    assert main(["train", "--output-dir", str(run_dir), *SMALL, "grpo.max_steps=1"]) == 0
+    capsys.readouterr()
+    err = one_line_error(capsys, ["train", "--resume", str(run_dir), "grpo.prompts_per_step=2"])
+    assert "grpo.prompts_per_step" in err
+    err = one_line_error(capsys, ["train", "--resume", str(run_dir), "model.num_layers=3"])
+    assert "weights do not match the model" in err
