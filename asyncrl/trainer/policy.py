@@ -2,10 +2,12 @@
 
 Gradient convention (DESIGN 3.4), the single place it is written down:
     every micro-batch back-propagates the *unnormalized* sum  sum_t local_w * mask * loss_t,
-    gradients are SUMMED over micro-batches (autograd accumulation) and, later, over data- and
+    gradients are SUMMED over micro-batches (autograd accumulation) and over data- and
     context-parallel ranks, and ``finish_train_step`` divides them exactly once by the step-global
     normalizer D (N response tokens for token-mean, G sequences otherwise) before clipping.
 No micro-batch ever divides by a local count, so any split, in any order, gives the same step.
+With ``parallel`` (trainer/parallel.py) the counts behind D are summed over ranks in ``finish``,
+and the wrapper's gradient averaging is undone there in the same multiplication as 1/D.
 
 Exception safety: nothing persistent changes before ``optimizer.step()`` at the very end of
 ``finish_train_step``. Until then the only step state is gradients, the accumulators below and
@@ -17,6 +19,7 @@ from __future__ import annotations
 import copy
 import math
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor, nn
@@ -26,6 +29,9 @@ from asyncrl.config import LossConfig, RunConfig, TrainerConfig
 from asyncrl.models import token_logprobs
 from asyncrl.trainer.optim import build_optimizer, build_scheduler
 from asyncrl.types import TrainBatch
+
+if TYPE_CHECKING:
+    from asyncrl.trainer.parallel import ParallelContext
 
 # Per-token metrics reduced as (masked sum, token count); "is_weight" also keeps min and max.
 _SUMMED_METRICS = ("clip", "is_weight", "ratio", "kl", "entropy", "mismatch_kl")
@@ -55,6 +61,23 @@ _COUNTERS = ("loss_sum", "num_tokens", "num_sequences", *(f"{name}_sum" for name
 
 
 @dataclass
+class TokenLossInputs:
+    """The per-token tensors of one micro-batch (or one context-parallel shard of it), in one
+    layout; the loss is elementwise, so the layout only orders sums. Counts are this piece's share."""
+
+    logprobs: Tensor
+    entropy: Tensor | None
+    old_logprobs: Tensor | None  # None: the detached logprobs (on-policy)
+    behaviour_logprobs: Tensor
+    advantages: Tensor  # broadcastable to logprobs
+    ref_logprobs: Tensor | None
+    response_mask: Tensor
+    weights: Tensor  # local_it * m_it
+    num_tokens: Tensor
+    num_sequences: Tensor
+
+
+@dataclass
 class _StepState:
     """Accumulators of the open step; sums only, so the order of micro-batches does not matter."""
 
@@ -78,9 +101,15 @@ class PolicyTrainer:
         importance_sampling: str,
         total_steps: int,
         reference_model: nn.Module | None = None,
+        parallel: ParallelContext | None = None,
     ) -> None:
+        """``parallel``: this rank's place among the trainer ranks; the policy is wrapped (FSDP2 or
+        DDP) and both models get context-parallel attention. Every rank then makes the same calls."""
         if loss_cfg.kl_coef > 0 and reference_model is None:
             raise ValueError("loss.kl_coef: a KL penalty needs a reference model")
+        self.parallel = parallel
+        if parallel is not None:
+            model = parallel.parallelize(model, reference_model)
         self.model = model
         self.reference_model = reference_model
         if reference_model is not None:
@@ -107,8 +136,10 @@ class PolicyTrainer:
         self._step: _StepState | None = None
 
     @classmethod
-    def from_config(cls, config: RunConfig, model: nn.Module) -> PolicyTrainer:
-        """The trainer a run config describes; a KL penalty gets a frozen copy of ``model``."""
+    def from_config(cls, config: RunConfig, model: nn.Module, parallel: ParallelContext | None = None) -> PolicyTrainer:
+        """The trainer a run config describes; a KL penalty gets a frozen copy of ``model``.
+
+        ``parallel``: this rank's context from ``trainer.parallel.start_rank(config.parallel, ...)``."""
         return cls(
             model,
             config.trainer,
@@ -116,6 +147,7 @@ class PolicyTrainer:
             importance_sampling=config.importance_sampling,
             total_steps=config.grpo.max_steps,
             reference_model=copy.deepcopy(model) if config.loss.kl_coef > 0 else None,
+            parallel=parallel,
         )
 
     @property
@@ -161,12 +193,14 @@ class PolicyTrainer:
     def finish_train_step(self) -> StepResult:
         """Normalize once by the step-global D, clip, take the optimizer step, V += 1."""
         state = self._require_step("finish_train_step")
-        sums = dict(zip(_COUNTERS, state.sums.tolist()))
+        totals, is_weight_range = self._step_totals(state)
+        sums = dict(zip(_COUNTERS, totals.tolist()))
         normalizer = self._step_normalizer(state, sums)
         grads = [p.grad for p in self.params if p.grad is not None]
-        torch._foreach_mul_(grads, 1.0 / normalizer)
+        compensation = 1.0 if self.parallel is None else self.parallel.gradient_compensation
+        torch._foreach_mul_(grads, compensation / normalizer)
         max_norm = self.cfg.max_grad_norm if self.cfg.max_grad_norm is not None else float("inf")
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, max_norm, foreach=True))
+        grad_norm = float(_full(torch.nn.utils.clip_grad_norm_(self.params, max_norm, foreach=True)))
         if not math.isfinite(grad_norm):
             raise FloatingPointError(f"finish_train_step: non-finite gradient norm ({grad_norm}) at step {state.step}")
         lr = self.optimizer.param_groups[0]["lr"]
@@ -182,7 +216,7 @@ class PolicyTrainer:
             num_sequences=round(sums["num_sequences"]),
             num_tokens=round(sums["num_tokens"]),
             num_microbatches=state.num_microbatches,
-            metrics=self._reduce_metrics(state, sums),
+            metrics=self._reduce_metrics(is_weight_range, sums),
         )
 
     def abort_train_step(self) -> None:
@@ -210,34 +244,55 @@ class PolicyTrainer:
 
     def _microbatch_loss(self, batch: TrainBatch) -> tuple[Tensor, Tensor, tuple[Tensor, Tensor]]:
         """(sum of local_w * mask * loss, this micro-batch's counters, (min, max) response IS weight)."""
-        want_entropy = self.loss_cfg.entropy_coef > 0 or self.loss_cfg.track_entropy
-        logprobs, entropy = token_logprobs(
-            self.model, batch.input_ids, batch.attention_mask, with_entropy=want_entropy
-        )
-        old_logprobs = batch.prox_logprobs if batch.prox_logprobs is not None else logprobs.detach()
+        inputs = self._loss_inputs(batch)
+        old_logprobs = inputs.old_logprobs if inputs.old_logprobs is not None else inputs.logprobs.detach()
         loss, metrics = grpo.token_loss(
-            logprobs,
+            inputs.logprobs,
             old_logprobs,
-            batch.behaviour_logprobs,
-            batch.advantages[:, None],
+            inputs.behaviour_logprobs,
+            inputs.advantages,
             cfg=self.terms,
-            ref_logprobs=batch.ref_logprobs,
-            entropy=entropy,
+            ref_logprobs=inputs.ref_logprobs,
+            entropy=inputs.entropy,
         )
-        mask = batch.response_mask
-        loss_sum = (self._local_weights(batch) * loss).sum()
+        mask = inputs.response_mask
+        loss_sum = (inputs.weights * loss).sum()
         zero = mask.new_zeros(())
         counters = torch.stack(
             [
                 loss_sum.detach(),
-                mask.sum(),
-                (batch.response_lengths > 0).sum().to(mask.dtype),
+                inputs.num_tokens,
+                inputs.num_sequences,
                 *((metrics[name] * mask).sum() if name in metrics else zero for name in _SUMMED_METRICS),
             ]
         ).double()
         is_weight = metrics["is_weight"].double()
         is_range = (is_weight.where(mask > 0, float("inf")).min(), is_weight.where(mask > 0, float("-inf")).max())
         return loss_sum, counters, is_range
+
+    def _loss_inputs(self, batch: TrainBatch) -> TokenLossInputs:
+        """Score the micro-batch: whole rows here, this rank's shard under context parallelism."""
+        want_entropy = self.loss_cfg.entropy_coef > 0 or self.loss_cfg.track_entropy
+        weights = self._local_weights(batch)
+        context = None if self.parallel is None else self.parallel.context
+        if context is not None:
+            return context.loss_inputs(self.model, batch, weights, with_entropy=want_entropy)
+        logprobs, entropy = token_logprobs(
+            self.model, batch.input_ids, batch.attention_mask, with_entropy=want_entropy
+        )
+        mask = batch.response_mask
+        return TokenLossInputs(
+            logprobs=logprobs,
+            entropy=entropy,
+            old_logprobs=batch.prox_logprobs,
+            behaviour_logprobs=batch.behaviour_logprobs,
+            advantages=batch.advantages[:, None],
+            ref_logprobs=batch.ref_logprobs,
+            response_mask=mask,
+            weights=weights,
+            num_tokens=mask.sum(),
+            num_sequences=(batch.response_lengths > 0).sum().to(mask.dtype),
+        )
 
     def _local_weights(self, batch: TrainBatch) -> Tensor:
         """Per-token weights that depend only on each sequence (DESIGN 3.4); no local counts."""
@@ -249,7 +304,13 @@ class PolicyTrainer:
         """D, the one divisor of the step, from counts summed over every micro-batch."""
         return grpo.step_normalizer(self.loss_cfg.mode, sums["num_tokens"], sums["num_sequences"])
 
-    def _reduce_metrics(self, state: _StepState, sums: dict[str, float]) -> dict[str, float]:
+    def _step_totals(self, state: _StepState) -> tuple[Tensor, tuple[Tensor, Tensor]]:
+        """The step's counters and IS-weight range, over every rank when there are several."""
+        if self.parallel is None:
+            return state.sums, (state.is_weight_min, state.is_weight_max)
+        return self.parallel.reduce_step(state.sums, state.is_weight_min, state.is_weight_max)
+
+    def _reduce_metrics(self, is_weight_range: tuple[Tensor, Tensor], sums: dict[str, float]) -> dict[str, float]:
         tokens = max(sums["num_tokens"], 1.0)
         metrics = {f"{name}_mean": sums[f"{name}_sum"] / tokens for name in _SUMMED_METRICS}
         if self.reference_model is None:
@@ -257,8 +318,8 @@ class PolicyTrainer:
         if not (self.loss_cfg.entropy_coef > 0 or self.loss_cfg.track_entropy):
             metrics.pop("entropy_mean")
         if sums["num_tokens"]:
-            metrics["is_weight_min"] = float(state.is_weight_min)
-            metrics["is_weight_max"] = float(state.is_weight_max)
+            metrics["is_weight_min"] = float(is_weight_range[0])
+            metrics["is_weight_max"] = float(is_weight_range[1])
         return metrics
 
     def _require_step(self, method: str) -> _StepState:
@@ -282,17 +343,23 @@ class PolicyTrainer:
         size = micro_batch_size or self.cfg.micro_batch_size
         width = batch.input_ids.shape[1]
         chunks = []
+        context = None if self.parallel is None else self.parallel.context
         for part in batch.micro_batches(size):
             part = part.to(self.device, self.compute_dtype)
-            logprobs, _ = token_logprobs(model, part.input_ids, part.attention_mask)
+            if context is not None:
+                logprobs = context.full_logprobs(model, part)
+            else:
+                logprobs, _ = token_logprobs(model, part.input_ids, part.attention_mask)
             logprobs = logprobs * part.attention_mask
             chunks.append(torch.nn.functional.pad(logprobs, (0, width - logprobs.shape[1])))
         model.train(was_training)
         return torch.cat(chunks).cpu()
 
     def export_weights(self) -> tuple[int, dict[str, Tensor]]:
-        """(version, a detached CPU snapshot of the policy weights) for the generators."""
-        return self.version, {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}
+        """(version, a detached CPU snapshot of the policy weights) for the generators.
+
+        Sharded (FSDP) weights are gathered whole, so every rank must call it."""
+        return self.version, {k: _full(v).detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}
 
     def state_dict(self) -> dict:
         """Everything a resumed run needs to continue bit-identically."""
@@ -325,3 +392,8 @@ class PolicyTrainer:
         torch.set_rng_state(state["cpu"])
         if "cuda" in state and self.device.type == "cuda":
             torch.cuda.set_rng_state(state["cuda"], self.device)
+
+
+def _full(tensor: Tensor) -> Tensor:
+    """The whole tensor behind a sharded or replicated DTensor (a collective); others as they are."""
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
