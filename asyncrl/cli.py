@@ -36,7 +36,11 @@ def _choices(name: str, values: tuple[str, ...]) -> type[Enum]:
 
 ModeChoice = _choices("ModeChoice", AGG_MODES)
 DTypeChoice = _choices("DTypeChoice", ("float64", "float32"))
-PlantChoice = _choices("PlantChoice", ("per-microbatch-mean",))
+PlantChoice = _choices(
+    "PlantChoice",
+    ("per-microbatch-mean", "shift-after-shard", "per-shard-mean", "average-without-compensation", "double-count-tokens"),
+)
+WrapChoice = _choices("WrapChoice", ("fsdp", "ddp"))
 
 
 @app.callback()
@@ -61,27 +65,38 @@ def show_config(
 
 @app.command()
 def verify(
-    micro_batches: int = typer.Option(4, "--micro-batches", min=1, help="split the step into K uneven micro-batches"),
+    micro_batches: int = typer.Option(
+        4, "--micro-batches", min=1, help="split the step (each DP rank's share) into K uneven micro-batches"
+    ),
     dtype: DTypeChoice = typer.Option("float64", "--dtype"),
     mode: Optional[list[ModeChoice]] = typer.Option(None, "--mode", help="aggregation mode (repeatable; default: all)"),
     plant: Optional[PlantChoice] = typer.Option(
         None, "--plant", help="plant a normalization mistake; the check must then fail"
     ),
     seed: int = typer.Option(0, "--seed"),
+    dp: int = typer.Option(1, "--dp", min=1, help="data-parallel ranks to launch on this machine"),
+    cp: int = typer.Option(1, "--cp", min=1, help="context-parallel ranks per sequence"),
+    wrap: WrapChoice = typer.Option("fsdp", "--wrap", help="how the ranks hold the parameters (with --dp/--cp)"),
 ) -> None:
-    """Check that a split train step equals the monolithic step, for every loss mode."""
-    from asyncrl.verify import BATCH_ROWS, DTYPES, TOLERANCES, verify as run_verify
+    """Check that a split (or dp x cp parallel) train step equals the monolithic step, for every loss mode."""
+    from asyncrl.verify import DTYPES, TOLERANCES, check_layout, verify as run_verify
 
-    if micro_batches > BATCH_ROWS:
-        raise typer.BadParameter(
-            f"{micro_batches} exceeds the {BATCH_ROWS} rows of the verification batch", param_hint="--micro-batches"
-        )
-    dtype, plant = dtype.value, plant.value if plant else None
+    dtype, plant, wrap = dtype.value, plant.value if plant else None, wrap.value
+    try:
+        check_layout(dp, cp, micro_batches, [plant])
+    except ValueError as err:
+        hint, _, message = str(err).partition(": ")
+        raise typer.BadParameter(message, param_hint=hint) from None
     modes = tuple(m.value for m in mode) if mode else AGG_MODES
-    results = run_verify(modes, micro_batches=micro_batches, dtype=dtype, plant=plant, seed=seed)
+    results = run_verify(modes, micro_batches=micro_batches, dtype=dtype, plant=plant, seed=seed, dp=dp, cp=cp, wrap=wrap)
     tol = TOLERANCES[DTYPES[dtype]]
-    table = Table(title=f"split ({micro_batches} micro-batches) vs monolithic step, {dtype}" + (f", planted: {plant}" if plant else ""))
-    for column in ("mode", "loss", "loss err", "grad norm", "norm err", "worst grad err", "worst param err", "result"):
+    if dp * cp > 1:
+        what = f"dp {dp} x cp {cp} ranks ({wrap}, {micro_batches} micro-batch{'es' if micro_batches > 1 else ''} per DP rank)"
+    else:
+        what = f"split ({micro_batches} micro-batches)"
+    table = Table(title=f"{what} vs monolithic step, {dtype}" + (f", planted: {plant}" if plant else ""))
+    columns = ("mode", "loss", "loss err", "grad norm", "norm err", "worst grad err", "worst param err", "worst metric err")
+    for column in (*columns, "result"):
         table.add_column(column, justify="left" if column in ("mode", "result") else "right", no_wrap=True)
     for r in results:
         table.add_row(
@@ -92,6 +107,7 @@ def verify(
             f"{r.grad_norm_error:.1e}",
             f"{r.worst_grad[1]:.1e}",
             f"{r.worst_param[1]:.1e}",
+            f"{r.worst_metric[1]:.1e}",
             "[green]PASS[/green]" if r.passed else "[red]FAIL[/red]",
         )
     console.print(table)

@@ -1,39 +1,58 @@
-"""``asyncrl verify``: prove on this machine that a split train step equals the monolithic one.
+"""``asyncrl verify``: prove on this machine that a split or parallel train step equals the monolithic one.
 
 For every loss aggregation mode it builds a random tiny model and a random ragged batch (uneven
 prompt and response lengths, off-policy behaviour logprobs, a KL reference and an entropy bonus,
 so every loss term and clipping branch is exercised), then runs
 
-    reference: train_step(whole batch)
+    reference: train_step(whole batch), in this process
     candidate: begin_train_step, train_microbatch over K uneven micro-batches of shuffled rows
                in shuffled order, finish_train_step
+               -- in this process, or with ``dp``/``cp`` on dp·cp local ranks: each DP rank takes
+               an uneven share of the rows and trains K micro-batches of it, and each CP rank one
+               shard of every sequence (trainer/parallel.py, trainer/context_parallel.py)
 
-from identical copies and compares loss, gradient norm, every gradient and every updated parameter
-against DESIGN 5's tolerances. Parameters are compared where the gradient determines their update
-(see ``_UNDETERMINED_BAND``). ``plant`` swaps in a deliberate normalization mistake
-so a user can see the check fail.
+from identical copies and compares loss, gradient norm, every gradient, every updated parameter and
+every reported metric against DESIGN 5's tolerances. Parameters are compared where the gradient
+determines their update (see ``_UNDETERMINED_BAND``). ``plant`` swaps in a deliberate normalization
+mistake so a user can see the check fail.
 """
 
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
+import io
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from asyncrl.algorithms import grpo
-from asyncrl.config import LossConfig, TrainerConfig
+from asyncrl.config import LossConfig, ParallelConfig, TrainerConfig
 from asyncrl.models import build_tiny_model, token_logprobs
-from asyncrl.trainer import PolicyTrainer
+from asyncrl.trainer import PolicyTrainer, StepResult
+from asyncrl.trainer.context_parallel import ContextParallel, Shard
+from asyncrl.trainer.parallel import ParallelContext, init_parallel, launch
 from asyncrl.types import TrainBatch
 
-Plant = Literal["per-microbatch-mean"]
-PLANTS: tuple[str, ...] = ("per-microbatch-mean",)
+Plant = Literal[
+    "per-microbatch-mean", "shift-after-shard", "per-shard-mean", "average-without-compensation", "double-count-tokens"
+]
+PLANTS: tuple[str, ...] = (
+    "per-microbatch-mean",
+    "shift-after-shard",
+    "per-shard-mean",
+    "average-without-compensation",
+    "double-count-tokens",
+)
+CP_PLANTS = ("shift-after-shard", "double-count-tokens")  # mistakes that only exist across CP ranks
+RANK_PLANTS = (*CP_PLANTS, "per-shard-mean", "average-without-compensation")  # need more than one rank
 DTYPES = {"float64": torch.float64, "float32": torch.float32}
+WRAPS = ("fsdp", "ddp")
 NUM_GROUPS, GROUP_SIZE = 4, 4
 BATCH_ROWS = NUM_GROUPS * GROUP_SIZE  # the most micro-batches a check can use
+MAX_RANKS = 4
 
 
 @dataclass(frozen=True)
@@ -51,9 +70,19 @@ TOLERANCES = {
 }
 
 
+@dataclass(frozen=True)
+class Case:
+    """One check of a multi-rank launch."""
+
+    mode: str
+    dtype: str = "float64"
+    plant: str | None = None
+    wrap: str = "fsdp"
+
+
 @dataclass
 class Comparison:
-    """Split-versus-monolithic errors for one aggregation mode."""
+    """Candidate-versus-monolithic errors for one aggregation mode."""
 
     mode: str
     loss: float
@@ -63,6 +92,8 @@ class Comparison:
     worst_grad: tuple[str, float]
     worst_param: tuple[str, float]
     passed: bool
+    worst_metric: tuple[str, float] = ("", 0.0)
+    case: Case | None = field(default=None, compare=False)
 
     @property
     def worst_error(self) -> tuple[float, str]:
@@ -72,7 +103,35 @@ class Comparison:
             (self.grad_norm_error, "grad norm"),
             (self.worst_grad[1], f"gradient of {self.worst_grad[0]}"),
             (self.worst_param[1], f"updated {self.worst_param[0]}"),
+            (self.worst_metric[1], f"metric {self.worst_metric[0]}"),
         )
+
+
+@dataclass
+class StepOutcome:
+    """What a step produced, whole (unsharded) and on the CPU, so it can travel between processes."""
+
+    loss: float
+    grad_norm: float
+    grads: dict[str, Tensor]
+    params: dict[str, Tensor]
+    metrics: dict[str, float]
+
+    @classmethod
+    def of(cls, trainer: PolicyTrainer, result: StepResult) -> StepOutcome:
+        """Gathers sharded tensors, so every rank of a parallel trainer must call it."""
+        grads, params = {}, {}
+        for name, param in trainer.model.named_parameters():
+            grads[name] = _whole(param.grad)
+            params[name] = _whole(param.detach())
+        return cls(result.loss, result.grad_norm, grads, params, dict(result.metrics))
+
+
+def _whole(tensor: Tensor) -> Tensor:
+    return (tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor).cpu().clone()
+
+
+# ---- planted mistakes -------------------------------------------------------------------------
 
 
 class PerMicrobatchMeanTrainer(PolicyTrainer):
@@ -84,6 +143,63 @@ class PerMicrobatchMeanTrainer(PolicyTrainer):
 
     def _step_normalizer(self, state, sums) -> float:
         return float(state.num_microbatches)
+
+
+class PerShardMeanTrainer(PolicyTrainer):
+    """The planted mistake: each rank normalizes its shard by the shard's own count (tokens, or
+    sequences with a token in the shard), and the wrapper's average over ranks is kept."""
+
+    def _loss_inputs(self, batch: TrainBatch):
+        inputs = super()._loss_inputs(batch)
+        mask = inputs.response_mask
+        tokens = mask.sum() if self.loss_cfg.mode == "token-mean" else (mask.sum(-1) > 0).sum()
+        inputs.weights = inputs.weights / tokens.clamp(min=1)
+        return inputs
+
+    def _step_normalizer(self, state, sums) -> float:
+        return float(state.num_microbatches * self.parallel.world_size)
+
+
+class _ShiftAfterShard(Shard):
+    """The planted mistake: labels and loss tensors shifted within the shard, across its chunk seam."""
+
+    def loss_side(self, x: Tensor) -> Tensor:
+        local = self._pad(x)[:, self.columns]
+        return F.pad(local[:, 1:], (0, 1))
+
+
+class ShiftAfterShardCP(ContextParallel):
+    """Context parallelism with the shift-after-shard mistake planted in its shards."""
+
+    def shard(self, batch: TrainBatch) -> Shard:
+        return _ShiftAfterShard(self, batch)
+
+
+class DoubleCountCP(ContextParallel):
+    """The planted mistake: counts taken on the unsharded rows by every CP rank, then summed over CP."""
+
+    def counts(self, batch: TrainBatch, response_mask: Tensor) -> tuple[Tensor, Tensor]:
+        return batch.response_mask.sum(), (batch.response_lengths > 0).sum().to(response_mask.dtype)
+
+
+class UncompensatedParallel(ParallelContext):
+    """The planted mistake: the wrapper's gradient average over ranks is left in place."""
+
+    gradient_compensation = 1.0
+
+
+def _planted(parallel: ParallelContext, plant: str | None) -> ParallelContext:
+    """The trainer ranks' context with ``plant`` swapped into its CP shards or its gradient sum."""
+    if plant == "shift-after-shard":
+        return replace(parallel, context=ShiftAfterShardCP(parallel.context.group))
+    if plant == "double-count-tokens":
+        return replace(parallel, context=DoubleCountCP(parallel.context.group))
+    if plant == "average-without-compensation":
+        return UncompensatedParallel(parallel.mesh, parallel.ranks_mesh, parallel.wrap, parallel.context)
+    return parallel
+
+
+# ---- the problem -----------------------------------------------------------------------------
 
 
 def random_batch(model: torch.nn.Module, *, num_groups: int, group_size: int, vocab_size: int, seed: int) -> TrainBatch:
@@ -119,17 +235,68 @@ def random_batch(model: torch.nn.Module, *, num_groups: int, group_size: int, vo
     )
 
 
+def _uneven_sizes(rows: int, parts: int, gen: torch.Generator, *, at_least: int = 1) -> list[int]:
+    """``parts`` random sizes of at least ``at_least`` summing to ``rows``."""
+    spare = rows - parts * at_least
+    cuts = sorted(torch.randperm(spare + parts - 1, generator=gen)[: parts - 1].tolist())
+    return [b - a - 1 + at_least for a, b in zip([-1, *cuts], [*cuts, spare + parts - 1])]
+
+
 def uneven_split(batch: TrainBatch, parts: int, gen: torch.Generator) -> list[TrainBatch]:
     """Shuffle rows, cut into ``parts`` micro-batches of random uneven sizes, shuffle their order."""
     rows = len(batch)
     if not 1 <= parts <= rows:
         raise ValueError(f"--micro-batches: {parts} must be between 1 and the batch's {rows} rows")
-    cuts = sorted(torch.randperm(rows - 1, generator=gen)[: parts - 1].add(1).tolist())
-    sizes = [b - a for a, b in zip([0, *cuts], [*cuts, rows])]
-    shuffled = batch.select(torch.randperm(rows, generator=gen))
-    micro = shuffled.split(sizes)
+    sizes = _uneven_sizes(rows, parts, gen)
+    micro = batch.select(torch.randperm(rows, generator=gen)).split(sizes)
     return [micro[i] for i in torch.randperm(parts, generator=gen).tolist()]
 
+
+def rank_micro_batches(batch: TrainBatch, *, dp: int, dp_rank: int, micro_batches: int, seed: int) -> list[TrainBatch]:
+    """DP rank ``dp_rank``'s micro-batches: an uneven share of the shuffled rows, split unevenly."""
+    rows = len(batch)
+    if dp * micro_batches > rows:
+        raise ValueError(f"--micro-batches: {dp} ranks x {micro_batches} exceed the batch's {rows} rows")
+    gen = torch.Generator().manual_seed(seed + 1)
+    sizes = _uneven_sizes(rows, dp, gen, at_least=micro_batches)
+    shares = batch.select(torch.randperm(rows, generator=gen)).split(sizes)
+    return uneven_split(shares[dp_rank], micro_batches, torch.Generator().manual_seed(seed + 2 + dp_rank))
+
+
+def build_problem(mode: str, dtype: torch.dtype, seed: int, vocab_size: int = 48):
+    """(model, batch, loss config, trainer config) of one check; the same for every process."""
+    model = build_tiny_model(vocab_size, seed=seed, dtype=dtype, hidden_size=64, num_layers=2, intermediate_size=128)
+    batch = random_batch(model, num_groups=NUM_GROUPS, group_size=GROUP_SIZE, vocab_size=vocab_size, seed=seed)
+    loss_cfg = LossConfig(
+        mode=mode,
+        norm_constant=16.0 if mode == "seq-mean-token-sum-norm" else None,
+        kl_coef=0.05,
+        entropy_coef=0.01,
+    )
+    trainer_cfg = TrainerConfig(lr=1e-3, max_grad_norm=1.0, dtype="float64" if dtype == torch.float64 else "float32")
+    return model, batch, loss_cfg, trainer_cfg
+
+
+def _trainer(cls: type[PolicyTrainer], model, loss_cfg, trainer_cfg, parallel=None) -> PolicyTrainer:
+    return cls(
+        copy.deepcopy(model),
+        trainer_cfg,
+        loss_cfg,
+        importance_sampling="tis",
+        total_steps=10,
+        reference_model=copy.deepcopy(model),
+        parallel=parallel,
+    )
+
+
+def _train(trainer: PolicyTrainer, micro_batches: list[TrainBatch]) -> StepOutcome:
+    trainer.begin_train_step()
+    for micro in micro_batches:
+        trainer.train_microbatch(micro)
+    return StepOutcome.of(trainer, trainer.finish_train_step())
+
+
+# ---- comparison ------------------------------------------------------------------------------
 
 # Adam's first update, lr * g / (|g| + eps), is sign(g) wherever |g| >> eps, so a coordinate whose
 # gradient is zero to within the tolerance has an update decided by rounding noise. Parameters are compared where the reference gradient exceeds this
@@ -152,6 +319,50 @@ def _within(a: Tensor, b: Tensor, tol: Tolerance) -> bool:
     return bool(((a - b).abs() <= tol.rtol * a.abs() + atol).all())
 
 
+def _scalar_error(reference: float, value: float) -> float:
+    return abs(value - reference) / max(abs(reference), 1e-30) if value != reference else 0.0
+
+
+def compare(mode: str, reference: StepOutcome, candidate: StepOutcome, dtype: torch.dtype, case: Case | None = None) -> Comparison:
+    """Errors of ``candidate`` against ``reference`` and whether they are within DESIGN 5."""
+    tol = TOLERANCES[dtype]
+    worst_grad, worst_param, tensors_ok = ("", 0.0), ("", 0.0), True
+    largest_grad = max(g.abs().max().item() for g in reference.grads.values())
+    for name, ref_grad in reference.grads.items():
+        grad = candidate.grads[name]
+        determined = ref_grad.abs() > _UNDETERMINED_BAND * (tol.rtol + tol.atol_frac) * largest_grad
+        ref_updated, updated = reference.params[name][determined], candidate.params[name][determined]
+        tensors_ok &= _within(ref_grad, grad, tol) and _within(ref_updated, updated, tol)
+        worst_grad = max(worst_grad, (name, _relative(ref_grad, grad)), key=lambda x: x[1])
+        worst_param = max(worst_param, (name, _relative(ref_updated, updated)), key=lambda x: x[1])
+    worst_metric = ("", 0.0)
+    for name, value in reference.metrics.items():
+        error = _scalar_error(value, candidate.metrics.get(name, float("nan")))
+        worst_metric = max(worst_metric, (name, error), key=lambda x: x[1])
+    loss_err = _scalar_error(reference.loss, candidate.loss)
+    norm_err = _scalar_error(reference.grad_norm, candidate.grad_norm)
+    return Comparison(
+        mode=mode,
+        loss=reference.loss,
+        loss_error=loss_err,
+        grad_norm=reference.grad_norm,
+        grad_norm_error=norm_err,
+        worst_grad=worst_grad,
+        worst_param=worst_param,
+        worst_metric=worst_metric,
+        passed=tensors_ok and loss_err <= tol.loss and norm_err <= tol.rtol and worst_metric[1] <= tol.loss,
+        case=case,
+    )
+
+
+def _reference(mode: str, dtype: torch.dtype, seed: int, vocab_size: int = 48) -> StepOutcome:
+    model, batch, loss_cfg, trainer_cfg = build_problem(mode, dtype, seed, vocab_size)
+    return _train(_trainer(PolicyTrainer, model, loss_cfg, trainer_cfg), [batch])
+
+
+# ---- single process ----------------------------------------------------------------------------
+
+
 def verify_mode(
     mode: str,
     *,
@@ -161,58 +372,82 @@ def verify_mode(
     seed: int = 0,
     vocab_size: int = 48,
 ) -> Comparison:
-    """Run reference and split steps for one aggregation mode and compare them."""
+    """Run reference and split steps for one aggregation mode, in this process, and compare them."""
     torch.manual_seed(seed)
-    model = build_tiny_model(vocab_size, seed=seed, dtype=dtype, hidden_size=64, num_layers=2, intermediate_size=128)
-    batch = random_batch(model, num_groups=NUM_GROUPS, group_size=GROUP_SIZE, vocab_size=vocab_size, seed=seed)
-    loss_cfg = LossConfig(
-        mode=mode,
-        norm_constant=16.0 if mode == "seq-mean-token-sum-norm" else None,
-        kl_coef=0.05,
-        entropy_coef=0.01,
+    model, batch, loss_cfg, trainer_cfg = build_problem(mode, dtype, seed, vocab_size)
+    candidate = _trainer(
+        PerMicrobatchMeanTrainer if plant == "per-microbatch-mean" else PolicyTrainer, model, loss_cfg, trainer_cfg
     )
-    trainer_cfg = TrainerConfig(lr=1e-3, max_grad_norm=1.0, dtype="float64" if dtype == torch.float64 else "float32")
+    micro = uneven_split(batch, micro_batches, torch.Generator().manual_seed(seed + 1))
+    return compare(mode, _reference(mode, dtype, seed, vocab_size), _train(candidate, micro), dtype)
 
-    def make(cls: type[PolicyTrainer]) -> PolicyTrainer:
-        policy = copy.deepcopy(model)
-        reference = copy.deepcopy(model)
-        return cls(policy, trainer_cfg, loss_cfg, importance_sampling="tis", total_steps=10, reference_model=reference)
 
-    reference_trainer = make(PolicyTrainer)
-    ref_result = reference_trainer.train_step(batch)
+# ---- dp x cp ranks -----------------------------------------------------------------------------
 
-    candidate = make(PerMicrobatchMeanTrainer if plant == "per-microbatch-mean" else PolicyTrainer)
-    candidate.begin_train_step()
-    for micro in uneven_split(batch, micro_batches, torch.Generator().manual_seed(seed + 1)):
-        candidate.train_microbatch(micro)
-    result = candidate.finish_train_step()
 
-    tol = TOLERANCES[dtype]
-    worst_grad, worst_param, tensors_ok = ("", 0.0), ("", 0.0), True
-    ref_params = dict(reference_trainer.model.named_parameters())
-    largest_grad = max(p.grad.abs().max().item() for p in ref_params.values())
-    for name, param in candidate.model.named_parameters():
-        ref = ref_params[name]
-        grad_err = _relative(ref.grad, param.grad)
-        determined = ref.grad.abs() > _UNDETERMINED_BAND * (tol.rtol + tol.atol_frac) * largest_grad
-        ref_updated, updated = ref.detach()[determined], param.detach()[determined]
-        param_err = _relative(ref_updated, updated)
-        tensors_ok &= _within(ref.grad, param.grad, tol) and _within(ref_updated, updated, tol)
-        worst_grad = max(worst_grad, (name, grad_err), key=lambda x: x[1])
-        worst_param = max(worst_param, (name, param_err), key=lambda x: x[1])
+def _rank_check(rank: int, world_size: int, cases: list[Case], dp: int, cp: int, micro_batches: int, seed: int) -> bytes:
+    """One rank of ``verify_parallel``: train every case's step; rank 0 returns the outcomes."""
+    parallel = init_parallel(ParallelConfig(dp=dp, cp=cp))
+    outcomes = []
+    for case in cases:
+        torch.manual_seed(seed)
+        model, batch, loss_cfg, trainer_cfg = build_problem(case.mode, DTYPES[case.dtype], seed)
+        cls = {"per-microbatch-mean": PerMicrobatchMeanTrainer, "per-shard-mean": PerShardMeanTrainer}.get(
+            case.plant, PolicyTrainer
+        )
+        planted = _planted(replace(parallel, wrap=case.wrap), case.plant)
+        trainer = _trainer(cls, model, loss_cfg, trainer_cfg, planted)
+        micro = rank_micro_batches(batch, dp=dp, dp_rank=parallel.dp_rank, micro_batches=micro_batches, seed=seed)
+        outcomes.append((case, _train(trainer, micro)))
+    buffer = io.BytesIO()
+    torch.save(outcomes if rank == 0 else None, buffer)
+    return buffer.getvalue()
 
-    loss_err = abs(result.loss - ref_result.loss) / max(abs(ref_result.loss), 1e-30)
-    norm_err = abs(result.grad_norm - ref_result.grad_norm) / max(ref_result.grad_norm, 1e-30)
-    return Comparison(
-        mode=mode,
-        loss=ref_result.loss,
-        loss_error=loss_err,
-        grad_norm=ref_result.grad_norm,
-        grad_norm_error=norm_err,
-        worst_grad=worst_grad,
-        worst_param=worst_param,
-        passed=tensors_ok and loss_err <= tol.loss and norm_err <= tol.rtol,
-    )
+
+def verify_parallel(cases: list[Case], *, dp: int, cp: int, micro_batches: int, seed: int = 0) -> list[Comparison]:
+    """Check every case on dp·cp local ranks (one launch) against the monolithic step here."""
+    check_layout(dp, cp, micro_batches, [case.plant for case in cases])
+    for case in cases:
+        _check_choices(case.mode, case.dtype, case.plant)
+        if case.wrap not in WRAPS:
+            raise ValueError(f"--wrap: '{case.wrap}' is not one of {', '.join(WRAPS)}")
+    payload = launch(_rank_check, dp * cp, cases, dp, cp, micro_batches, seed)[0]
+    outcomes = torch.load(io.BytesIO(payload), weights_only=False)
+    references = {}
+    comparisons = []
+    for case, outcome in outcomes:
+        key = (case.mode, case.dtype)
+        if key not in references:
+            references[key] = _reference(case.mode, DTYPES[case.dtype], seed)
+        comparisons.append(compare(case.mode, references[key], outcome, DTYPES[case.dtype], case))
+    return comparisons
+
+
+# ---- entry point -------------------------------------------------------------------------------
+
+
+def _check_choices(mode: str, dtype: str, plant: str | None) -> None:
+    if dtype not in DTYPES:
+        raise ValueError(f"--dtype: '{dtype}' is not one of {', '.join(DTYPES)}")
+    if plant is not None and plant not in PLANTS:
+        raise ValueError(f"--plant: '{plant}' is not one of {', '.join(PLANTS)}")
+    if mode not in grpo.AGG_MODES:
+        raise ValueError(f"--mode: '{mode}' is not one of {', '.join(grpo.AGG_MODES)}")
+
+
+def check_layout(dp: int, cp: int, micro_batches: int, plants: list[str | None]) -> None:
+    """Reject a launch this check cannot run; the message starts with the option it is about."""
+    if dp < 1 or cp < 1:
+        raise ValueError(f"--dp: dp {dp} and cp {cp} must be at least 1")
+    if dp * cp > MAX_RANKS:
+        raise ValueError(f"--dp: dp*cp = {dp * cp} local ranks; at most {MAX_RANKS} are launched")
+    if micro_batches < 1 or dp * micro_batches > BATCH_ROWS:
+        raise ValueError(f"--micro-batches: {dp} ranks x {micro_batches} must be between 1 and the batch's {BATCH_ROWS} rows")
+    for plant in plants:
+        if plant in CP_PLANTS and cp == 1:
+            raise ValueError(f"--plant: {plant} is a context-parallel mistake; it needs --cp 2 or more")
+        if plant in RANK_PLANTS and dp * cp == 1:
+            raise ValueError(f"--plant: {plant} is a multi-rank mistake; it needs --dp or --cp 2 or more")
 
 
 def verify(
@@ -222,15 +457,15 @@ def verify(
     dtype: str = "float64",
     plant: Plant | None = None,
     seed: int = 0,
+    dp: int = 1,
+    cp: int = 1,
+    wrap: str = "fsdp",
 ) -> list[Comparison]:
-    """Compare split and monolithic steps for each mode; see ``verify_mode``."""
-    if dtype not in DTYPES:
-        raise ValueError(f"--dtype: '{dtype}' is not one of {', '.join(DTYPES)}")
-    if plant is not None and plant not in PLANTS:
-        raise ValueError(f"--plant: '{plant}' is not one of {', '.join(PLANTS)}")
+    """Compare split (and, with dp·cp > 1, parallel) steps with the monolithic one for each mode."""
     for mode in modes:
-        if mode not in grpo.AGG_MODES:
-            raise ValueError(f"--mode: '{mode}' is not one of {', '.join(grpo.AGG_MODES)}")
-    return [
-        verify_mode(mode, micro_batches=micro_batches, dtype=DTYPES[dtype], plant=plant, seed=seed) for mode in modes
-    ]
+        _check_choices(mode, dtype, plant)
+    if dp * cp > 1:
+        cases = [Case(mode, dtype, plant, wrap) for mode in modes]
+        return verify_parallel(cases, dp=dp, cp=cp, micro_batches=micro_batches, seed=seed)
+    check_layout(dp, cp, micro_batches, [plant])
+    return [verify_mode(mode, micro_batches=micro_batches, dtype=DTYPES[dtype], plant=plant, seed=seed) for mode in modes]

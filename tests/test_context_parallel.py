@@ -1,0 +1,138 @@
+"""Context-parallel layout, shift-before-shard and the cp = 1 identity with the plain trainer path."""
+
+import copy
+from dataclasses import replace
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from asyncrl.config import ParallelConfig
+from asyncrl.trainer import PolicyTrainer
+from asyncrl.trainer.context_parallel import ATTN_IMPLEMENTATION, ContextParallel, head_tail_columns
+from asyncrl.trainer.parallel import init_parallel
+from asyncrl.verify import StepOutcome, build_problem, uneven_split
+
+
+def layout_view(size: int, rank: int) -> ContextParallel:
+    """A group's layout as rank ``rank`` sees it, without collectives (shards only, no forward)."""
+    cp = ContextParallel()
+    cp.size, cp.rank = size, rank
+    return cp
+
+
+def test_head_tail_pairs_an_early_chunk_with_a_late_one():
+    assert head_tail_columns(8, 2, 0).tolist() == [0, 1, 6, 7]
+    assert head_tail_columns(8, 2, 1).tolist() == [2, 3, 4, 5]
+    assert head_tail_columns(16, 4, 3).tolist() == [6, 7, 8, 9]
+    for size in (1, 2, 4):
+        columns = torch.cat([head_tail_columns(24, size, r) for r in range(size)])
+        assert sorted(columns.tolist()) == list(range(24))
+    assert head_tail_columns(7, 1, 0).tolist() == list(range(7))
+
+
+def test_padding_to_a_multiple_of_two_cp_only_when_there_are_several_ranks():
+    assert layout_view(2, 0).padded_width(13) == 16
+    assert layout_view(4, 1).padded_width(17) == 24
+    assert layout_view(4, 1).padded_width(16) == 16
+    assert ContextParallel().padded_width(13) == 13
+
+
+@pytest.mark.parametrize("size", [2, 4])
+def test_shards_shift_on_the_full_row_and_reassemble_it(size):
+    model, batch, *_ = build_problem("token-mean", torch.float64, 0)
+    width = batch.input_ids.shape[1]
+    padded = layout_view(size, 0).padded_width(width)
+    labels = torch.zeros(len(batch), padded, dtype=torch.long)
+    loss_mask = torch.zeros(len(batch), padded, dtype=batch.response_mask.dtype)
+    for rank in range(size):
+        shard = layout_view(size, rank).shard(batch)
+        assert shard.input_ids.shape[1] == padded // size
+        labels[:, shard.columns] = shard.labels
+        loss_mask[:, shard.columns] = shard.loss_side(batch.response_mask)
+        assert torch.equal(shard.input_ids, F.pad(batch.input_ids, (0, padded - width))[:, shard.columns])
+        # every query sees exactly the real keys at or before its global column
+        full = F.pad(batch.attention_mask, (0, padded - width)).bool()
+        expected = (shard.key_columns[None, None] <= shard.columns[None, :, None]) & full[:, None, shard.key_columns]
+        assert torch.equal(shard.attention_mask[:, 0], expected)
+    assert torch.equal(labels[:, : width - 1], batch.input_ids[:, 1:])
+    assert torch.equal(loss_mask[:, : width - 1], batch.response_mask[:, 1:])
+    assert loss_mask[:, width - 1 :].sum() == 0  # padding columns carry weight 0
+    assert loss_mask.sum() == batch.response_mask.sum()
+
+
+def test_positions_are_global_so_rope_sees_the_unsharded_sequence():
+    model, batch, *_ = build_problem("token-mean", torch.float64, 0)
+    shard = layout_view(2, 1).shard(batch)
+    real = F.pad(batch.attention_mask, (0, shard.padded_width - shard.width))[:, shard.columns].bool()
+    assert torch.equal(shard.position_ids[real], shard.columns.expand_as(real)[real])
+
+
+def test_a_response_spans_both_chunks_of_a_rank():
+    """The verification batch puts a response across a rank's chunk seam, so the shift is tested there."""
+    model, batch, *_ = build_problem("token-mean", torch.float64, 0)
+    for size in (2, 4):
+        spans = []
+        for rank in range(size):
+            shard = layout_view(size, rank).shard(batch)
+            mask = shard.loss_side(batch.response_mask)
+            half = mask.shape[1] // 2
+            spans.append(((mask[:, :half].sum(1) > 0) & (mask[:, half:].sum(1) > 0)).any())
+        assert any(spans), size
+
+
+def test_the_model_attends_through_the_context_parallel_implementation(single_rank_group):
+    model, *_ = build_problem("token-mean", torch.float64, 0)
+    parallel = replace(init_parallel(ParallelConfig()), context=ContextParallel(None))
+    reference = copy.deepcopy(model)
+    parallel.parallelize(model, reference)
+    assert model.config._attn_implementation == reference.config._attn_implementation == ATTN_IMPLEMENTATION
+
+
+@pytest.fixture
+def single_rank_group(tmp_path):
+    dist.init_process_group("gloo", init_method=(tmp_path / "store").as_uri(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def run_step(model, batch, loss_cfg, trainer_cfg, parallel):
+    trainer = PolicyTrainer(
+        copy.deepcopy(model), trainer_cfg, loss_cfg, importance_sampling="tis", total_steps=10,
+        reference_model=copy.deepcopy(model), parallel=parallel,
+    )
+    trainer.begin_train_step()
+    for micro in uneven_split(batch, 3, torch.Generator().manual_seed(1)):
+        trainer.train_microbatch(micro)
+    outcome = StepOutcome.of(trainer, trainer.finish_train_step())
+    return outcome, trainer.compute_logprobs(batch), trainer.compute_logprobs(batch, reference=True)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("padded", [True, False])
+def test_cp1_through_the_context_parallel_path_is_bit_identical(single_rank_group, dtype, padded):
+    model, batch, loss_cfg, trainer_cfg = build_problem("seq-mean-token-mean", dtype, 0)
+    if not padded:
+        batch = replace(batch, attention_mask=torch.ones_like(batch.attention_mask))
+    through_cp = replace(init_parallel(ParallelConfig()), context=ContextParallel(dist.group.WORLD))
+    plain, plain_lp, plain_ref = run_step(model, batch, loss_cfg, trainer_cfg, None)
+    sharded, sharded_lp, sharded_ref = run_step(model, batch, loss_cfg, trainer_cfg, through_cp)
+    assert (sharded.loss, sharded.grad_norm, sharded.metrics) == (plain.loss, plain.grad_norm, plain.metrics)
+    for name in plain.grads:
+        assert torch.equal(sharded.grads[name], plain.grads[name]), name
+        assert torch.equal(sharded.params[name], plain.params[name]), name
+    assert torch.equal(sharded_lp, plain_lp) and torch.equal(sharded_ref, plain_ref)
+
+
+def test_shifting_after_sharding_pairs_tokens_across_the_chunk_seam():
+    from asyncrl.verify import ShiftAfterShardCP
+
+    model, batch, *_ = build_problem("token-mean", torch.float64, 0)
+    right, wrong = layout_view(2, 0).shard(batch), ShiftAfterShardCP()
+    wrong.size, wrong.rank = 2, 0
+    wrong = wrong.shard(batch)
+    seam = right.columns.shape[0] // 2 - 1  # last slot of the head chunk
+    assert torch.equal(right.labels[:, :seam], wrong.labels[:, :seam])
+    assert not torch.equal(right.labels[:, seam], wrong.labels[:, seam])
