@@ -248,12 +248,14 @@ class SingleController:
     async def train_step(self) -> StepReport | None:
         """Stream step V's groups into the split step; None when the data ran out before it."""
         version, target = self.version, self.prompts_per_step
-        stale = self.sampler.evict(version, self.buffer)
-        self.num_evicted += self.buffer.evict(stale)
         await self.trainer.begin_step(version)
         try:
             trained = 0
             while trained < target:
+                # Evict on every pass: a stale group committed mid-step would otherwise hold a slot.
+                if evicted := self.buffer.evict(self.sampler.evict(version, self.buffer)):
+                    self.num_evicted += evicted
+                    self.changes.notify()
                 remaining = target - trained
                 exhausted = self.data_exhausted and self.gate.in_flight == 0
                 min_k = 1 if exhausted else min(self.chunk_groups, remaining)
