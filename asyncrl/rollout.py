@@ -57,10 +57,6 @@ class RolloutWorker:
         self.sampling = sampling
         self.pad_id = tokenizer.pad_token_id
 
-    @property
-    def version(self) -> int:
-        return self.generator.version
-
     def load_weights(self, state_dict: Mapping[str, Tensor], version: int) -> None:
         self.generator.load_weights(state_dict, version)
 
@@ -99,9 +95,6 @@ class RolloutWorker:
             response_length_mean=sum(len(r.response_ids) for r in rollouts) / count,
             seconds=time.perf_counter() - start,
         )
-
-    def close(self) -> None:
-        self.rewards.close()
 
     def _score_group(self, job: RolloutJob, samples: list[Rollout], end_version: int) -> RolloutGroup:
         scores = self.rewards.score([self._decode(r) for r in samples], [job.prompt.answer] * len(samples))
