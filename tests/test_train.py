@@ -212,3 +212,13 @@ def test_the_controller_imports_no_model_code():
 
     probe = "import sys, asyncrl.controller; print([m for m in ('transformers', 'asyncrl.models', 'asyncrl.generation') if m in sys.modules])"
     assert subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout.strip() == "[]"
+
+
+@pytest.mark.slow
+def test_the_multi_token_task_trains_with_a_format_reward(tmp_path):
+    summary, metrics, _ = run(
+        tmp_path, "running_sum", "data.task=running_sum", "generation.max_new_tokens=8",
+        "rewards.functions=[exact_match, format]", "rewards.weights=[1.0, 0.1]", "grpo.max_steps=2",
+    )
+    assert summary["steps"] == 2 and summary["reward_errors"] == 0
+    assert all(0.0 <= m["reward_mean"] <= 1.1 for m in metrics)
