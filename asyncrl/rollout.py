@@ -16,7 +16,7 @@ from torch import Tensor
 
 from asyncrl.data import Prompt
 from asyncrl.generation import Generator, SampleRequest, SamplingParams, sample_seed
-from asyncrl.rewards import RewardRunner
+from asyncrl.rewards import RewardResult, RewardRunner
 from asyncrl.types import Rollout, RolloutGroup, RolloutJob
 
 
@@ -77,7 +77,12 @@ class RolloutWorker:
             )
         rollouts = self.generator.generate(requests, self.sampling)
         end_version = self.generator.version
-        groups = [self._score_group(job, rollouts[j * n : (j + 1) * n], end_version) for j, job in enumerate(jobs)]
+        # One scoring call for the batch: a reward that hangs costs one timeout, not one per group.
+        scores = self.rewards.score([self._decode(r) for r in rollouts], [job.prompt.answer for job in jobs for _ in range(n)])
+        groups = [
+            self._group(job, rollouts[j * n : (j + 1) * n], scores, slice(j * n, (j + 1) * n), end_version)
+            for j, job in enumerate(jobs)
+        ]
         num_tokens = sum(len(r.response_ids) for r in rollouts)
         return RolloutBatch(groups=groups, num_tokens=num_tokens, seconds=time.perf_counter() - start)
 
@@ -96,9 +101,10 @@ class RolloutWorker:
             seconds=time.perf_counter() - start,
         )
 
-    def _score_group(self, job: RolloutJob, samples: list[Rollout], end_version: int) -> RolloutGroup:
-        scores = self.rewards.score([self._decode(r) for r in samples], [job.prompt.answer] * len(samples))
-        for rollout, reward in zip(samples, scores.rewards):
+    def _group(
+        self, job: RolloutJob, samples: list[Rollout], scores: RewardResult, rows: slice, end_version: int
+    ) -> RolloutGroup:
+        for rollout, reward in zip(samples, scores.rewards[rows]):
             rollout.reward = reward
         group = RolloutGroup.from_rollouts(
             job.prompt.uid,
@@ -110,9 +116,9 @@ class RolloutWorker:
         )
         return replace(
             group,
-            correct=torch.tensor(scores.correct, dtype=torch.float32),
-            reward_errors=scores.errors,
-            reward_timeouts=scores.timeouts,
+            correct=torch.tensor(scores.correct[rows], dtype=torch.float32),
+            reward_errors=sum(scores.item_errors[rows]),
+            reward_timeouts=sum(scores.item_timeouts[rows]),
             retries=job.retries,
         )
 

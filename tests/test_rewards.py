@@ -178,6 +178,7 @@ def test_mixed_batch_scores_each_completion_by_its_own_outcome(release):
     assert result.rewards == [1.0, 0.0, 0.0, 0.0, 0.0, 0.0]
     assert result.correct == [True, False, False, False, False, False]
     assert (result.errors, result.timeouts) == (2, 2)
+    assert result.item_errors == [0, 0, 1, 1, 0, 0] and result.item_timeouts == [0, 1, 0, 0, 0, 1]
 
 
 def test_a_slow_call_that_finishes_in_time_is_not_a_timeout():

@@ -89,7 +89,7 @@ def raising_reward(completion: str, answer: str) -> float:
 
 
 def hanging_reward(completion: str, answer: str) -> float:
-    time.sleep(1.0)
+    time.sleep(0.3)  # past the 0.1 s timeout, back soon enough not to pile up stuck threads
     return 1.0
 
 

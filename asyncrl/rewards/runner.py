@@ -42,8 +42,16 @@ class RewardResult:
     rewards: list[float]  # weighted sum over functions, per completion
     correct: list[bool]  # the first configured function scored >= 1.0
     per_function: dict[str, list[float]]
-    errors: int  # calls that raised or returned a non-finite / non-number value, in this score()
-    timeouts: int  # calls that exceeded the timeout, in this score()
+    item_errors: list[int]  # per completion: calls that raised or returned a non-finite / non-number value
+    item_timeouts: list[int]  # per completion: calls that exceeded the timeout
+
+    @property
+    def errors(self) -> int:
+        return sum(self.item_errors)
+
+    @property
+    def timeouts(self) -> int:
+        return sum(self.item_timeouts)
 
 
 @dataclass
@@ -161,7 +169,7 @@ class RewardRunner:
             self._pending += len(every_call)
             self._grow()
             self._wait(every_call)
-            per_function, errors, timeouts = self._collect(calls)
+            per_function, errors, timeouts = self._collect(calls, len(completions))
         first = per_function[self.names[0]]
         rewards = [sum(w * per_function[name][i] for name, w in zip(self.names, self.weights)) for i in range(len(first))]
         return RewardResult(rewards, [s >= 1.0 for s in first], per_function, errors, timeouts)
@@ -235,23 +243,24 @@ class RewardRunner:
         self._hung[call.worker] = call.name
         self._grow()
 
-    def _collect(self, calls: dict[str, list[_Call]]) -> tuple[dict[str, list[float]], int, int]:
+    def _collect(self, calls: dict[str, list[_Call]], size: int) -> tuple[dict[str, list[float]], list[int], list[int]]:
+        """Scores per function, and per completion the number of calls that failed or timed out."""
         per_function: dict[str, list[float]] = {}
-        errors = timeouts = 0
+        errors, timeouts = [0] * size, [0] * size
         for name, row in calls.items():
             counts, scores = self.counts[name], []
-            for call in row:
+            for i, call in enumerate(row):
                 counts.calls += 1
                 if call.abandoned:
                     counts.timeouts += 1
-                    timeouts += 1
+                    timeouts[i] += 1
                     self._warn_once(name, "timeout", f"a call ran past rewards.timeout_s={self.timeout_s}s")
                     scores.append(0.0)
                     continue
                 score, problem = _as_score(call)
                 if problem is not None:
                     counts.errors += 1
-                    errors += 1
+                    errors[i] += 1
                     self._warn_once(name, "error", problem)
                 scores.append(score)
             per_function[name] = scores
