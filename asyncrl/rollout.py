@@ -63,22 +63,22 @@ class RolloutWorker:
     def generate(self, jobs: Sequence[RolloutJob]) -> RolloutBatch:
         """Sample ``group_size`` completions per job, score them, tensorize one group per job."""
         start = time.perf_counter()
-        n = self.group_size
-        requests = [
-            SampleRequest(self._encode(job.prompt), sample_seed(self.run_seed, job.prompt.uid, i))
-            for job in jobs
-            for i in range(n)
-        ]
         stale = [job.slot_id for job in jobs if job.start_version != self.generator.version]
         if stale:
             raise RuntimeError(
                 f"RolloutWorker.generate: slots {stale} were admitted for another weight version than the "
                 f"loaded {self.generator.version}; a weight sync overtook its generation batch"
             )
+        n = self.group_size
+        requests, answers = [], []
+        for job in jobs:
+            prompt_ids = self._encode(job.prompt)
+            requests += [SampleRequest(prompt_ids, sample_seed(self.run_seed, job.prompt.uid, i)) for i in range(n)]
+            answers += [job.prompt.answer] * n
         rollouts = self.generator.generate(requests, self.sampling)
         end_version = self.generator.version
         # One scoring call for the batch: a reward that hangs costs one timeout, not one per group.
-        scores = self.rewards.score([self._decode(r) for r in rollouts], [job.prompt.answer for job in jobs for _ in range(n)])
+        scores = self.rewards.score([self._decode(r) for r in rollouts], answers)
         groups = [
             self._group(job, rollouts[j * n : (j + 1) * n], scores, slice(j * n, (j + 1) * n), end_version)
             for j, job in enumerate(jobs)
