@@ -224,6 +224,15 @@ class TrainerConfig(Section):
     min_lr_ratio: float = Field(0.0, ge=0.0, le=1.0, description="cosine floor as a fraction of lr")
     micro_batch_size: int = Field(16, ge=1, description="sequences per forward/backward")
     max_grad_norm: float | None = Field(1.0, gt=0.0, description="gradient clipping norm; null disables")
+    max_step_retries: int = Field(
+        0, ge=0, description="reruns of a train step that raised (after it is aborted) before the run stops"
+    )
+    max_nonfinite_steps: int = Field(
+        3,
+        ge=0,
+        description="consecutive steps with a non-finite loss or gradient that are skipped (weights untouched) "
+        "before the run stops; 0 stops at the first",
+    )
     dtype: Literal["float32", "bfloat16", "float64"] = Field("float32", description="parameter dtype")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: cuda when available")
 
@@ -239,7 +248,15 @@ class RuntimeConfig(Section):
 
     name: Literal["local", "ray"] = Field("local", description="local: one process, worker threads; ray: actors")
     max_inflight_groups: int | None = Field(None, ge=1, description="dispatched, uncommitted groups; null: capacity")
-    max_rollout_retries: int = Field(2, ge=0, description="retries of a failed rollout before the run stops")
+    max_rollout_retries: int = Field(2, ge=0, description="retries of a failed rollout before on_rollout_failure applies")
+    on_rollout_failure: Literal["stop", "skip"] = Field(
+        "stop",
+        description="a prompt whose generation keeps failing: stop the run, or skip it (counted) and generate the "
+        "next prompt in its place",
+    )
+    watchdog_s: float | None = Field(
+        900.0, gt=0.0, description="stop the run, naming what each loop waits on, after this long without progress; null disables"
+    )
     torch_threads: int | None = Field(
         None, ge=1, description="CPU threads per torch op; null: cores / 2, so the trainer and generator threads don't fight"
     )
@@ -297,6 +314,31 @@ class LoggingConfig(Section):
     progress: bool = Field(True, description="live progress display")
 
 
+class FaultsConfig(Section):
+    """Injected faults, for testing how a run survives them (docs/reliability.md); all off by default."""
+
+    generate_errors: list[int] = Field(
+        default_factory=list, description="generation calls of a rollout worker (0-based, in call order) that raise"
+    )
+    failing_prompts: list[str] = Field(
+        default_factory=list, description="prompt uids whose generation raises on every attempt"
+    )
+    hang_generate_calls: list[int] = Field(
+        default_factory=list, description="generation calls of a rollout worker that hang for hang_s first"
+    )
+    hang_s: float = Field(30.0, gt=0.0, description="how long an injected hang lasts")
+    train_errors: list[int] = Field(
+        default_factory=list, description="train steps whose first attempt raises after its first chunk"
+    )
+    nonfinite_steps: list[int] = Field(
+        default_factory=list, description="train steps whose gradients are made NaN, on every attempt"
+    )
+    slow_sync_s: float = Field(0.0, ge=0.0, description="every weight load into a generator first sleeps this long")
+    kill_in_checkpoint: int | None = Field(
+        None, ge=1, description="the process kills itself (SIGKILL) while writing the checkpoint of this step"
+    )
+
+
 class RunConfig(Section):
     """One asyncrl run."""
 
@@ -316,6 +358,7 @@ class RunConfig(Section):
     warm_start: WarmStartConfig = Field(default_factory=WarmStartConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
+    faults: FaultsConfig = Field(default_factory=FaultsConfig)
 
     @model_validator(mode="after")
     def _sampler_capacity(self) -> RunConfig:
