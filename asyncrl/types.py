@@ -84,6 +84,11 @@ class RolloutGroup:
     def size(self) -> int:
         return self.input_ids.shape[0]
 
+    @property
+    def response_tokens(self) -> int:
+        """Response tokens over the group's samples (the bookkeeping needs no token tensors)."""
+        return int(self.response_mask.sum())
+
     def state_dict(self) -> dict:
         """Tensors and plain Python only, so a checkpoint loads with ``torch.load(weights_only=True)``."""
         return {f.name: getattr(self, f.name) for f in fields(self)}

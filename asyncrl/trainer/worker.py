@@ -47,7 +47,7 @@ class StepData:
         self.reward_sq_sum += float(group.rewards.double().square().sum())
         if group.correct is not None:
             self.num_correct += float(group.correct.sum())
-        self.response_tokens += int(group.response_mask.sum())
+        self.response_tokens += group.response_tokens
         self.reward_errors += group.reward_errors
         self.reward_timeouts += group.reward_timeouts
         self.rollout_retries += group.retries
