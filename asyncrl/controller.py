@@ -14,11 +14,21 @@ awaited handles (threads on the local runtime, actors on Ray):
 A group's lag when trained is ``V - start_version``; the sampler bounds it. Under ``in_order``
 every decision above is a function of the version alone, never of timing: that is what makes a
 run reproducible, and a resumed run identical to an uninterrupted one.
+
+Faults end in one of two ways (docs/reliability.md). What can be retried is retried within a
+budget: a generation batch, a train step (aborted first, then rerun on the groups it had taken).
+Otherwise the run stops with a ``RunStopped`` error; when the trainer is known to be healthy it
+first writes a checkpoint that holds everything committed, including the groups of the aborted
+step, so nothing is lost and ``--resume`` continues. A watchdog stops a run that makes no progress.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import math
+import signal
+import threading
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -35,11 +45,45 @@ if TYPE_CHECKING:  # worker-side types; the controller never imports model code
     from asyncrl.rollout import RolloutBatch
     from asyncrl.trainer.worker import StepReport
 
-STATE_VERSION = 1
+STATE_VERSION = 2
+ABORT_TIMEOUT_S = 60.0  # a trainer too stuck to abort its step within this is left behind
 
 
-class RolloutFailedError(RuntimeError):
+class RunStopped(RuntimeError):
+    """The run stopped before its end. ``checkpoint``: where it was saved first, if it could be."""
+
+    exit_code = 1
+    saves_checkpoint = True  # the trainer is known to be healthy when this is raised
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.checkpoint: Path | None = None
+
+
+class RolloutFailedError(RunStopped):
     """A prompt's generation failed more often than ``runtime.max_rollout_retries`` allows."""
+
+
+class TrainStepError(RunStopped):
+    """A train step kept failing after ``trainer.max_step_retries`` reruns (each aborted first)."""
+
+
+class NonFiniteStepsError(RunStopped):
+    """More consecutive non-finite steps than ``trainer.max_nonfinite_steps``."""
+
+
+class RunInterrupted(RunStopped):
+    """SIGINT or SIGTERM: the open step was aborted and its groups kept; exit 128 + signal."""
+
+    def __init__(self, signum: int, version: int) -> None:
+        super().__init__(f"interrupted by {signal.Signals(signum).name} at step {version}")
+        self.exit_code = 128 + signum
+
+
+class StallError(RunStopped):
+    """No loop made progress for ``runtime.watchdog_s``; the message says what each waited on."""
+
+    saves_checkpoint = False  # whatever hangs may be the trainer: the last checkpoint stands
 
 
 @dataclass
@@ -94,9 +138,17 @@ class SingleController:
         )
         self.stopping = False
         self.data_exhausted = False
-        self.retry_queue: list[RolloutJob] = []
+        self.retry_queue: list[list[RolloutJob]] = []  # failed batches, each re-dispatched as one
         self.jobs: dict[int, RolloutJob] = {}  # reserved slot -> its job, until committed
         self.num_evicted = 0
+        self.skipped_prompts = 0
+        self.step_retries = 0
+        self.nonfinite_steps = 0
+        self.nonfinite_streak = 0
+        self.step_groups: list[RolloutGroup] = []  # taken by the open step; kept until it finishes
+        self.interrupt: int | None = None
+        self.last_progress = time.monotonic()
+        self.waiting = {"rollout loop": "starting", "train loop": "starting"}
         self.next_worker = 0
         self.clock = _Clock()
         self.start_time = time.perf_counter()
@@ -106,25 +158,43 @@ class SingleController:
     # ---- the run --------------------------------------------------------------------------
 
     async def run(self) -> int:
-        """Train to ``grpo.max_steps`` or the end of the data; returns the steps taken in total."""
-        if self.version == 0:
-            await self.evaluate()
-        try:
-            async with asyncio.TaskGroup() as tasks:
-                self._tasks = tasks
-                tasks.create_task(self.rollout_loop())
-                tasks.create_task(self.train_loop())
-        except BaseExceptionGroup as group:
-            raise _first_error(group) from None
+        """Train to ``grpo.max_steps`` or the end of the data; returns the steps taken in total.
+
+        Raises ``RunStopped`` (checkpoint saved where possible) or the error that stopped it."""
+        with self._signals_handled():
+            if self.version == 0:
+                await self.evaluate()
+            self.last_progress = time.monotonic()
+            try:
+                async with asyncio.TaskGroup() as tasks:
+                    self._tasks = tasks
+                    loops = [tasks.create_task(self.rollout_loop()), tasks.create_task(self.train_loop())]
+                    tasks.create_task(self.watchdog(loops))
+            except BaseExceptionGroup as group:
+                raise await self._stopped(_first_error(group)) from None
         if not self.evals or self.evals[-1]["step"] != self.version:
             await self.evaluate()
         await self.checkpoint()
         return self.version
 
+    async def _stopped(self, err: BaseException) -> BaseException:
+        """Save what the run holds before it stops, when the trainer can be trusted to save it."""
+        if isinstance(err, RunStopped) and err.saves_checkpoint:
+            self.progress.status(f"stopping: checkpointing step {self.version}")
+            try:
+                async with asyncio.timeout(self.config.sync.timeout_s):
+                    err.checkpoint = await self.trainer.save_checkpoint(
+                        str(self.run_dir), self.version, self.state_dict(), self.config.checkpoint.keep_last
+                    )
+            except Exception as save_error:
+                err.add_note(f"no checkpoint was written: {type(save_error).__name__}: {save_error}")
+        return err
+
     # ---- rollout loop -------------------------------------------------------------------------
 
     async def rollout_loop(self) -> None:
         while True:
+            self.waiting["rollout loop"] = "admission (gate closed, buffer full or in-flight limit reached)"
             await self.changes.wait_for(
                 lambda: self.stopping or self.gate.admitting or (self.retry_queue and not self.gate.loading)
             )
@@ -137,6 +207,7 @@ class SingleController:
                 self._dispatch(jobs)
                 if settled:
                     self.gate.settled()
+            self.waiting["rollout loop"] = f"a change ({self.gate.in_flight} groups generating)"
             await self.changes.next()
 
     def _admit(self) -> tuple[list[RolloutJob], bool]:
@@ -192,97 +263,223 @@ class SingleController:
         for job, group in zip(batch, result.groups):
             self.buffer.commit(job.slot_id, group)
             del self.jobs[job.slot_id]
+        self.last_progress = time.monotonic()
         self.clock.generation_s += result.seconds
         self.clock.generated_tokens += result.num_tokens
         self.gate.add_in_flight(-len(batch))
 
     def _schedule_retry(self, batch: list[RolloutJob], err: Exception) -> None:
-        exhausted = [job for job in batch if job.retries >= self.max_retries]
-        if exhausted:
-            job = exhausted[0]
-            raise RolloutFailedError(
-                f"prompt {job.prompt.uid}: generation failed {job.retries + 1} times "
-                f"(runtime.max_rollout_retries={self.max_retries}); last error: {type(err).__name__}: {err}"
-            ) from err
-        self.retry_queue.extend(replace(job, retries=job.retries + 1) for job in batch)
+        """Retry the batch whole while the budget lasts (same slots and seeds), then each prompt on
+        its own, so the prompt that keeps failing is found and the others go on."""
+        self.last_progress = time.monotonic()
+        if len(batch) > 1 and any(job.retries >= self.max_retries for job in batch):
+            self.retry_queue.extend([job] for job in batch)
+        elif len(batch) > 1 or batch[0].retries < self.max_retries:
+            self.retry_queue.append([replace(job, retries=job.retries + 1) for job in batch])
+        else:
+            self._give_up(batch[0], err)
         self.changes.notify()
 
-    def _dispatch_retries(self) -> None:
-        """Re-dispatch failed jobs; one whose weights are gone gets a fresh slot at the current version."""
-        if not self.retry_queue:
+    def _give_up(self, job: RolloutJob, err: Exception) -> None:
+        """``on_rollout_failure``: stop, or skip the prompt and generate the next one in its slot."""
+        attempts = f"generation failed {job.retries + 1} times (runtime.max_rollout_retries={self.max_retries})"
+        if self.config.runtime.on_rollout_failure == "stop":
+            raise RolloutFailedError(
+                f"prompt {job.prompt.uid}: {attempts}; last error: {type(err).__name__}: {err}"
+            ) from err
+        self.skipped_prompts += 1
+        prompt = None if self.data_exhausted else self.loader.next()
+        if prompt is None:
+            self.data_exhausted = True
+            self.buffer.cancel(job.slot_id)
+            del self.jobs[job.slot_id]
+            self.gate.add_in_flight(-1)
             return
-        jobs, self.retry_queue = self.retry_queue, []
-        restamped = []
-        for job in jobs:
-            if job.start_version != self.gate.version:
-                self.buffer.cancel(job.slot_id)
-                del self.jobs[job.slot_id]
-                slot_id = self.buffer.reserve(self.gate.version, job.target_step)
-                job = replace(job, slot_id=slot_id, start_version=self.gate.version)
-            restamped.append(job)
-        for start in range(0, len(restamped), self.groups_per_batch):
-            self._submit(restamped[start : start + self.groups_per_batch], retried=True)
+        self.retry_queue.append([replace(job, prompt=prompt, retries=0)])
+
+    def _dispatch_retries(self) -> None:
+        """Re-dispatch failed batches; a job whose weights are gone gets a fresh slot at the current version."""
+        batches, self.retry_queue = self.retry_queue, []
+        for jobs in batches:
+            restamped = []
+            for job in jobs:
+                if job.start_version != self.gate.version:
+                    self.buffer.cancel(job.slot_id)
+                    del self.jobs[job.slot_id]
+                    slot_id = self.buffer.reserve(self.gate.version, job.target_step)
+                    job = replace(job, slot_id=slot_id, start_version=self.gate.version)
+                restamped.append(job)
+            self._submit(restamped, retried=True)
 
     # ---- train loop ---------------------------------------------------------------------------
 
     async def train_loop(self) -> None:
         try:
             while self.version < self.config.grpo.max_steps:
+                self._check_interrupt()
                 step_start = time.perf_counter()
                 report = await self.train_step()
                 if report is None:
                     break
+                self.waiting["train loop"] = f"the weight sync after step {self.version}"
                 sync = await self.weight_sync.sync()
                 self.version = sync.version
+                self.last_progress = time.monotonic()
+                self._count_nonfinite(report)
                 self._log_step(report, sync, time.perf_counter() - step_start)
+                self._stop_if_nonfinite(report)
                 every = self.config.logging.eval_every_steps
                 if every and self.version % every == 0:
+                    self.waiting["train loop"] = f"the evaluation at step {self.version}"
                     await self.evaluate()
                 every = self.config.checkpoint.every_steps
                 if every and self.version % every == 0 and self.version < self.config.grpo.max_steps:
+                    self.waiting["train loop"] = f"the checkpoint of step {self.version}"
                     await self.checkpoint()
         finally:
             self.stopping = True
             self.changes.notify()
 
     async def train_step(self) -> StepReport | None:
-        """Stream step V's groups into the split step; None when the data ran out before it."""
+        """Step V, rerun after an abort up to ``trainer.max_step_retries`` times; None when the data
+        ran out before it. An interrupt or a cancellation aborts it, keeping its groups."""
+        retries = self.config.trainer.max_step_retries
+        for attempt in range(retries + 1):
+            try:
+                report = await self._attempt_step()
+                self.step_groups = []
+                return report
+            except Exception as err:
+                await self._abort_step()
+                if isinstance(err, RunStopped):
+                    raise
+                if attempt == retries:
+                    raise TrainStepError(
+                        f"train step {self.version} failed {attempt + 1} times (trainer.max_step_retries={retries}); "
+                        f"last error: {type(err).__name__}: {err}"
+                    ) from err
+                self.step_retries += 1
+                self.progress.status(f"step {self.version} failed ({type(err).__name__}: {err}); rerunning it")
+            except BaseException:
+                await self._abort_step()
+                raise
+        raise AssertionError("unreachable")
+
+    async def _attempt_step(self) -> StepReport | None:
+        """Stream step V's groups into the split step: first those a failed attempt had taken."""
         version, target = self.version, self.prompts_per_step
+        self.waiting["train loop"] = f"trainer.begin_step({version})"
         await self.trainer.begin_step(version)
-        try:
-            trained = 0
-            while trained < target:
-                # Evict on every pass: a stale group committed mid-step would otherwise hold a slot.
-                if evicted := self.buffer.evict(self.sampler.evict(version, self.buffer)):
-                    self.num_evicted += evicted
-                    self.changes.notify()
-                remaining = target - trained
-                exhausted = self.data_exhausted and self.gate.in_flight == 0
-                min_k = 1 if exhausted else min(self.chunk_groups, remaining)
-                slot_ids = self._in_dispatch_order(self.sampler.select(version, self.buffer, min_k, remaining))
-                if len(slot_ids) < min_k:
-                    if exhausted:
-                        break
-                    wait_start = time.perf_counter()
-                    await self.changes.next()
-                    self.clock.train_wait_s += time.perf_counter() - wait_start
-                    continue
-                groups = self.buffer.take(slot_ids)
+        if self.step_groups:
+            self.waiting["train loop"] = f"trainer.train_groups, rerunning step {version}"
+            await self.trainer.train_groups(list(self.step_groups))
+        while len(self.step_groups) < target:
+            self._check_interrupt()
+            # Evict on every pass: a stale group committed mid-step would otherwise hold a slot.
+            if evicted := self.buffer.evict(self.sampler.evict(version, self.buffer)):
+                self.num_evicted += evicted
                 self.changes.notify()
-                busy_start = time.perf_counter()
-                await self.trainer.train_groups(groups)
-                self.clock.train_s += time.perf_counter() - busy_start
-                trained += len(groups)
-            if trained == 0:
-                await self.trainer.abort_step()
-                return None
+            remaining = target - len(self.step_groups)
+            exhausted = self.data_exhausted and self.gate.in_flight == 0
+            min_k = 1 if exhausted else min(self.chunk_groups, remaining)
+            slot_ids = self._in_dispatch_order(self.sampler.select(version, self.buffer, min_k, remaining))
+            if len(slot_ids) < min_k:
+                if exhausted:
+                    break
+                self.waiting["train loop"] = (
+                    f"groups for step {version} ({len(self.step_groups)} of {target} trained, "
+                    f"{self.buffer.num_ready} ready, {self.gate.in_flight} generating)"
+                )
+                wait_start = time.perf_counter()
+                await self.changes.next()
+                self.clock.train_wait_s += time.perf_counter() - wait_start
+                continue
+            groups = self.buffer.take(slot_ids)
+            self.step_groups.extend(groups)
+            self.changes.notify()
+            self.waiting["train loop"] = f"trainer.train_groups ({len(groups)} groups of step {version})"
             busy_start = time.perf_counter()
-            report = await self.trainer.finish_step()
+            await self.trainer.train_groups(groups)
             self.clock.train_s += time.perf_counter() - busy_start
-            return report
-        except BaseException:
-            await asyncio.shield(self.trainer.abort_step())
-            raise
+            self.last_progress = time.monotonic()
+        if not self.step_groups:
+            await self.trainer.abort_step()
+            return None
+        self.waiting["train loop"] = f"trainer.finish_step({version})"
+        busy_start = time.perf_counter()
+        report = await self.trainer.finish_step()
+        self.clock.train_s += time.perf_counter() - busy_start
+        return report
+
+    async def _abort_step(self) -> None:
+        """Abort the trainer's open step; bounded, since the trainer may be what is stuck."""
+        abort = asyncio.ensure_future(self.trainer.abort_step())
+        await asyncio.wait([abort], timeout=ABORT_TIMEOUT_S)
+
+    def _count_nonfinite(self, report: StepReport) -> None:
+        if report.result.skipped:
+            self.nonfinite_steps += 1
+            self.nonfinite_streak += 1
+        else:
+            self.nonfinite_streak = 0
+
+    def _stop_if_nonfinite(self, report: StepReport) -> None:
+        """Stop once more consecutive steps than allowed were skipped as non-finite."""
+        if not report.result.skipped:
+            return
+        limit = self.config.trainer.max_nonfinite_steps
+        self.progress.status(f"step {report.result.version - 1} skipped: non-finite loss or gradient")
+        if self.nonfinite_streak > limit:
+            raise NonFiniteStepsError(
+                f"{self.nonfinite_streak} consecutive steps had a non-finite loss or gradient "
+                f"(trainer.max_nonfinite_steps={limit}); the last was step {report.result.version - 1}"
+            )
+
+    # ---- interrupts and the watchdog ------------------------------------------------------------
+
+    def _check_interrupt(self) -> None:
+        if self.interrupt is not None:
+            raise RunInterrupted(self.interrupt, self.version)
+
+    def _on_signal(self, signum: int) -> None:
+        """First SIGINT / SIGTERM: stop at the next safe point and checkpoint. A second one is not
+        caught any more, so it ends the process the default way."""
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
+        self.interrupt = signum
+        self.progress.status(f"{signal.Signals(signum).name}: checkpointing, then stopping (again to quit now)")
+        self.changes.notify()
+
+    @contextlib.contextmanager
+    def _signals_handled(self):
+        loop = asyncio.get_running_loop()
+        handled = threading.current_thread() is threading.main_thread()
+        if handled:
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                loop.add_signal_handler(sig, self._on_signal, sig)
+        try:
+            yield
+        finally:
+            if handled and self.interrupt is None:
+                for sig in (signal.SIGINT, signal.SIGTERM):
+                    loop.remove_signal_handler(sig)
+
+    async def watchdog(self, loops: list[asyncio.Task]) -> None:
+        """Stop the run when neither loop has made progress for ``runtime.watchdog_s``."""
+        limit = self.config.runtime.watchdog_s
+        if limit is None:
+            return
+        while not all(loop.done() for loop in loops):
+            await asyncio.wait(loops, timeout=min(limit / 4, 1.0))
+            idle = time.monotonic() - self.last_progress
+            if idle > limit and not all(loop.done() for loop in loops):
+                waits = "; ".join(f"{loop} waits on {what}" for loop, what in self.waiting.items())
+                raise StallError(
+                    f"no progress for {idle:.1f}s (runtime.watchdog_s={limit:g}): {waits}; "
+                    f"buffer {self.buffer.num_reserved} reserved / {self.buffer.num_ready} ready / "
+                    f"{self.buffer.capacity} slots; {len(self.retry_queue)} batches waiting to be retried"
+                )
 
     def _in_dispatch_order(self, slot_ids: list[int]) -> list[int]:
         """Hold back groups dispatched after a still-generating group that has a target step.
@@ -315,6 +512,7 @@ class SingleController:
         self.evals.append(record)
         self.metrics.log_eval(record)
         self.progress.update_eval(record)
+        self.last_progress = time.monotonic()
 
     async def checkpoint(self) -> Path:
         """Save at a quiet point: admissions closed and every dispatched rollout committed, so the
@@ -328,6 +526,7 @@ class SingleController:
         )
         if not self.stopping:
             self.gate.open(self.gate.version)
+        self.last_progress = time.monotonic()
         return path
 
     def state_dict(self) -> dict:
@@ -340,19 +539,27 @@ class SingleController:
             "version": self.version,
             "data_exhausted": self.data_exhausted,
             "num_evicted": self.num_evicted,
+            "skipped_prompts": self.skipped_prompts,
+            "step_retries": self.step_retries,
+            "nonfinite_steps": self.nonfinite_steps,
+            "nonfinite_streak": self.nonfinite_streak,
             "sampler": self.sampler.state_dict(),
             "loader": self.loader.state_dict(),
             "buffer": buffer_state,
             "pending": [_job_state(job) for job in pending],
+            "step_groups": [group.state_dict() for group in self.step_groups],
         }
 
     def load_state_dict(self, state: dict) -> None:
-        if state.get("format") != STATE_VERSION:
+        if state.get("format") not in (1, STATE_VERSION):
             raise ValueError(f"checkpoint state format {state.get('format')} is not {STATE_VERSION}")
         self.version = state["version"]
         self.gate.version = self.version
         self.data_exhausted = state["data_exhausted"]
         self.num_evicted = state["num_evicted"]
+        for name in ("skipped_prompts", "step_retries", "nonfinite_steps", "nonfinite_streak"):
+            setattr(self, name, state.get(name, 0))
+        self.step_groups = [RolloutGroup.from_state_dict(group) for group in state.get("step_groups", [])]
         self.sampler.load_state_dict(state["sampler"])
         self.loader.load_state_dict(state["loader"])
         buffer_state = dict(state["buffer"])
@@ -360,12 +567,15 @@ class SingleController:
             {**slot, "group": RolloutGroup.from_state_dict(slot["group"])} for slot in buffer_state["ready"]
         ]
         self.buffer.load_state_dict(buffer_state)
+        pending = []
         for job_state in state["pending"]:
             job = _job_from_state(job_state)
             slot_id = self.buffer.reserve(job.start_version, job.target_step)
-            self.jobs[slot_id] = replace(job, slot_id=slot_id)
-            self.retry_queue.append(self.jobs[slot_id])
+            self.jobs[slot_id] = pending_job = replace(job, slot_id=slot_id)
+            pending.append(pending_job)
             self.gate.in_flight += 1
+        for start in range(0, len(pending), self.groups_per_batch):
+            self.retry_queue.append(pending[start : start + self.groups_per_batch])
 
     def _log_step(self, report: StepReport, sync: SyncReport, step_s: float) -> None:
         result, data = report.result, report.data
@@ -382,8 +592,8 @@ class SingleController:
             "num_filtered_groups": data.num_filtered_groups,
             "num_sequences": result.num_sequences,
             "num_tokens": result.num_tokens,
-            "loss": result.loss,
-            "grad_norm": result.grad_norm,
+            "loss": _finite_or_none(result.loss),
+            "grad_norm": _finite_or_none(result.grad_norm),
             "lr": result.lr,
             "clip_fraction": result.metrics["clip_mean"],
             "is_weight_mean": result.metrics["is_weight_mean"],
@@ -396,6 +606,10 @@ class SingleController:
             "reward_timeouts": data.reward_timeouts,
             "rollout_retries": data.rollout_retries,
             "evicted_groups": self.num_evicted,
+            "skipped_prompts": self.skipped_prompts,
+            "step_retries": self.step_retries,
+            "skipped": result.skipped,
+            "nonfinite_steps": self.nonfinite_steps,
             "sync_bytes": sync.bytes,
             "sync_version": sync.version,
         }
@@ -420,6 +634,11 @@ class SingleController:
         self.metrics.log_groups(data.groups)
         self.metrics.log_step(record)
         self.progress.update(record)
+
+
+def _finite_or_none(value: float) -> float | None:
+    """Non-finite numbers are not JSON: a skipped step logs its loss and gradient norm as null."""
+    return value if math.isfinite(value) else None
 
 
 def _idle(busy_s: float, total_s: float) -> float:

@@ -21,6 +21,7 @@ from asyncrl.checkpoint import load_state, load_weights, resolve_checkpoint
 from asyncrl.config import ConfigError, RunConfig, dump_config
 from asyncrl.controller import SingleController
 from asyncrl.data import PromptLoader, build_task
+from asyncrl.faults import inject_rollout_faults, inject_trainer_faults
 from asyncrl.generation import SamplingParams, build_generator
 from asyncrl.metrics import MetricsWriter, ProgressDisplay, read_jsonl, write_json_atomic
 from asyncrl.models.factory import build_model, build_tokenizer
@@ -87,8 +88,8 @@ def train(config: RunConfig, *, resume: str | Path | None = None, console: Any =
             )
             controller = SingleController(
                 config,
-                trainer=runtime.spawn(lambda: trainer_worker, "trainer"),
-                rollout_workers=[runtime.spawn(lambda: rollout_worker, "rollout")],
+                trainer=runtime.spawn(lambda: inject_trainer_faults(trainer_worker, config.faults), "trainer"),
+                rollout_workers=[runtime.spawn(lambda: inject_rollout_faults(rollout_worker, config.faults), "rollout")],
                 task=task,
                 loader=PromptLoader(task.train, shuffle_seed=config.data.shuffle_seed, epochs=config.data.epochs),
                 sampler=build_sampler(config.sampler.name, config.grpo.prompts_per_step, config.sampler.max_lag),

@@ -59,9 +59,10 @@ def run_steps(trainer, batches, fail_at=None, fail_in="microbatch"):
             else:
                 trainer.train_microbatch(micro[1])
                 trainer.train_microbatch(micro[2])
-                next(iter(trainer.model.parameters())).grad[0, 0] = float("nan")
-                with pytest.raises(FloatingPointError, match="non-finite gradient norm"):
+                trainer._step_totals = lambda state: (_ for _ in ()).throw(RuntimeError("injected in finish"))
+                with pytest.raises(RuntimeError, match="injected in finish"):
                     trainer.finish_train_step()
+                del trainer._step_totals
             trainer.abort_train_step()
             trainer.abort_train_step()  # idempotent
         trainer.begin_train_step()
@@ -78,6 +79,28 @@ def test_abort_then_rerun_is_bit_identical_to_no_failure(fail_in):
     run_steps(faulty, batches, fail_at=1, fail_in=fail_in)
     assert clean.version == faulty.version == 3
     assert_bit_identical(snapshot(clean), snapshot(faulty))
+
+
+@pytest.mark.parametrize("poison", ["gradient", "loss"])
+def test_a_non_finite_step_is_skipped_with_weights_and_optimizer_untouched(poison):
+    trainer = make_trainer()
+    trainer.train_step(batch_for(trainer, 1))
+    before = snapshot(trainer)
+    batch = batch_for(trainer, 2)
+    if poison == "loss":
+        batch.advantages[0] = float("nan")
+    trainer.begin_train_step()
+    trainer.train_microbatch(batch)
+    if poison == "gradient":
+        next(iter(trainer.model.parameters())).grad[0, 0] = float("inf")
+    result = trainer.finish_train_step()
+    assert result.skipped and result.version == trainer.version == 2
+    assert not trainer.step_open and all(p.grad is None for p in trainer.model.parameters())
+    after = snapshot(trainer)
+    assert after["version"] == before["version"] + 1
+    for key in ("model", "optimizer", "scheduler"):
+        assert_bit_identical(before[key], after[key], key)
+    assert not trainer.train_step(batch_for(trainer, 3)).skipped
 
 
 def test_retrying_inside_the_failed_step_is_detected():

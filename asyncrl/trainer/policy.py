@@ -10,7 +10,7 @@ With ``parallel`` (trainer/parallel.py) the counts behind D are summed over rank
 and the wrapper's gradient averaging is undone there in the same multiplication as 1/D.
 
 Exception safety: nothing persistent changes before ``optimizer.step()`` at the very end of
-``finish_train_step``. Until then the only step state is gradients, the accumulators below and
+``finish_train_step`` (and a step whose loss or gradient is not finite never gets there). Until then the only step state is gradients, the accumulators below and
 the RNG, all of which ``abort_train_step`` resets, so a failed step can simply be rerun.
 """
 
@@ -53,6 +53,7 @@ class StepResult:
     num_tokens: int
     num_microbatches: int
     metrics: dict[str, float] = field(default_factory=dict)
+    skipped: bool = False  # non-finite loss or gradient: no update, but the step (and its data) is used up
 
 
 # Step counters accumulate in one float64 vector (summed over micro-batches, later over ranks, in
@@ -191,7 +192,10 @@ class PolicyTrainer:
         return {"loss_sum": counters[0], "num_tokens": counters[1]}
 
     def finish_train_step(self) -> StepResult:
-        """Normalize once by the step-global D, clip, take the optimizer step, V += 1."""
+        """Normalize once by the step-global D, clip, take the optimizer step, V += 1.
+
+        A non-finite loss or gradient norm skips the update: weights, optimizer and schedule stay as
+        they were, the result says ``skipped``, and V still advances because the step's data is spent."""
         state = self._require_step("finish_train_step")
         totals, is_weight_range = self._step_totals(state)
         sums = dict(zip(_COUNTERS, totals.tolist()))
@@ -201,11 +205,13 @@ class PolicyTrainer:
         torch._foreach_mul_(grads, compensation / normalizer)
         max_norm = self.cfg.max_grad_norm if self.cfg.max_grad_norm is not None else float("inf")
         grad_norm = float(_full(torch.nn.utils.clip_grad_norm_(self.params, max_norm, foreach=True)))
-        if not math.isfinite(grad_norm):
-            raise FloatingPointError(f"finish_train_step: non-finite gradient norm ({grad_norm}) at step {state.step}")
         lr = self.optimizer.param_groups[0]["lr"]
-        self.optimizer.step()
-        self.scheduler.step()
+        skipped = not (math.isfinite(grad_norm) and math.isfinite(sums["loss_sum"]))
+        if skipped:
+            self.optimizer.zero_grad(set_to_none=True)
+        else:
+            self.optimizer.step()
+            self.scheduler.step()
         self.version += 1
         self._step = None
         return StepResult(
@@ -217,6 +223,7 @@ class PolicyTrainer:
             num_tokens=round(sums["num_tokens"]),
             num_microbatches=state.num_microbatches,
             metrics=self._reduce_metrics(is_weight_range, sums),
+            skipped=skipped,
         )
 
     def abort_train_step(self) -> None:

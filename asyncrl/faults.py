@@ -1,0 +1,114 @@
+"""Injected faults (the ``faults`` config section): how the tests prove a run survives each one.
+
+The wrappers sit between a runtime and the worker it hosts, so a fault takes the same path as a
+real one: an exception out of a handle call, a call that never returns in time, a NaN gradient,
+a process killed halfway through a checkpoint. With the section at its defaults nothing is
+wrapped. docs/reliability.md maps every fault class to its behaviour and test.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from typing import Any, Sequence
+
+from asyncrl.config import FaultsConfig
+
+
+class InjectedFault(RuntimeError):
+    """An error raised on purpose by the ``faults`` section."""
+
+
+def inject_rollout_faults(worker: Any, faults: FaultsConfig) -> Any:
+    """``worker`` itself, or a wrapper that applies the section's generation and sync faults."""
+    if faults.generate_errors or faults.failing_prompts or faults.hang_generate_calls or faults.slow_sync_s:
+        return FaultyRolloutWorker(worker, faults)
+    return worker
+
+
+def inject_trainer_faults(worker: Any, faults: FaultsConfig) -> Any:
+    """``worker`` itself, or a wrapper that applies the section's train-step and checkpoint faults."""
+    if faults.train_errors or faults.nonfinite_steps or faults.kill_in_checkpoint is not None:
+        return FaultyTrainerWorker(worker, faults)
+    return worker
+
+
+class _Wrapper:
+    def __init__(self, worker: Any, faults: FaultsConfig) -> None:
+        self.worker = worker
+        self.faults = faults
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.worker, name)
+
+
+class FaultyRolloutWorker(_Wrapper):
+    """Counts generation calls; raises, hangs or slows a weight load where the section says."""
+
+    def __init__(self, worker: Any, faults: FaultsConfig) -> None:
+        super().__init__(worker, faults)
+        self.calls = 0
+
+    def generate(self, jobs: Sequence[Any]) -> Any:
+        call, self.calls = self.calls, self.calls + 1
+        if call in self.faults.hang_generate_calls:
+            time.sleep(self.faults.hang_s)
+        if call in self.faults.generate_errors:
+            raise InjectedFault(f"generation call {call} failed (faults.generate_errors)")
+        failing = [job.prompt.uid for job in jobs if _base_uid(job.prompt.uid) in self.faults.failing_prompts]
+        if failing:
+            raise InjectedFault(f"prompt {failing[0]} cannot be generated (faults.failing_prompts)")
+        return self.worker.generate(jobs)
+
+    def load_weights(self, weights: Any, version: int) -> None:
+        time.sleep(self.faults.slow_sync_s)
+        self.worker.load_weights(weights, version)
+
+
+class FaultyTrainerWorker(_Wrapper):
+    """Fails a step's first attempt, poisons its gradients, or dies inside a checkpoint write."""
+
+    def __init__(self, worker: Any, faults: FaultsConfig) -> None:
+        super().__init__(worker, faults)
+        self.step: int | None = None
+        self.failed_steps: set[int] = set()
+
+    def begin_step(self, step: int) -> None:
+        self.step = step
+        self.worker.begin_step(step)
+
+    def train_groups(self, groups: Sequence[Any]) -> int:
+        trained = self.worker.train_groups(groups)
+        if self.step in self.faults.train_errors and self.step not in self.failed_steps:
+            self.failed_steps.add(self.step)
+            raise InjectedFault(f"train step {self.step} failed mid-step (faults.train_errors)")
+        return trained
+
+    def finish_step(self) -> Any:
+        if self.step in self.faults.nonfinite_steps:
+            for param in self.worker.trainer.params:
+                if param.grad is not None:
+                    param.grad.fill_(float("nan"))
+        return self.worker.finish_step()
+
+    def save_checkpoint(self, run_dir: str, step: int, *args: Any, **kwargs: Any) -> Any:
+        if step != self.faults.kill_in_checkpoint:
+            return self.worker.save_checkpoint(run_dir, step, *args, **kwargs)
+        # The tokenizer is written after the weights and before the state and the rename: die there.
+        self.worker.tokenizer = _KilledAfterSaving(self.worker.tokenizer)
+        return self.worker.save_checkpoint(run_dir, step, *args, **kwargs)
+
+
+class _KilledAfterSaving:
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+
+    def save_pretrained(self, directory: Any) -> None:
+        self.tokenizer.save_pretrained(directory)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _base_uid(uid: str) -> str:
+    """A prompt's uid without the epoch suffix the loader appends (``<uid>/<epoch>``)."""
+    return uid.rsplit("/", 1)[0]
