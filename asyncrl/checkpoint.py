@@ -45,8 +45,9 @@ def save_checkpoint(
     root = checkpoint_root(run_dir)
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step-{step:06d}"
+    for stale in root.glob(".tmp-step-*"):  # left by a writer that died mid-write; one run, one writer
+        shutil.rmtree(stale, ignore_errors=True)
     tmp = root / f".tmp-step-{step:06d}-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     write_model(tmp)
     tokenizer.save_pretrained(tmp)

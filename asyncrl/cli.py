@@ -203,7 +203,38 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as err:
         typer.echo(f"error: {_one_line(str(err))}", err=True)
         return 2
+    except KeyboardInterrupt:
+        typer.echo("interrupted before training began; nothing to save", err=True)
+        return 130
+    except Exception as err:
+        stopped = _run_failure(err)
+        if stopped is None:
+            raise
+        message, exit_code = stopped
+        typer.echo(f"error: {message}", err=True)
+        return exit_code
     return result if isinstance(result, int) else 0
+
+
+def _run_failure(err: Exception) -> tuple[str, int] | None:
+    """(one line, exit code) for a run that stopped on a fault it reports itself; None for a bug.
+
+    Imported here, on the error path only, so ``asyncrl config`` never loads the training stack."""
+    from asyncrl.controller import RunStopped
+    from asyncrl.weights import SyncTimeoutError
+
+    if isinstance(err, SyncTimeoutError):
+        return f"{_one_line(str(err))}; the last periodic checkpoint is intact", 1
+    if not isinstance(err, RunStopped):
+        return None
+    notes = "; ".join(getattr(err, "__notes__", []))
+    line = _one_line(str(err)) + (f"; {_one_line(notes)}" if notes else "")
+    if err.checkpoint is not None:
+        run_dir = err.checkpoint.parent.parent
+        line += f"; checkpoint saved to {err.checkpoint} (continue with: asyncrl train --resume {run_dir})"
+    elif not notes:
+        line += "; the last periodic checkpoint, if any, is intact"
+    return line, err.exit_code
 
 
 if __name__ == "__main__":

@@ -1,0 +1,191 @@
+"""Every fault class, injected through the ``faults`` section: the run finishes, or stops with a
+one-line error and a checkpoint that resumes. docs/reliability.md points at each test here.
+
+Runs use the small model of test_train.py; the signal and kill tests run the CLI in a subprocess.
+"""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from asyncrl.checkpoint import load_state, resolve_checkpoint
+from asyncrl.cli import main
+from asyncrl.controller import NonFiniteStepsError, RolloutFailedError, StallError, TrainStepError
+from asyncrl.metrics import read_jsonl, strip_timing
+from asyncrl.weights import SyncTimeoutError
+from test_train import SMALL, run
+
+pytestmark = pytest.mark.slow
+COUNTERS = ("step_retries", "skipped", "nonfinite_steps", "skipped_prompts", "rollout_retries", "loss", "grad_norm")
+
+
+def without(records, keys=COUNTERS):
+    return [{k: v for k, v in strip_timing(r).items() if k not in keys} for r in records]
+
+
+def cli(capsys, tmp_path, name, *overrides, resume=None):
+    args = ["train", "--output-dir", str(tmp_path / name), *SMALL, *overrides]
+    if resume is not None:
+        args = ["train", "--resume", str(resume), *overrides]
+    code = main(args)
+    return code, capsys.readouterr().err.strip()
+
+
+def test_a_failed_train_step_is_aborted_and_rerun_exactly(tmp_path):
+    _, clean, clean_groups = run(tmp_path, "clean", "sampler.max_lag=0")
+    summary, faulty, faulty_groups = run(
+        tmp_path, "faulty", "sampler.max_lag=0", "faults.train_errors=[1]", "trainer.max_step_retries=1"
+    )
+    assert [m["step_retries"] for m in faulty] == [0, 1, 1, 1]
+    assert without(faulty, ("step_retries",)) == without(clean, ("step_retries",))
+    assert faulty_groups == clean_groups
+    assert summary["steps"] == 4
+
+
+def test_a_train_step_that_keeps_failing_stops_with_a_checkpoint_that_resumes_exactly(tmp_path):
+    _, clean, clean_groups = run(tmp_path, "clean", "sampler.max_lag=0", "grpo.min_groups_per_chunk=2")
+    with pytest.raises(TrainStepError, match=r"train step 2 failed 1 times \(trainer.max_step_retries=0\)") as err:
+        run(tmp_path, "part", "sampler.max_lag=0", "grpo.min_groups_per_chunk=2", "faults.train_errors=[2]")
+    assert err.value.checkpoint == tmp_path / "part" / "checkpoints" / "step-000002"
+    state = load_state(err.value.checkpoint)
+    assert state["run"]["version"] == 2 and len(state["run"]["step_groups"]) == 2  # the aborted step's first chunk
+    summary, resumed, resumed_groups = run(
+        tmp_path, "part", "sampler.max_lag=0", "grpo.min_groups_per_chunk=2", resume=tmp_path / "part"
+    )
+    assert summary["steps"] == 4
+    assert without(resumed) == without(clean)
+    assert resumed_groups == clean_groups
+
+
+def test_a_non_finite_step_is_skipped_and_counted(tmp_path):
+    _, clean, _ = run(tmp_path, "clean", "sampler.max_lag=0", "grpo.max_steps=2")
+    summary, metrics, groups = run(tmp_path, "nan", "sampler.max_lag=0", "grpo.max_steps=3", "faults.nonfinite_steps=[1]")
+    assert [m["skipped"] for m in metrics] == [False, True, False]
+    assert [m["nonfinite_steps"] for m in metrics] == [0, 1, 1]
+    assert metrics[1]["grad_norm"] is None  # NaN is not JSON
+    assert without(metrics[:1]) == without(clean[:1])
+    assert summary["steps"] == 3 and len(groups) == 3 * 4  # the skipped step's groups are used up, not retrained
+
+
+def test_consecutive_non_finite_steps_stop_the_run_with_a_checkpoint(tmp_path):
+    overrides = ("faults.nonfinite_steps=[1, 2]", "trainer.max_nonfinite_steps=1")
+    with pytest.raises(NonFiniteStepsError, match=r"2 consecutive steps .* \(trainer.max_nonfinite_steps=1\)") as err:
+        run(tmp_path, "nan", *overrides)
+    assert err.value.checkpoint is not None and load_state(err.value.checkpoint)["run"]["version"] == 3
+    metrics = read_jsonl(tmp_path / "nan" / "metrics.jsonl")
+    assert [m["skipped"] for m in metrics] == [False, True, True]
+
+
+def first_prompt(tmp_path) -> str:
+    """The task uid (epoch suffix dropped) of the first prompt a small run trains."""
+    _, _, groups = run(tmp_path, "probe", "grpo.max_steps=1")
+    return groups[0]["prompt_uid"].rsplit("/", 1)[0]
+
+
+def test_a_prompt_that_always_fails_is_skipped_and_replaced(tmp_path):
+    uid = first_prompt(tmp_path)
+    summary, metrics, groups = run(tmp_path, "skip", f"faults.failing_prompts=['{uid}']", "runtime.on_rollout_failure=skip")
+    assert summary["steps"] == 4 and [m["num_groups"] for m in metrics] == [4] * 4
+    assert metrics[-1]["skipped_prompts"] == 1
+    assert uid not in {g["prompt_uid"].rsplit("/", 1)[0] for g in groups}
+
+
+def test_a_prompt_that_always_fails_stops_the_run_with_a_resumable_checkpoint(tmp_path, capsys):
+    uid = first_prompt(tmp_path)
+    code, err = cli(capsys, tmp_path, "stop", f"faults.failing_prompts=['{uid}']")
+    assert code == 1 and "\n" not in err and "Traceback" not in err
+    assert err.startswith(f"error: prompt {uid}/0: generation failed 3 times (runtime.max_rollout_retries=2)")
+    checkpoint = tmp_path / "stop" / "checkpoints" / "step-000000"
+    assert f"checkpoint saved to {checkpoint} (continue with: asyncrl train --resume {tmp_path / 'stop'})" in err
+    pending = load_state(checkpoint)["run"]["pending"]
+    assert uid + "/0" in [job["prompt"]["uid"] for job in pending]  # nothing committed or admitted is lost
+    code, err = cli(capsys, tmp_path, "stop", "faults.failing_prompts=[]", resume=tmp_path / "stop")
+    assert code == 0, err
+    assert len(read_jsonl(tmp_path / "stop" / "metrics.jsonl")) == 4
+
+
+def test_a_weight_sync_past_its_timeout_is_a_clear_error(tmp_path, capsys):
+    with pytest.raises(SyncTimeoutError, match=r"sync.timeout_s=0.3s while loading weights version 1"):
+        run(tmp_path, "slow", "faults.slow_sync_s=1", "sync.timeout_s=0.3")
+    code, err = cli(capsys, tmp_path, "slow-cli", "faults.slow_sync_s=1", "sync.timeout_s=0.3")
+    assert code == 1 and "\n" not in err and err.endswith("the last periodic checkpoint is intact")
+
+
+def test_the_watchdog_stops_a_stalled_run_naming_what_each_loop_waits_on(tmp_path):
+    start = time.monotonic()
+    with pytest.raises(StallError) as err:
+        run(tmp_path, "stall", "faults.hang_generate_calls=[1]", "faults.hang_s=4", "runtime.watchdog_s=1")
+    message = str(err.value)
+    assert "no progress for" in message and "(runtime.watchdog_s=1)" in message
+    assert "rollout loop waits on" in message and "train loop waits on groups for step 0" in message
+    assert err.value.checkpoint is None and not (tmp_path / "stall" / "checkpoints").exists()
+    assert time.monotonic() - start < 30
+
+
+def start_cli(tmp_path, name, *overrides):
+    args = [sys.executable, "-m", "asyncrl.cli", "train", "--output-dir", str(tmp_path / name), *SMALL, *overrides]
+    env = {**os.environ, "PYTHONPATH": os.path.dirname(__file__)}
+    return subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_checkpoints_the_run_and_exits_128_plus_signal(tmp_path, signum):
+    process = start_cli(tmp_path, "run", "grpo.max_steps=100000", "checkpoint.every_steps=null")
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    deadline = time.monotonic() + 120
+    while not (metrics.exists() and len(read_jsonl(metrics)) >= 2):
+        assert process.poll() is None and time.monotonic() < deadline, process.communicate()
+        time.sleep(0.2)
+    process.send_signal(signum)
+    _, err = process.communicate(timeout=120)
+    assert process.returncode == 128 + signum, err
+    line = err.strip().splitlines()[-1]
+    assert line.startswith(f"error: interrupted by {signal.Signals(signum).name} at step ")
+    step = int(line.split(" at step ")[1].split(";")[0])
+    checkpoint = resolve_checkpoint(tmp_path / "run")
+    assert checkpoint.name == f"step-{step:06d}" and load_state(checkpoint)["run"]["version"] == step
+    assert len(read_jsonl(metrics)) == step
+
+
+def test_a_kill_during_a_checkpoint_write_leaves_the_previous_one_intact(tmp_path, capsys):
+    process = start_cli(tmp_path, "run", "grpo.max_steps=3", "checkpoint.every_steps=1", "faults.kill_in_checkpoint=2")
+    _, err = process.communicate(timeout=300)
+    assert process.returncode == -signal.SIGKILL, err
+    root = tmp_path / "run" / "checkpoints"
+    assert (root / "latest").read_text() == "step-000001"
+    assert [p.name for p in root.glob(".tmp-step-000002-*")]  # the half-written one
+    state = load_state(resolve_checkpoint(tmp_path / "run"))
+    assert state["run"]["version"] == 1
+    code, err = cli(capsys, tmp_path, "run", "faults.kill_in_checkpoint=null", resume=tmp_path / "run")
+    assert code == 0, err
+    assert not list(root.glob(".tmp-*")) and (root / "latest").read_text() == "step-000003"
+    assert [m["step"] for m in read_jsonl(tmp_path / "run" / "metrics.jsonl")] == [1, 2, 3]
+
+
+def test_injected_nan_gradients_reach_every_parameter():
+    """The nonfinite fault must poison the real gradients, or the skip tests above prove nothing."""
+    from asyncrl.config import FaultsConfig
+    from asyncrl.faults import inject_trainer_faults
+
+    class Worker:
+        def __init__(self):
+            self.trainer = type("T", (), {"params": [torch.nn.Parameter(torch.ones(2))]})()
+            self.trainer.params[0].grad = torch.zeros(2)
+
+        def begin_step(self, step):
+            pass
+
+        def finish_step(self):
+            return self.trainer.params[0].grad.clone()
+
+    worker = inject_trainer_faults(Worker(), FaultsConfig(nonfinite_steps=[3]))
+    worker.begin_step(2)
+    assert torch.equal(worker.finish_step(), torch.zeros(2))
+    worker.begin_step(3)
+    assert worker.finish_step().isnan().all()
+    assert inject_trainer_faults(worker.worker, FaultsConfig()) is worker.worker
