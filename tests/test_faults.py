@@ -36,6 +36,14 @@ def cli(capsys, tmp_path, name, *overrides, resume=None):
     return code, capsys.readouterr().err.strip()
 
 
+def test_failed_generation_batches_are_retried_and_counted(tmp_path):
+    _, clean, clean_groups = run(tmp_path, "clean", "sampler.max_lag=0")
+    summary, faulty, faulty_groups = run(tmp_path, "faulty", "sampler.max_lag=0", "faults.generate_errors=[0, 3]")
+    assert summary["rollout_retries"] == 2 * 2  # two failed batches of two groups, each retried once
+    assert without(faulty, ("rollout_retries",)) == without(clean, ("rollout_retries",))
+    assert [g["prompt_uid"] for g in faulty_groups] == [g["prompt_uid"] for g in clean_groups]
+
+
 def test_a_failed_train_step_is_aborted_and_rerun_exactly(tmp_path):
     _, clean, clean_groups = run(tmp_path, "clean", "sampler.max_lag=0")
     summary, faulty, faulty_groups = run(
