@@ -273,12 +273,18 @@ class SingleController:
         its own, so the prompt that keeps failing is found and the others go on."""
         self.last_progress = time.monotonic()
         if len(batch) > 1 and any(job.retries >= self.max_retries for job in batch):
-            self.retry_queue.extend([job] for job in batch)
+            self._queue_retries([[job] for job in batch])
         elif len(batch) > 1 or batch[0].retries < self.max_retries:
-            self.retry_queue.append([replace(job, retries=job.retries + 1) for job in batch])
+            self._queue_retries([[replace(job, retries=job.retries + 1) for job in batch]])
         else:
             self._give_up(batch[0], err)
         self.changes.notify()
+
+    def _queue_retries(self, batches: list[list[RolloutJob]]) -> None:
+        """Queue batches for re-dispatch; ``self.jobs`` holds them at once, so a checkpoint saves them."""
+        for batch in batches:
+            self.jobs.update((job.slot_id, job) for job in batch)
+        self.retry_queue.extend(batches)
 
     def _give_up(self, job: RolloutJob, err: Exception) -> None:
         """``on_rollout_failure``: stop, or skip the prompt and generate the next one in its slot."""
@@ -295,7 +301,7 @@ class SingleController:
             del self.jobs[job.slot_id]
             self.gate.add_in_flight(-1)
             return
-        self.retry_queue.append([replace(job, prompt=prompt, retries=0)])
+        self._queue_retries([[replace(job, prompt=prompt, retries=0)]])
 
     def _dispatch_retries(self) -> None:
         """Re-dispatch failed batches; a job whose weights are gone gets a fresh slot at the current version."""
