@@ -1,31 +1,57 @@
-"""TrainerWorker: the trainer side of the controller's protocol.
+"""TrainerWorker: the trainer side of the controller's protocol, on one rank or on several.
 
 The controller streams a step to it in chunks of groups. The worker turns each chunk into
-advantages and sequences, packs sequences into micro-batches of ``trainer.micro_batch_size`` in
-the order received (a partial micro-batch waits for the next chunk), and runs the split step. So
+advantages and packs the sequences into micro-batches of ``trainer.micro_batch_size`` in the
+order received (a partial micro-batch waits for the next chunk), then runs the split step. So
 micro-batch composition depends only on the order of the groups, never on how the step happened
 to be chunked: the same groups in the same order give a bit-identical step.
+
+On several trainer ranks (trainer/parallel.py) every rank receives every group, in the same order,
+and packs the same micro-batches; global micro-batch m is trained by DP rank m % dp (its cp ranks
+each take their shard of it). Ranks train in rounds of dp micro-batches: a round runs once all of
+its micro-batches are full, and the step's last round takes whatever is left. A rank that has no
+micro-batch in a round trains a padding micro-batch of zero weight instead, so every rank makes the
+same forward and backward calls, which FSDP and the context-parallel attention run collectives in.
+Packing and the step's bookkeeping (StepData) read only a group's metadata, and a group's tensors
+are fetched (``RemoteGroup.fetch()``, a group held in an object store) only by the ranks whose
+micro-batches hold its sequences, so rank 0 reports the whole step while fetching only its share.
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
-from torch import Tensor
+import torch
+from safetensors.torch import load_file
+from torch import Tensor, nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
 
 from asyncrl.algorithms import grpo
-from asyncrl.checkpoint import load_weights, save_checkpoint
+from asyncrl.checkpoint import WEIGHTS_FILE, save_checkpoint
 from asyncrl.config import GRPOConfig
 from asyncrl.trainer.policy import PolicyTrainer, StepResult
 from asyncrl.types import RolloutGroup, TrainBatch
 
+# Whole tensors, gathered from every rank onto rank 0's CPU (the other ranks get empty dicts).
+_FULL_ON_RANK0 = StateDictOptions(full_state_dict=True, cpu_offload=True)
+# Whole tensors in, each rank keeping its own shard of them.
+_FULL_INTO_SHARDS = StateDictOptions(full_state_dict=True, strict=False)
+
 
 @dataclass
 class StepData:
-    """What a step was trained on, summed over its chunks (the controller turns it into metrics)."""
+    """What a step was trained on, summed over its chunks (the controller turns it into metrics).
+
+    Built from group metadata only (no token tensors), so every rank counts the whole step."""
 
     num_groups: int = 0
     num_filtered_groups: int = 0
@@ -73,14 +99,39 @@ class StepReport:
     data: StepData
 
 
+@dataclass
+class _Rows:
+    """Consecutive sequences [start, stop) of one group, inside one micro-batch."""
+
+    group: Any  # a RolloutGroup, or a RemoteGroup whose tensors come from fetch()
+    advantages: Tensor  # the whole group's
+    start: int
+    stop: int
+
+
+MicroBatch = list[_Rows]
+
+
 class TrainerWorker:
-    def __init__(self, trainer: PolicyTrainer, grpo_cfg: GRPOConfig, tokenizer) -> None:
+    def __init__(self, trainer: PolicyTrainer, grpo_cfg: GRPOConfig, tokenizer, *, rank: int = 0) -> None:
+        """``rank``: this trainer rank's place among all of them; rank 0 writes checkpoints and
+        returns the exported weights. Its DP rank and the DP size come from ``trainer.parallel``."""
         self.trainer = trainer
         self.tokenizer = tokenizer
         self.grpo = grpo_cfg
+        self.rank = rank
+        self.dp = 1 if trainer.parallel is None else trainer.parallel.dp
+        self.dp_rank = 0 if trainer.parallel is None else trainer.parallel.dp_rank
         self.micro_batch_size = trainer.cfg.micro_batch_size
-        self._pending: TrainBatch | None = None
+        self._reset_step()
+
+    def _reset_step(self) -> None:
         self._data = StepData()
+        self._full: list[MicroBatch] = []  # full micro-batches waiting for their round
+        self._partial: MicroBatch = []
+        self._partial_rows = 0
+        self._num_microbatches = 0  # of the whole step, trained on some rank
+        self._fetched: dict[int, RolloutGroup] = {}  # id(remote group) -> its tensors, while needed
 
     @property
     def version(self) -> int:
@@ -88,68 +139,154 @@ class TrainerWorker:
 
     def begin_step(self, step: int) -> None:
         self.trainer.begin_train_step(step)
-        self._pending = None
-        self._data = StepData()
+        self._reset_step()
 
     def train_groups(self, groups: Sequence[RolloutGroup]) -> int:
-        """Add a chunk of the step; trains every full micro-batch. Returns sequences trained so far."""
-        kept, advantages = [], []
+        """Add a chunk of the step; trains every full round. Returns sequences received so far."""
         for group in groups:
             self._data.add(group, self.trainer.version)
             if self.grpo.filter_zero_variance and bool(grpo.zero_variance_groups(group.rewards)):
                 self._data.num_filtered_groups += 1
                 continue
-            kept.append(group)
-            advantages.append(
-                grpo.group_advantages(group.rewards, baseline=self.grpo.baseline, scale_by_std=self.grpo.scale_by_std)
+            advantages = grpo.group_advantages(
+                group.rewards, baseline=self.grpo.baseline, scale_by_std=self.grpo.scale_by_std
             )
-        if kept:
-            chunk = TrainBatch.from_groups(kept, advantages)
-            self._pending = chunk if self._pending is None else TrainBatch.concat([self._pending, chunk])
-        while self._pending is not None and len(self._pending) >= self.micro_batch_size:
-            rows = len(self._pending)
-            head, tail = (
-                self._pending.split([self.micro_batch_size, rows - self.micro_batch_size])
-                if rows > self.micro_batch_size
-                else (self._pending, None)
-            )
-            self._train(head)
-            self._pending = tail
+            self._pack(group, advantages)
+        while len(self._full) >= self.dp:
+            self._train_round(self._full[: self.dp])
+            del self._full[: self.dp]
         return self._data.num_samples
 
     def finish_step(self) -> StepReport:
-        """Train the last partial micro-batch, then normalize, clip and step (V += 1)."""
-        if self._pending is not None:
-            self._train(self._pending)
-            self._pending = None
-        return StepReport(result=self.trainer.finish_train_step(), data=self._data)
+        """Train the last round (what is left, the partial micro-batch included), then normalize,
+        clip and step (V += 1). The result counts the micro-batches of the whole step."""
+        last_round = self._full + ([self._partial] if self._partial else [])
+        if last_round:
+            self._train_round(last_round)
+        result = self.trainer.finish_train_step()
+        report = StepReport(result=replace(result, num_microbatches=self._num_microbatches), data=self._data)
+        self._reset_step()
+        return report
 
     def abort_step(self) -> None:
         self.trainer.abort_train_step()
-        self._pending = None
-        self._data = StepData()
+        self._reset_step()
 
     def export_weights(self) -> tuple[int, dict[str, Tensor]]:
-        return self.trainer.export_weights()
+        """(version, whole weights) on rank 0; other ranks take part in the gathers and return none."""
+        version, weights = self.trainer.export_weights()
+        return version, weights if self.rank == 0 else {}
 
-    def save_checkpoint(self, run_dir: str, step: int, run_state: dict, keep_last: int) -> Path:
-        """The policy as an HF model, the tokenizer, and the trainer state next to ``run_state``."""
-        trainer_state = self.trainer.state_dict()
+    def save_checkpoint(self, run_dir: str, step: int, run_state: dict, keep_last: int) -> Path | None:
+        """The whole policy as an HF model, the tokenizer, and the trainer state next to ``run_state``.
+
+        Every rank takes part in gathering whole weights and optimizer state; rank 0 writes them
+        and returns the checkpoint directory, the others return None. The optimizer state is keyed
+        by parameter name, so any dp × cp layout can load it."""
+        model = self.trainer.model
+        weights = get_model_state_dict(model, options=_FULL_ON_RANK0)
+        optimizer = get_optimizer_state_dict(model, self.trainer.optimizer, options=_FULL_ON_RANK0)
+        if self.rank != 0:
+            return None
+        trainer_state = {**self.trainer.state_dict(), "optimizer": optimizer}
         trainer_state.pop("model")  # saved as model.safetensors
         return save_checkpoint(
             run_dir,
             step,
-            write_model=lambda directory: self.trainer.model.save_pretrained(directory, safe_serialization=True),
+            write_model=lambda directory: model.save_pretrained(directory, state_dict=weights, safe_serialization=True),
             tokenizer=self.tokenizer,
             state={"trainer": trainer_state, "run": run_state},
             keep_last=keep_last,
         )
 
     def load_checkpoint(self, checkpoint_dir: str | Path, trainer_state: dict) -> None:
-        load_weights(self.trainer.model, Path(checkpoint_dir))
-        self.trainer.load_state_dict({**trainer_state, "model": self.trainer.model.state_dict()})
+        """Load a checkpoint written by any layout; every rank calls it and keeps its own shards."""
+        checkpoint_dir = Path(checkpoint_dir)
+        model, optimizer = self.trainer.model, self.trainer.optimizer
+        weights = load_file(checkpoint_dir / WEIGHTS_FILE)
+        _check_weight_names(model, weights.keys(), checkpoint_dir)
+        set_model_state_dict(model, weights, options=_FULL_INTO_SHARDS)
+        set_optimizer_state_dict(model, optimizer, trainer_state["optimizer"], options=_FULL_INTO_SHARDS)
+        # the rest of the trainer state (schedule, version, RNG); weights and moments are in place
+        self.trainer.load_state_dict({**trainer_state, "model": model.state_dict(), "optimizer": optimizer.state_dict()})
+
+    # ---- packing and rounds -------------------------------------------------------------------
+
+    def _pack(self, group: RolloutGroup, advantages: Tensor) -> None:
+        """Append the group's sequences to the micro-batches, in order."""
+        start = 0
+        while start < group.size:
+            stop = min(group.size, start + self.micro_batch_size - self._partial_rows)
+            self._partial.append(_Rows(group, advantages, start, stop))
+            self._partial_rows += stop - start
+            start = stop
+            if self._partial_rows == self.micro_batch_size:
+                self._full.append(self._partial)
+                self._partial, self._partial_rows = [], 0
+
+    def _train_round(self, round_: list[MicroBatch]) -> None:
+        """Consecutive global micro-batches, the j-th for DP rank j; every rank trains its batches."""
+        self._num_microbatches += len(round_)
+        for batch in self._round_batches(round_):
+            self._train(batch)
+        for micro_batch in round_:  # a group's tensors are not needed after its last rows
+            for rows in micro_batch:
+                if rows.stop == rows.group.size:
+                    self._fetched.pop(id(rows.group), None)
+
+    def _round_batches(self, round_: list[MicroBatch]) -> list[TrainBatch]:
+        """This rank's micro-batch of the round, or a padding one when the round has none for it."""
+        if self.dp_rank < len(round_):
+            return [self._micro_batch(round_[self.dp_rank])]
+        return [self._padding_batch()]
+
+    def _micro_batch(self, micro_batch: MicroBatch) -> TrainBatch:
+        groups = [self._fetch(rows.group) for rows in micro_batch]
+        batch = TrainBatch.from_groups(groups, [rows.advantages for rows in micro_batch])
+        index, offset = [], 0
+        for group, rows in zip(groups, micro_batch):
+            index.extend(range(offset + rows.start, offset + rows.stop))
+            offset += group.size
+        return batch.select(index)
+
+    def _fetch(self, group: Any) -> RolloutGroup:
+        """The group with its tensors: itself, or a held group's, fetched once."""
+        if isinstance(group, RolloutGroup):
+            return group
+        if id(group) not in self._fetched:
+            self._fetched[id(group)] = group.fetch()
+        return self._fetched[id(group)]
+
+    def _padding_batch(self) -> TrainBatch:
+        """One sequence that attends to real tokens (so every activation is finite) but has no
+        response: zero loss weight, zero gradient, and nothing added to the step's counts."""
+        ones, zeros = torch.ones((1, 2)), torch.zeros((1, 2))
+        return TrainBatch(
+            input_ids=torch.zeros((1, 2), dtype=torch.long),
+            attention_mask=ones.long(),
+            response_mask=zeros,
+            behaviour_logprobs=zeros,
+            advantages=torch.zeros(1),
+            response_lengths=torch.zeros(1, dtype=torch.long),
+        )
 
     def _train(self, batch: TrainBatch) -> None:
         if self.trainer.reference_model is not None:
             batch.ref_logprobs = self.trainer.compute_logprobs(batch, reference=True)
         self.trainer.train_microbatch(batch)
+
+
+def _check_weight_names(model: nn.Module, names, checkpoint_dir: Path) -> None:
+    """The checkpoint holds exactly the model's weights; a tied weight may be stored once."""
+    names = set(names)
+    expected = set(model.state_dict())
+    aliases: dict[int, set[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        aliases.setdefault(id(param), set()).add(name)
+    covered = names | {name for tied in aliases.values() if tied & names for name in tied}
+    missing, unexpected = sorted(expected - covered), sorted(names - expected)
+    if missing or unexpected:
+        raise ValueError(
+            f"checkpoint {checkpoint_dir}: weights do not match the model "
+            f"(missing {missing[:5]}, unexpected {unexpected[:5]})"
+        )
