@@ -2,15 +2,22 @@
 running the real step sequence against the single-rank TrainerWorker (DESIGN 5, float32)."""
 
 import asyncio
+import io
+from dataclasses import fields
 
 import pytest
 import torch
+import torch.distributed as dist
+from test_trainer_worker import make_groups
 
 from asyncrl.config import load_config
-from asyncrl.models.factory import build_model, build_tokenizer
 from asyncrl.data import build_task
+from asyncrl.models.factory import build_model, build_tokenizer
 from asyncrl.runtime.local import LocalHandle
 from asyncrl.trainer.group import TrainerGroup, TrainerRankError, build_trainer_rank
+from asyncrl.trainer.parallel import launch
+from asyncrl.trainer.worker import TrainerWorker
+from asyncrl.types import RolloutGroup
 from asyncrl.warm_start import warm_start
 
 # ---- TrainerGroup ---------------------------------------------------------------------------
@@ -124,3 +131,218 @@ def test_a_single_rank_is_the_driver_s_warm_started_policy(tmp_path):
     expected = model.state_dict()
     assert weights.keys() == expected.keys()
     assert all(torch.equal(weights[k], expected[k]) for k in expected)
+
+
+# ---- dp × cp ranks against the single-rank worker ---------------------------------------------
+
+TENSORS = ("input_ids", "attention_mask", "response_mask", "behaviour_logprobs")
+MICRO_BATCH = 6  # groups of 4: some lie in one micro-batch, some straddle two; steps end on a partial one
+RANK_OVERRIDES = [
+    "runtime.name=ray",
+    f"trainer.micro_batch_size={MICRO_BATCH}",
+    "grpo.filter_zero_variance=true",
+    "loss.kl_coef=0.05",  # the reference logprobs run on every micro-batch too, padding included
+]
+CHUNKS = {0: [5], 1: [1, 3, 1], 2: [2, 2, 1], 3: [4, 1]}  # groups per train_groups call, per step
+FLOAT32 = {"loss": 1e-5, "rtol": 1e-4, "atol_frac": 1e-5}  # DESIGN 5
+
+
+class HeldGroup:
+    """A group as the object-store runtime hands it over: metadata, tensors only through fetch()."""
+
+    def __init__(self, group: RolloutGroup) -> None:
+        for f in fields(RolloutGroup):
+            if f.name not in TENSORS:
+                setattr(self, f.name, getattr(group, f.name))
+        self.size, self.response_tokens = group.size, group.response_tokens
+        self.fetches = 0
+        self._group = group
+
+    def fetch(self) -> RolloutGroup:
+        self.fetches += 1
+        return self._group
+
+
+def step_groups(step: int) -> list:
+    """Step ``step``'s five groups of four: every other one held, two of step 2 stale, one of step 1
+    with equal rewards (filtered)."""
+    groups = make_groups(100 + step, count=5, version=step)
+    if step == 1:
+        groups[2] = RolloutGroup(**{**groups[2].__dict__, "rewards": torch.ones(4)})
+    if step == 2:
+        groups[:2] = make_groups(200, count=2, version=1)
+    return [HeldGroup(g) if i % 2 else g for i, g in enumerate(groups)]
+
+
+def run_step(worker, step: int) -> tuple:
+    """(report, fetches of each held group by prompt uid) of one step, chunked as CHUNKS says."""
+    groups = step_groups(step)
+    worker.begin_step(step)
+    start = 0
+    for size in CHUNKS[step]:
+        worker.train_groups(groups[start : start + size])
+        start += size
+    report = worker.finish_step()
+    return report, {g.prompt_uid: g.fetches for g in groups if isinstance(g, HeldGroup)}
+
+
+def expected_fetches(step: int, dp: int, dp_rank: int) -> dict[str, int]:
+    """A held group is fetched once by the DP ranks whose micro-batches (m % dp) hold its rows."""
+    fetches, row = {}, 0
+    for group in step_groups(step):
+        if len(set(group.rewards.tolist())) == 1:
+            owners = set()  # filtered: never trained
+        else:
+            owners = {(r // MICRO_BATCH) % dp for r in range(row, row + group.size)}
+            row += group.size
+        if isinstance(group, HeldGroup):
+            fetches[group.prompt_uid] = int(dp_rank in owners)
+    return fetches
+
+
+class TrainsEveryMicroBatch(TrainerWorker):
+    """Planted: every DP rank trains every micro-batch of a round, not just its own."""
+
+    def _round_batches(self, round_):
+        return [self._micro_batch(micro_batch) for micro_batch in round_]
+
+
+class DropsTheLastRound(TrainerWorker):
+    """Planted: what is left at the end of a step (the partial micro-batch too) is never trained."""
+
+    def finish_step(self):
+        self._full, self._partial = [], []
+        return super().finish_step()
+
+
+def mismatches(got, want) -> list[str]:
+    """What differs between two steps' reports beyond DESIGN 5's float32 tolerance."""
+    problems = [] if got.data == want.data else ["step data"]
+    a, b = got.result, want.result
+    for name in ("version", "num_sequences", "num_tokens", "num_microbatches", "skipped"):
+        if getattr(a, name) != getattr(b, name):
+            problems.append(f"{name} {getattr(a, name)} != {getattr(b, name)}")
+    if abs(a.loss - b.loss) > FLOAT32["loss"] * abs(b.loss):
+        problems.append(f"loss {a.loss} != {b.loss}")
+    if abs(a.grad_norm - b.grad_norm) > FLOAT32["rtol"] * b.grad_norm:
+        problems.append(f"grad norm {a.grad_norm} != {b.grad_norm}")
+    if a.metrics.keys() != b.metrics.keys():
+        problems.append("metric names")
+    for key, value in b.metrics.items():
+        if abs(a.metrics.get(key, float("nan")) - value) > FLOAT32["rtol"] * abs(value) + FLOAT32["atol_frac"]:
+            problems.append(f"metric {key}")
+    return problems
+
+
+def weight_mismatches(got: dict, want: dict) -> list[str]:
+    """Weights whose relative error, max|got - want| / max|want|, exceeds the float32 rtol. After
+    Adam steps an elementwise check would be dominated by coordinates with near-zero gradients,
+    whose rounding Adam scales up to a full step. The key projection's bias is left out: softmax
+    over keys ignores it, so its gradient is zero up to rounding and its update is that rounding."""
+    if got.keys() != want.keys():
+        return ["weight names"]
+    return [
+        name
+        for name, value in want.items()
+        if not name.endswith("k_proj.bias") and (got[name] - value).abs().max() > FLOAT32["rtol"] * value.abs().max()
+    ]
+
+
+def ranks_step_sequence(rank: int, world_size: int, overrides, rendezvous, resume_from, save_to) -> bytes:
+    """On each rank: resume the single rank's checkpoint and train step 2 (when ``resume_from``),
+    train steps 0-2 from scratch and checkpoint them (when ``save_to``), then one step of each
+    planted twin. The fresh ranks meet through ``rendezvous`` when given, as a runtime's would."""
+    config = load_config(None, overrides)
+    out = {}
+    if rendezvous is not None:
+        dist.destroy_process_group()
+    if resume_from is not None:
+        resumed = build_trainer_rank(config, rank, rendezvous, checkpoint_dir=resume_from)
+        out["resumed_weights"] = resumed.export_weights()[1]
+        out["resumed_step"] = run_step(resumed, 2)
+    worker = build_trainer_rank(config, rank, None if resume_from is not None else rendezvous)
+    out["dp_rank"] = worker.dp_rank
+    out["steps"] = [run_step(worker, step) for step in range(3)]
+    out["weights"] = worker.export_weights()
+    if save_to is not None:
+        out["checkpoint"] = worker.save_checkpoint(save_to, 3, {"note": "ranks"}, keep_last=1)
+    for plant in (TrainsEveryMicroBatch, DropsTheLastRound):
+        twin = build_trainer_rank(config, rank, None)
+        twin.__class__ = plant
+        out[plant.__name__] = run_step(twin, 0)[0]
+    buffer = io.BytesIO()
+    torch.save(out, buffer)
+    return buffer.getvalue()
+
+
+def single_rank_reference(tmp_path, checkpoint_at: int | None = None):
+    """The single-rank worker after steps 0-2, its reports, and (its checkpoint, its weights) at
+    ``checkpoint_at``."""
+    worker = build_trainer_rank(small_config(tmp_path, *RANK_OVERRIDES), 0, None)
+    reports, checkpoint = [], (None, None)
+    for step in range(3):
+        if step == checkpoint_at:
+            path = worker.save_checkpoint(str(tmp_path / "single"), step, {"note": "single"}, keep_last=1)
+            checkpoint = (path, worker.export_weights()[1])
+        reports.append(run_step(worker, step)[0])
+    return worker, reports, checkpoint
+
+
+def check_ranks_against_single_rank(payloads, reports, weights, dp: int) -> None:
+    for rank, out in enumerate(payloads):
+        for step, ((got, fetches), want) in enumerate(zip(out["steps"], reports)):
+            assert mismatches(got, want) == [], (rank, step)
+            assert fetches == expected_fetches(step, dp, out["dp_rank"]), (rank, step)
+        version, got_weights = out["weights"]
+        assert version == 3 and (got_weights == {}) == (rank != 0)
+    assert weight_mismatches(payloads[0]["weights"][1], weights) == []
+    # the negative twins fail the comparison that the ranks pass (with one DP rank, training every
+    # micro-batch is no mistake)
+    if dp > 1:
+        assert any("num_tokens" in p for p in mismatches(payloads[0]["TrainsEveryMicroBatch"], reports[0]))
+    dropped = mismatches(payloads[0]["DropsTheLastRound"], reports[0])
+    assert any(p.startswith("loss") for p in dropped) and any(p.startswith("num_sequences") for p in dropped)
+
+
+def rank_payloads(world_size: int, *args) -> list[dict]:
+    return [torch.load(io.BytesIO(p), weights_only=False) for p in launch(ranks_step_sequence, world_size, *args)]
+
+
+def check_checkpoint_loads_on_one_rank(tmp_path, payloads) -> TrainerWorker:
+    """Rank 0 alone wrote the checkpoint; a single rank loads exactly the ranks' weights."""
+    checkpoint = payloads[0]["checkpoint"]
+    assert checkpoint is not None and all(out["checkpoint"] is None for out in payloads[1:])
+    resumed = build_trainer_rank(small_config(tmp_path, *RANK_OVERRIDES), 0, None, checkpoint_dir=str(checkpoint))
+    version, resumed_weights = resumed.export_weights()
+    ranks_weights = payloads[0]["weights"][1]
+    assert version == 3 and all(torch.equal(resumed_weights[k], ranks_weights[k]) for k in ranks_weights)
+    return resumed
+
+
+def test_dp2_ranks_match_the_single_rank_worker_and_resume_across_layouts(tmp_path):
+    single, reports, (single_checkpoint, checkpoint_weights) = single_rank_reference(tmp_path, checkpoint_at=2)
+    overrides = [*SMALL, f"warm_start.cache_dir={tmp_path / 'warm'}", *RANK_OVERRIDES, "parallel.dp=2"]
+    rendezvous = (tmp_path / "rendezvous").as_uri()
+    payloads = rank_payloads(2, overrides, rendezvous, str(single_checkpoint), str(tmp_path / "ranks"))
+    _, weights = single.export_weights()
+    check_ranks_against_single_rank(payloads, reports, weights, dp=2)
+
+    # dp=1 -> dp=2: the ranks load the single rank's step-2 checkpoint exactly and train step 2 like it
+    assert all(torch.equal(payloads[0]["resumed_weights"][k], v) for k, v in checkpoint_weights.items())
+    for out in payloads:
+        assert mismatches(out["resumed_step"][0], reports[2]) == []
+    # dp=2 -> dp=1: the single rank loads the ranks' step-3 checkpoint exactly and continues like the
+    # uninterrupted single rank
+    resumed = check_checkpoint_loads_on_one_rank(tmp_path, payloads)
+    assert mismatches(run_step(resumed, 3)[0], run_step(single, 3)[0]) == []
+    assert weight_mismatches(resumed.export_weights()[1], single.export_weights()[1]) == []
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dp, cp", [(1, 2), (2, 2)])
+def test_cp_and_dp_cp_ranks_match_the_single_rank_worker(tmp_path, dp, cp):
+    single, reports, _ = single_rank_reference(tmp_path)
+    overrides = [*SMALL, f"warm_start.cache_dir={tmp_path / 'warm'}", *RANK_OVERRIDES, f"parallel.dp={dp}", f"parallel.cp={cp}"]
+    payloads = rank_payloads(dp * cp, overrides, None, None, str(tmp_path / "ranks"))
+    check_ranks_against_single_rank(payloads, reports, single.export_weights()[1], dp=dp)
+    check_checkpoint_loads_on_one_rank(tmp_path, payloads)
