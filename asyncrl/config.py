@@ -102,6 +102,9 @@ class GenerationConfig(Section):
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="nucleus sampling mass; 1 disables it")
     top_k: int = Field(0, ge=0, description="top-k sampling; 0 disables it")
     batch_size: int = Field(64, ge=1, description="sequences per generation forward")
+    num_workers: int = Field(
+        1, ge=1, description="rollout workers, each with its own generator: Ray actors; the local runtime runs one"
+    )
 
 
 class RewardConfig(Section):
@@ -258,8 +261,31 @@ class RuntimeConfig(Section):
         900.0, gt=0.0, description="stop the run, naming what each loop waits on, after this long without progress; null disables"
     )
     torch_threads: int | None = Field(
-        None, ge=1, description="CPU threads per torch op; null: cores / 2, so the trainer and generator threads don't fight"
+        None,
+        ge=1,
+        description="CPU threads per torch op; null: cores / 2 on the local runtime, a Ray actor's CPUs (at least 1) on ray",
     )
+    address: str | None = Field(
+        None, description="ray: null starts a local Ray cluster for the run; auto or host:port joins a running one"
+    )
+    controller_actor: bool = Field(
+        False, description="ray: run the controller inside a CPU actor on the driver's node instead of in the driver"
+    )
+    generator_cpus: float = Field(1.0, ge=0.0, description="ray: CPUs reserved by each rollout worker actor")
+    generator_gpus: float = Field(0.0, ge=0.0, description="ray: GPUs reserved by each rollout worker actor")
+    trainer_cpus: float = Field(1.0, ge=0.0, description="ray: CPUs reserved by each trainer rank actor")
+    trainer_gpus: float = Field(0.0, ge=0.0, description="ray: GPUs reserved by each trainer rank actor")
+    generator_restarts: int = Field(
+        3, ge=0, description="ray: times a dead rollout worker actor is restarted (it reloads the latest weights)"
+    )
+
+    @model_validator(mode="after")
+    def _ray_fields_need_ray(self) -> RuntimeConfig:
+        if self.name == "local" and self.address is not None:
+            raise ValueError("runtime.address: set, but runtime.name is local; use runtime.name=ray")
+        if self.name == "local" and self.controller_actor:
+            raise ValueError("runtime.controller_actor: needs runtime.name ray")
+        return self
 
 
 class ParallelConfig(Section):
@@ -383,6 +409,11 @@ class RunConfig(Section):
         if ranks > 1 and self.runtime.name == "local":
             raise ValueError(
                 f"parallel.dp: dp*cp = {ranks} trainer ranks need runtime.name ray (the local runtime runs one)"
+            )
+        if self.generation.num_workers > 1 and self.runtime.name == "local":
+            raise ValueError(
+                f"generation.num_workers: {self.generation.num_workers} rollout workers need runtime.name ray "
+                "(the local runtime runs one)"
             )
         sequences = self.grpo.prompts_per_step * self.grpo.generations_per_prompt
         if parallel.dp > sequences:

@@ -10,6 +10,7 @@ import asyncio
 import copy
 import os
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any, Callable, TypeVar
 
@@ -47,7 +48,6 @@ def train(config: RunConfig, *, resume: str | Path | None = None, console: Any =
     model = _input(build_model, config, tokenizer)
     task = _input(build_task, config.data, tokenizer)
     rewards = _input(RewardRunner.from_config, config.rewards, task)
-    runtime = _input(build_runtime, config.runtime.name)
     state = load_state(checkpoint_dir) if checkpoint_dir is not None else None
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(dump_config(config))
@@ -55,14 +55,11 @@ def train(config: RunConfig, *, resume: str | Path | None = None, console: Any =
     torch.set_num_threads(config.runtime.torch_threads or max(1, (os.cpu_count() or 2) // 2))
     transformers.utils.logging.disable_progress_bar()  # checkpoint saves would print bars over the display
     progress = ProgressDisplay(config.grpo.max_steps, enabled=config.logging.progress, console=console)
-    metrics = MetricsWriter(
-        run_dir,
-        config.logging,
-        run_config=config.model_dump(mode="json"),
-        resume_step=state["run"]["version"] if state is not None else None,
-    )
+    metrics = None if config.runtime.controller_actor else _metrics_writer(config, state)
+    runtime = _input(build_runtime, config)
     try:
         with progress:
+            # Once, here: on Ray every trainer rank then finds the result in the warm start cache.
             warm_start(
                 model,
                 tokenizer,
@@ -71,45 +68,127 @@ def train(config: RunConfig, *, resume: str | Path | None = None, console: Any =
                 seed=config.seed,
                 on_progress=lambda step, total, loss: progress.status(f"warm start {step}/{total}, loss {loss:.3f}"),
             )
-            trainer = PolicyTrainer.from_config(config, model)
-            trainer_worker = TrainerWorker(trainer, config.grpo, tokenizer)
-            if checkpoint_dir is not None:
-                _input(trainer_worker.load_checkpoint, checkpoint_dir, state["trainer"])
-            generator = build_generator(config, copy.deepcopy(model), tokenizer)
-            version, weights = trainer.export_weights()
-            generator.load_weights(weights, version)
-            rollout_worker = RolloutWorker(
-                generator,
-                rewards,
-                tokenizer,
-                run_seed=config.seed,
-                group_size=config.grpo.generations_per_prompt,
-                sampling=SamplingParams.from_config(config.generation),
-            )
-            controller = SingleController(
-                config,
-                trainer=runtime.spawn(lambda: inject_trainer_faults(trainer_worker, config.faults), "trainer"),
-                rollout_workers=[runtime.spawn(lambda: inject_rollout_faults(rollout_worker, config.faults), "rollout")],
-                task=task,
-                loader=PromptLoader(task.train, shuffle_seed=config.data.shuffle_seed, epochs=config.data.epochs),
-                sampler=build_sampler(config.sampler.name, config.grpo.prompts_per_step, config.sampler.max_lag),
-                buffer=ReplayBuffer(config.buffer_capacity),
-                metrics=metrics,
-                progress=progress,
-                run_dir=run_dir,
-            )
-            if state is not None:
-                _input(controller.load_state_dict, state["run"])
-            steps_done = asyncio.run(controller.run())
+            trainer, rollout_workers = _start_workers(runtime, config, model, tokenizer, rewards, checkpoint_dir, state)
+            if config.runtime.controller_actor:
+                progress.status("training; the controller runs in a Ray actor")
+                steps_done = runtime.run_controller(partial(drive_in_actor, config, trainer, rollout_workers, state))
+            else:
+                steps_done = drive(
+                    config, trainer, rollout_workers, task=task, state=state, metrics=metrics, progress=progress
+                )
             progress.status("writing the report")
     finally:
         runtime.shutdown()
         rewards.close()
-        metrics.close()
+        if metrics is not None:
+            metrics.close()
     summary = _summary(run_dir, steps_done, time.perf_counter() - start)
     write_json_atomic(run_dir / "summary.json", summary)
     write_report(run_dir)
     return summary
+
+
+def _start_workers(
+    runtime: Any, config: RunConfig, model: Any, tokenizer: Any, rewards: RewardRunner, checkpoint_dir: Path | None, state: dict | None
+) -> tuple[Any, list[Any]]:
+    """The trainer and rollout worker handles: actors that build their own workers on Ray,
+    in-process objects sharing the driver's model and rewards on the local runtime."""
+    if runtime.name == "ray":
+        from asyncrl.trainer.group import TrainerGroup
+
+        ranks = _input(
+            runtime.spawn_trainer_ranks,
+            lambda rank, init_method: partial(build_trainer_rank_worker, config, rank, init_method, checkpoint_dir),
+            config.parallel.world_size,
+        )
+        generators = _input(runtime.spawn_generators, partial(build_rollout_worker, config), config.generation.num_workers)
+        return TrainerGroup(ranks), generators
+    trainer_worker = TrainerWorker(PolicyTrainer.from_config(config, model), config.grpo, tokenizer)
+    if checkpoint_dir is not None:
+        _input(trainer_worker.load_checkpoint, checkpoint_dir, state["trainer"])
+    rollout_worker = _rollout_worker(config, build_generator(config, copy.deepcopy(model), tokenizer), rewards, tokenizer)
+    trainer = runtime.spawn(lambda: inject_trainer_faults(trainer_worker, config.faults), "trainer")
+    return trainer, [runtime.spawn(lambda: rollout_worker, "rollout")]
+
+
+def build_trainer_rank_worker(
+    config: RunConfig, rank: int, init_method: str | None, checkpoint_dir: Path | None
+) -> Any:
+    """Inside a trainer rank's actor: the rank's TrainerWorker, wrapped by the ``faults`` section."""
+    from asyncrl.trainer.group import build_trainer_rank
+
+    worker = build_trainer_rank(config, rank, init_method, str(checkpoint_dir) if checkpoint_dir is not None else None)
+    return inject_trainer_faults(worker, config.faults)
+
+
+def build_rollout_worker(config: RunConfig) -> Any:
+    """Inside a rollout worker's actor: its own model, generator and rewards. The weights come
+    from the trainer before the first batch, so the model is not warm-started here."""
+    tokenizer = build_tokenizer(config)
+    task = build_task(config.data, tokenizer)
+    generator = build_generator(config, build_model(config, tokenizer), tokenizer)
+    return _rollout_worker(config, generator, RewardRunner.from_config(config.rewards, task), tokenizer)
+
+
+def _rollout_worker(config: RunConfig, generator: Any, rewards: RewardRunner, tokenizer: Any) -> Any:
+    worker = RolloutWorker(
+        generator,
+        rewards,
+        tokenizer,
+        run_seed=config.seed,
+        group_size=config.grpo.generations_per_prompt,
+        sampling=SamplingParams.from_config(config.generation),
+    )
+    return inject_rollout_faults(worker, config.faults)
+
+
+def drive(
+    config: RunConfig, trainer: Any, rollout_workers: list[Any], *, task: Any, state: dict | None, metrics: Any, progress: Any
+) -> int:
+    """Run the controller over these handles to the end; returns the steps taken in total."""
+    controller = SingleController(
+        config,
+        trainer=trainer,
+        rollout_workers=rollout_workers,
+        task=task,
+        loader=PromptLoader(task.train, shuffle_seed=config.data.shuffle_seed, epochs=config.data.epochs),
+        sampler=build_sampler(config.sampler.name, config.grpo.prompts_per_step, config.sampler.max_lag),
+        buffer=ReplayBuffer(config.buffer_capacity),
+        metrics=metrics,
+        progress=progress,
+        run_dir=Path(config.logging.output_dir),
+    )
+    if state is not None:
+        _input(controller.load_state_dict, state["run"])
+    return asyncio.run(_load_weights_then_run(controller, trainer, rollout_workers))
+
+
+async def _load_weights_then_run(controller: SingleController, trainer: Any, rollout_workers: list[Any]) -> int:
+    """Give every generator the trainer's weights (warm-started or resumed), then run."""
+    version, weights = await trainer.export_weights()
+    await asyncio.gather(*(worker.load_weights(weights, version) for worker in rollout_workers))
+    return await controller.run()
+
+
+def drive_in_actor(config: RunConfig, trainer: Any, rollout_workers: list[Any], state: dict | None) -> int:
+    """``drive`` inside the controller actor: it writes the metrics itself; there is no live display."""
+    torch.set_num_threads(1)
+    task = build_task(config.data, build_tokenizer(config))
+    metrics = _metrics_writer(config, state)
+    try:
+        progress = ProgressDisplay(config.grpo.max_steps, enabled=False)
+        return drive(config, trainer, rollout_workers, task=task, state=state, metrics=metrics, progress=progress)
+    finally:
+        metrics.close()
+
+
+def _metrics_writer(config: RunConfig, state: dict | None) -> MetricsWriter:
+    return MetricsWriter(
+        Path(config.logging.output_dir),
+        config.logging,
+        run_config=config.model_dump(mode="json"),
+        resume_step=state["run"]["version"] if state is not None else None,
+    )
 
 
 def run_directory(config: RunConfig, *, resuming: bool) -> Path:

@@ -104,7 +104,10 @@ class RolloutGate:
         self.changes.notify()
 
 
-def state_dict_bytes(state: dict[str, Any]) -> int:
+def state_dict_bytes(state: Any) -> int:
+    """Bytes of exported weights: a state dict, or a reference to one that knows its size (``nbytes``)."""
+    if hasattr(state, "nbytes"):
+        return state.nbytes
     return sum(t.numel() * t.element_size() for t in state.values())
 
 

@@ -248,11 +248,13 @@ def weight_mismatches(got: dict, want: dict) -> list[str]:
     ]
 
 
-def ranks_step_sequence(rank: int, world_size: int, overrides, rendezvous, resume_from, save_to) -> bytes:
+def ranks_step_sequence(rank: int, world_size: int, overrides, rendezvous, resume_from, save_to, skewed=False) -> bytes:
     """On each rank: resume the single rank's checkpoint and train step 2 (when ``resume_from``),
     train steps 0-2 from scratch and checkpoint them (when ``save_to``), then one step of each
-    planted twin. The fresh ranks meet through ``rendezvous`` when given, as a runtime's would."""
+    planted twin. The fresh ranks meet through ``rendezvous`` when given, as a runtime's would.
+    ``skewed``: ranks other than 0 build the fresh model from another seed (rank 0's weights win)."""
     config = load_config(None, overrides)
+    fresh_config = load_config(None, [*overrides, "model.init_seed=7"]) if skewed and rank else config
     out = {}
     if rendezvous is not None:
         dist.destroy_process_group()
@@ -260,7 +262,7 @@ def ranks_step_sequence(rank: int, world_size: int, overrides, rendezvous, resum
         resumed = build_trainer_rank(config, rank, rendezvous, checkpoint_dir=resume_from)
         out["resumed_weights"] = resumed.export_weights()[1]
         out["resumed_step"] = run_step(resumed, 2)
-    worker = build_trainer_rank(config, rank, None if resume_from is not None else rendezvous)
+    worker = build_trainer_rank(fresh_config, rank, None if resume_from is not None else rendezvous)
     out["dp_rank"] = worker.dp_rank
     out["steps"] = [run_step(worker, step) for step in range(3)]
     out["weights"] = worker.export_weights()
@@ -323,7 +325,7 @@ def test_dp2_ranks_match_the_single_rank_worker_and_resume_across_layouts(tmp_pa
     single, reports, (single_checkpoint, checkpoint_weights) = single_rank_reference(tmp_path, checkpoint_at=2)
     overrides = [*SMALL, f"warm_start.cache_dir={tmp_path / 'warm'}", *RANK_OVERRIDES, "parallel.dp=2"]
     rendezvous = (tmp_path / "rendezvous").as_uri()
-    payloads = rank_payloads(2, overrides, rendezvous, str(single_checkpoint), str(tmp_path / "ranks"))
+    payloads = rank_payloads(2, overrides, rendezvous, str(single_checkpoint), str(tmp_path / "ranks"), True)
     _, weights = single.export_weights()
     check_ranks_against_single_rank(payloads, reports, weights, dp=2)
 

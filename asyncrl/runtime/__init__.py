@@ -5,13 +5,21 @@ in the order they were made. That ordering is what the weight sync relies on: a 
 submitted after a generation batch runs after it. The controller is identical on every runtime.
 """
 
+from asyncrl.config import RunConfig
 from asyncrl.runtime.local import LocalHandle, LocalRuntime
 
 __all__ = ["LocalHandle", "LocalRuntime", "build_runtime"]
 
 
-def build_runtime(name: str):
-    """The runtime ``runtime.name`` selects."""
-    if name == "local":
-        return LocalRuntime()
-    raise ValueError(f"runtime.name: '{name}' is not available yet; use local")
+def build_runtime(config: RunConfig):
+    """The runtime ``runtime.name`` selects; Ray is imported only when it is the one."""
+    if config.runtime.name == "ray":
+        from asyncrl.runtime.ray import RayRuntime
+
+        cfg, ranks, generators = config.runtime, config.parallel.world_size, config.generation.num_workers
+        return RayRuntime(
+            cfg,
+            num_cpus=ranks * cfg.trainer_cpus + generators * cfg.generator_cpus,
+            num_gpus=ranks * cfg.trainer_gpus + generators * cfg.generator_gpus,
+        )
+    return LocalRuntime()

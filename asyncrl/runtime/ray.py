@@ -1,0 +1,355 @@
+"""The Ray runtime: every worker is an actor; rollout payloads and weights live in the object store.
+
+The controller sees the same handles as on the local runtime: ``handle.method(*args)`` submits at
+once and returns an awaitable, and calls to one actor run in submission order (one caller, a
+synchronous actor, one call at a time). Three things differ from threads in one process:
+
+- workers are built inside their actors by picklable module-level factories, never pickled from
+  the driver; a factory that raises surfaces as the same exception the local runtime would raise;
+- a generation batch returns each group's payload as a separate task return, so the caller (the
+  controller's process) owns it and it outlives the generator that made it. The controller and
+  the buffer hold ``RemoteGroup``s: metadata plus a reference; trainer ranks fetch the payloads;
+- rank 0 leaves exported weights in the object store and the generators load them from there;
+  the controller only passes the reference along. A restarted generator reloads the last weights
+  its handle sent before it serves another call.
+
+``ray`` is imported inside functions only: ``import asyncrl`` and the local runtime never load it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import os
+import socket
+from dataclasses import dataclass, fields, replace
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import Tensor
+
+from asyncrl.config import RuntimeConfig
+from asyncrl.controller import RunStopped
+from asyncrl.types import RolloutGroup
+
+
+class WorkerDiedError(RuntimeError):
+    """A rollout worker's actor died while a call was pending: the controller retries the batch."""
+
+
+class TrainerRankDiedError(RunStopped):
+    """A trainer rank's actor died: the run stops; its last checkpoint is intact and resumable."""
+
+    saves_checkpoint = False  # the trainer that would write it is gone
+
+
+@dataclass
+class RemoteGroup:
+    """A committed group as the controller holds it: ``RolloutGroup``'s attributes except the four
+    ``[n, T]`` tensors, plus the object reference of the whole group."""
+
+    prompt_uid: str
+    rewards: Tensor
+    correct: Tensor | None
+    finish_reasons: list[str]
+    start_version: int
+    end_version: int
+    target_step: int | None
+    reward_errors: int
+    reward_timeouts: int
+    retries: int
+    size: int
+    response_tokens: int
+    ref: Any = None  # ray.ObjectRef of the RolloutGroup; set by the caller that owns it
+
+    @classmethod
+    def describe(cls, group: RolloutGroup) -> RemoteGroup:
+        """The metadata of ``group``, without its reference (the generator does not own one)."""
+        return cls(**{f.name: getattr(group, f.name) for f in fields(cls) if f.name != "ref"})
+
+    def fetch(self) -> RolloutGroup:
+        import ray
+
+        return ray.get(self.ref)
+
+    def state_dict(self) -> dict:
+        """The whole group's state, so controller checkpoints hold payloads as on the local runtime."""
+        return self.fetch().state_dict()
+
+
+@dataclass(frozen=True)
+class WeightsRef:
+    """Exported weights left in the object store: ``state_dict_bytes`` reads ``nbytes``."""
+
+    ref: Any
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class _SentWeights:
+    """The last weights a handle sent to its actor; travels with every call, unresolved."""
+
+    version: int
+    ref: Any
+
+
+class WorkerActor:
+    """Hosts one worker object. Decorated with ``ray.remote`` when a runtime starts.
+
+    The worker is built on first use from ``factory``; a restarted actor runs ``__init__`` again,
+    so it rebuilds its worker and, at its next call, reloads the weights its handle last sent.
+    """
+
+    def __init__(self, torch_threads: int, factory: Callable[[], Any] | None = None) -> None:
+        torch.set_num_threads(torch_threads)
+        self.factory = factory
+        self.worker: Any = None
+        self.weights_version: int | None = None
+        self.rank = 0
+
+    def build(self, factory: Callable[[], Any] | None = None, rank: int = 0) -> None:
+        """Build the worker now (from ``factory``, or the one given at creation), so errors surface."""
+        self.factory = factory or self.factory
+        self.rank = rank
+        self.worker = self.factory()
+
+    def alive(self) -> None:
+        """Answers once the actor is up (after a restart: once it is up again)."""
+
+    def node_address(self) -> tuple[str, int]:
+        """This node's IP and a port free on it: the trainer ranks' rendezvous."""
+        import ray
+
+        ip = ray.util.get_node_ip_address()
+        with socket.socket() as probe:
+            probe.bind((ip, 0))
+            return ip, probe.getsockname()[1]
+
+    def call(self, sent: _SentWeights | None, method: str, args: tuple, kwargs: dict) -> Any:
+        return getattr(self._ready(sent), method)(*args, **kwargs)
+
+    def generate(self, sent: _SentWeights | None, jobs: Sequence[Any]) -> tuple:
+        """(the batch with ``RemoteGroup`` metadata, then each group's payload as its own return)."""
+        batch = self._ready(sent).generate(jobs)
+        return (replace(batch, groups=[RemoteGroup.describe(g) for g in batch.groups]), *batch.groups)
+
+    def load_weights(self, weights: dict[str, Tensor], version: int) -> None:
+        self._ready(None).load_weights(weights, version)
+        self.weights_version = version
+
+    def export_weights(self) -> tuple[tuple[int, int], dict[str, Tensor] | None]:
+        """((version, bytes), the weights on rank 0 only). Every rank takes part: FSDP gathers."""
+        from asyncrl.weights import state_dict_bytes
+
+        version, weights = self._ready(None).export_weights()
+        return (version, state_dict_bytes(weights)), (weights if self.rank == 0 else None)
+
+    def _ready(self, sent: _SentWeights | None) -> Any:
+        if self.worker is None:
+            self.build()
+        if sent is not None and sent.version != self.weights_version:
+            import ray
+
+            self.load_weights(ray.get(sent.ref), sent.version)
+        return self.worker
+
+
+class ControllerActor:
+    """Runs the controller next to the driver when ``runtime.controller_actor`` is set."""
+
+    def run(self, drive: Callable[[], Any]) -> Any:
+        return drive()
+
+
+class RayHandle:
+    """``await handle.method(*args)`` runs ``worker.method(*args)`` in the actor, in call order.
+
+    Every call carries the weights last sent (``sent``), so a call runs on the weights that were
+    current when it was made, even on an actor restarted since. A rollout worker's actor is
+    restartable: Ray retries its calls through a restart, except a generation batch, which fails
+    when its actor dies so the controller retries it and counts it. Batches submitted while the
+    actor restarts wait for it rather than fail again.
+    """
+
+    def __init__(self, actor: Any, name: str, *, died: type[Exception] = WorkerDiedError) -> None:
+        self.actor = actor
+        self.name = name
+        self.died = died
+        self.sent: _SentWeights | None = None
+        self.revival: asyncio.Future | None = None  # pending while the actor restarts
+
+    def __getattr__(self, method: str) -> Callable[..., asyncio.Future]:
+        if method.startswith("__"):
+            raise AttributeError(method)
+
+        def submit(*args: Any, **kwargs: Any) -> asyncio.Future:
+            return self._future(self.actor.call.remote(self.sent, method, args, kwargs))
+
+        return submit
+
+    def generate(self, jobs: Sequence[Any]) -> asyncio.Future:
+        if self.revival is not None and not self.revival.done():
+            return asyncio.ensure_future(self._generate_after_revival(jobs, self.sent))
+        return self._submit_generate(jobs, self.sent)
+
+    def _submit_generate(self, jobs: Sequence[Any], sent: _SentWeights | None) -> asyncio.Future:
+        options = {"num_returns": len(jobs) + 1, "max_task_retries": 0}
+        meta, *payloads = self.actor.generate.options(**options).remote(sent, jobs)
+        return self._future(
+            meta,
+            lambda batch: replace(batch, groups=[replace(g, ref=r) for g, r in zip(batch.groups, payloads)]),
+            revive=True,
+        )
+
+    async def _generate_after_revival(self, jobs: Sequence[Any], sent: _SentWeights | None) -> Any:
+        await self.revival
+        return await self._submit_generate(jobs, sent)
+
+    async def _revived(self) -> None:
+        """Returns once the restarted actor answers (Ray retries the call through the restart), or
+        once it is dead for good: then the batches that waited fail on their own."""
+        with contextlib.suppress(Exception):
+            await asyncio.wrap_future(self.actor.alive.remote().future())
+
+    def load_weights(self, weights: WeightsRef, version: int) -> asyncio.Future:
+        """The reference is a top-level argument, so Ray resolves it inside the actor.
+
+        If the actor dies meanwhile, the load is not an error: the restarted actor reloads these
+        weights before its next call (and a generator that stays dead fails its next batch)."""
+        self.sent = _SentWeights(version, weights.ref)
+        return self._future(self.actor.load_weights.remote(weights.ref, version), survive_death=True)
+
+    def export_weights(self) -> asyncio.Future:
+        """(version, WeightsRef): rank 0's weights stay in the object store, owned by this caller."""
+        info, weights = self.actor.export_weights.options(num_returns=2).remote()
+        return self._future(info, lambda v: (v[0], WeightsRef(weights, v[1])))
+
+    def _future(self, ref: Any, convert: Callable[[Any], Any] | None = None, **on_death: bool) -> asyncio.Future:
+        return asyncio.ensure_future(self._result(ref, convert, **on_death))
+
+    async def _result(
+        self, ref: Any, convert: Callable[[Any], Any] | None, *, survive_death: bool = False, revive: bool = False
+    ) -> Any:
+        import ray.exceptions
+
+        try:
+            value = await asyncio.wrap_future(ref.future())
+        except ray.exceptions.RayTaskError as err:
+            cause = err.cause if isinstance(err.cause, Exception) else RuntimeError(_first_line(err))
+            raise cause from None
+        except ray.exceptions.RayActorError as err:
+            if revive and (self.revival is None or self.revival.done()):
+                self.revival = asyncio.ensure_future(self._revived())
+            if survive_death:
+                return None
+            raise self.died(f"{self.name} died: {_first_line(err)}") from None
+        return convert(value) if convert is not None else value
+
+
+def _first_line(err: BaseException) -> str:
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    return lines[0] if lines else type(err).__name__
+
+
+def resolve(refs: Sequence[Any]) -> list[Any]:
+    """``ray.get`` with a task's own exception raised as itself (a ValueError stays a ValueError)."""
+    import ray
+    import ray.exceptions
+
+    try:
+        return ray.get(list(refs))
+    except ray.exceptions.RayTaskError as err:
+        raise (err.cause if isinstance(err.cause, Exception) else RuntimeError(_first_line(err))) from None
+
+
+class RayRuntime:
+    """Actors on a Ray cluster: started here (``runtime.address`` null) or joined.
+
+    ``shutdown`` kills this run's actors; it shuts Ray down when this runtime connected to it,
+    which ends the cluster when the runtime started it, and only disconnects from a joined one.
+    A cluster that was already connected (a test session's) is left running.
+    """
+
+    name = "ray"
+
+    def __init__(self, cfg: RuntimeConfig, *, num_cpus: float = 0.0, num_gpus: float = 0.0) -> None:
+        import ray
+
+        self.cfg = cfg
+        self.actors: list[Any] = []
+        self.connected = not ray.is_initialized()
+        if self.connected:
+            options: dict[str, Any] = {}
+            if cfg.address is None:
+                options["num_cpus"] = max(os.cpu_count() or 1, math.ceil(num_cpus))
+                if num_gpus:
+                    options["num_gpus"] = math.ceil(num_gpus)
+            ray.init(
+                address=cfg.address or "local",  # "local": a new cluster, never one found on the machine
+                include_dashboard=False,
+                log_to_driver=False,
+                logging_level=logging.ERROR,
+                configure_logging=True,
+                **options,
+            )
+        self._worker_actor = ray.remote(WorkerActor)
+        self._controller_actor = ray.remote(ControllerActor)
+
+    def spawn_generators(self, factory: Callable[[], Any], count: int) -> list[RayHandle]:
+        """``count`` rollout worker actors, each built by ``factory``, restarted when they die."""
+        actors = [
+            self._worker_actor.options(
+                num_cpus=self.cfg.generator_cpus,
+                num_gpus=self.cfg.generator_gpus,
+                max_restarts=self.cfg.generator_restarts,
+                max_task_retries=-1,  # but a generation batch fails, to be retried by the controller
+            ).remote(self._threads(self.cfg.generator_cpus), factory)
+            for _ in range(count)
+        ]
+        self.actors += actors
+        resolve([actor.build.remote() for actor in actors])
+        return [RayHandle(actor, f"rollout worker {i}") for i, actor in enumerate(actors)]
+
+    def spawn_trainer_ranks(self, build_rank: Callable[[int, str | None], Callable[[], Any]], world_size: int) -> list[RayHandle]:
+        """``world_size`` trainer rank actors; rank r runs ``build_rank(r, init_method)()``.
+
+        With more than one rank they meet at rank 0's node IP and a port free on that node."""
+        actors = [
+            self._worker_actor.options(
+                num_cpus=self.cfg.trainer_cpus, num_gpus=self.cfg.trainer_gpus, max_restarts=0
+            ).remote(self._threads(self.cfg.trainer_cpus))
+            for _ in range(world_size)
+        ]
+        self.actors += actors
+        init_method = None
+        if world_size > 1:
+            ip, port = resolve([actors[0].node_address.remote()])[0]
+            init_method = f"tcp://{ip}:{port}"
+        resolve([actor.build.remote(build_rank(rank, init_method), rank) for rank, actor in enumerate(actors)])
+        return [RayHandle(actor, f"trainer rank {rank}", died=TrainerRankDiedError) for rank, actor in enumerate(actors)]
+
+    def run_controller(self, drive: Callable[[], Any]) -> Any:
+        """``drive()`` inside a CPU actor pinned to this node, so the run directory is this one's."""
+        import ray
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        node = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+        actor = self._controller_actor.options(num_cpus=0, scheduling_strategy=node).remote()
+        self.actors.append(actor)
+        return resolve([actor.run.remote(drive)])[0]
+
+    def shutdown(self) -> None:
+        import ray
+
+        if not ray.is_initialized():
+            return
+        for actor in self.actors:
+            ray.kill(actor, no_restart=True)
+        self.actors.clear()
+        if self.connected:
+            ray.shutdown()
+
+    def _threads(self, cpus: float) -> int:
+        return self.cfg.torch_threads or max(1, round(cpus))

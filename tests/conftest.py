@@ -1,0 +1,61 @@
+"""Shared fixtures: one local Ray cluster for the whole test session, started on first use.
+
+Runs on ``runtime.name: ray`` find Ray connected and use this cluster; a runtime never shuts down
+a cluster it did not start. At the end of the session the cluster is shut down and no Ray server
+process it started may remain.
+"""
+
+import logging
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+RAY_SERVERS = ("raylet", "gcs_server")
+
+
+def ray_server_processes() -> set[int]:
+    """Process ids of Ray's server processes (raylet, gcs_server) on this machine."""
+    pids = set()
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if (entry / "comm").read_text().strip() in RAY_SERVERS:
+                    pids.add(int(entry.name))
+            except OSError:  # the process ended while we looked
+                pass
+    return pids
+
+
+def wait_until_gone(pids: set[int], timeout_s: float = 20.0) -> set[int]:
+    """Those of ``pids`` still running after up to ``timeout_s`` (servers take a moment to exit)."""
+    deadline = time.monotonic() + timeout_s
+    while (left := pids & ray_server_processes()) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return left
+
+
+@pytest.fixture(scope="session")
+def ray_cluster(tmp_path_factory):
+    """A 4-CPU local cluster (logical CPUs: the actors of a run fit, the 2 cores are shared).
+
+    Actors import modules from ``tests/`` (test reward functions), and find the file that
+    ``ray_exit_marker`` names in their environment."""
+    import ray
+
+    before = ray_server_processes()
+    marker = tmp_path_factory.mktemp("ray") / "exit-marker"
+    tests_dir = str(Path(__file__).parent)
+    python_path = os.pathsep.join(p for p in (tests_dir, os.environ.get("PYTHONPATH")) if p)
+    ray.init(
+        num_cpus=4,
+        include_dashboard=False,
+        log_to_driver=False,
+        logging_level=logging.ERROR,
+        runtime_env={"env_vars": {"PYTHONPATH": python_path, "ASYNCRL_TEST_EXIT_MARKER": str(marker)}},
+    )
+    started = ray_server_processes() - before
+    yield marker
+    ray.shutdown()
+    assert not wait_until_gone(started), "Ray server processes outlived the test session"

@@ -1,0 +1,215 @@
+"""The Ray runtime on one shared local cluster: parity with the local runtime, the object-store data
+plane, generator and trainer-rank deaths, and no Ray process left behind.
+
+Each run uses the small model of test_train.py; most of a run's seconds are actor start-up.
+"""
+
+import itertools
+import math
+import os
+import subprocess
+import sys
+from dataclasses import fields
+
+import pytest
+import torch
+
+from asyncrl.config import ConfigError, load_config
+from asyncrl.metrics import read_jsonl, strip_timing
+from asyncrl.rewards.functions import exact_match
+from asyncrl.run import train
+from asyncrl.types import RolloutGroup, RolloutJob
+from conftest import ray_server_processes, wait_until_gone
+from test_train import SMALL
+
+RAY = "runtime.name=ray"
+DIGITS = "rewards.functions=[test_ray:digits]"  # varies within groups even untrained: real gradients
+
+
+def digits(completion: str, answer: str) -> float:
+    return float(sum(c.isdigit() for c in completion))
+
+
+def run(tmp_path, name, *overrides, resume=None):
+    config = load_config(None, [*SMALL, f"logging.output_dir={tmp_path / name}", *overrides])
+    summary = train(config, resume=resume)
+    return summary, read_jsonl(tmp_path / name / "metrics.jsonl"), read_jsonl(tmp_path / name / "groups.jsonl")
+
+
+def deterministic(records, *drop):
+    return [{k: v for k, v in strip_timing(r).items() if k not in drop} for r in records]
+
+
+# ---- without a cluster ------------------------------------------------------------------------
+
+
+def test_asyncrl_and_the_local_runtime_do_not_import_ray():
+    code = "import sys, asyncrl, asyncrl.config, asyncrl.run, asyncrl.runtime; print('ray' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False"
+
+
+def test_ray_only_settings_are_one_line_errors_on_the_local_runtime():
+    with pytest.raises(ConfigError, match=r"^runtime.address: set, but runtime.name is local"):
+        load_config(None, ["runtime.address=auto"])
+    with pytest.raises(ConfigError, match=r"^runtime.controller_actor: needs runtime.name ray"):
+        load_config(None, ["runtime.controller_actor=true"])
+    with pytest.raises(ConfigError, match=r"^generation.num_workers: 2 rollout workers need runtime.name ray"):
+        load_config(None, ["generation.num_workers=2"])
+    assert load_config(None, [RAY, "generation.num_workers=2"]).generation.num_workers == 2
+
+
+def test_a_remote_group_has_every_attribute_of_a_group_but_its_token_tensors():
+    from asyncrl.runtime.ray import RemoteGroup
+
+    n, t = 3, 5
+    group = RolloutGroup(
+        prompt_uid="p7",
+        input_ids=torch.ones(n, t, dtype=torch.long),
+        attention_mask=torch.ones(n, t, dtype=torch.long),
+        response_mask=torch.tensor([[0.0, 0, 1, 1, 0]] * n),
+        behaviour_logprobs=torch.zeros(n, t),
+        rewards=torch.tensor([1.0, 0.0, 1.0]),
+        finish_reasons=["stop"] * n,
+        start_version=2,
+        end_version=3,
+        target_step=4,
+        correct=torch.tensor([1.0, 0.0, 1.0]),
+        reward_errors=1,
+        reward_timeouts=2,
+        retries=1,
+    )
+    remote = RemoteGroup.describe(group)
+    token_tensors = {"input_ids", "attention_mask", "response_mask", "behaviour_logprobs"}
+    for name in {f.name for f in fields(RolloutGroup)} - token_tensors | {"size", "response_tokens"}:
+        assert getattr(remote, name) is getattr(group, name) or getattr(remote, name) == getattr(group, name), name
+    assert not token_tensors & set(vars(remote))
+    assert (remote.size, remote.response_tokens) == (3, 6) and remote.ref is None
+
+
+# ---- on the session cluster --------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_group_payloads_are_owned_by_the_caller_and_outlive_their_generator(ray_cluster, tmp_path):
+    import ray
+
+    from asyncrl.data.prompts import Prompt
+    from asyncrl.run import build_rollout_worker
+    from asyncrl.runtime.ray import RayRuntime, RemoteGroup
+
+    config = load_config(None, [*SMALL, RAY])
+    runtime = RayRuntime(config.runtime)
+    [handle] = runtime.spawn_generators(lambda: build_rollout_worker(config), 1)
+    jobs = [RolloutJob(slot, Prompt(f"u{slot}", f"{slot}+1=", str(slot + 1)), 0, 0) for slot in range(2)]
+
+    async def generate():
+        return await handle.generate(jobs)
+
+    import asyncio
+
+    batch = asyncio.run(generate())
+    ray.kill(handle.actor, no_restart=True)
+    runtime.shutdown()
+    assert ray.is_initialized()  # the session's cluster is not the runtime's to shut down
+    assert [type(g) for g in batch.groups] == [RemoteGroup, RemoteGroup]
+    fetched = [g.fetch() for g in batch.groups]  # after the actor that made them is gone
+    assert [g.prompt_uid for g in fetched] == ["u0", "u1"] and fetched[0].input_ids.shape[0] == 4
+    assert torch.equal(fetched[1].rewards, batch.groups[1].rewards)
+    assert batch.groups[0].response_tokens == fetched[0].response_tokens
+
+
+@pytest.mark.slow
+def test_an_in_order_run_on_two_generator_actors_matches_the_local_runtime(ray_cluster, tmp_path):
+    local, local_metrics, local_groups = run(tmp_path, "local", DIGITS)
+    remote, metrics, groups = run(tmp_path, "ray", DIGITS, RAY, "generation.num_workers=2")
+    assert deterministic(metrics) == deterministic(local_metrics) and len(metrics) == 4
+    assert groups == local_groups
+    assert all(m["grad_norm"] > 0 for m in metrics) and metrics[-1]["sync_bytes"] > 0
+    assert remote["final_eval_reward_mean"] == local["final_eval_reward_mean"]
+
+
+@pytest.mark.slow
+def test_the_controller_runs_in_an_actor(ray_cluster, tmp_path):
+    _, local_metrics, _ = run(tmp_path, "local", DIGITS, "grpo.max_steps=3")
+    summary, metrics, _ = run(tmp_path, "actor", DIGITS, RAY, "runtime.controller_actor=true", "grpo.max_steps=3")
+    assert deterministic(metrics) == deterministic(local_metrics)
+    assert summary["steps"] == 3 and (tmp_path / "actor" / "eval.jsonl").is_file()
+
+
+_reward_calls = itertools.count(1)
+EXIT_AT_CALL = 50  # in a batch of weights version 1: after evaluation 0 (8 calls) and 4 batches of version 0
+
+
+def exit_once(completion: str, answer: str) -> float:
+    """exact_match, except that the process exits at its EXIT_AT_CALL-th call while the session's
+    marker file exists; the first to rename the marker exits, so it happens once."""
+    marker = os.environ.get("ASYNCRL_TEST_EXIT_MARKER")
+    if next(_reward_calls) >= EXIT_AT_CALL and marker:
+        try:
+            os.rename(marker, f"{marker}.used")
+        except FileNotFoundError:
+            pass
+        else:
+            os._exit(1)
+    return exact_match(completion, answer)
+
+
+@pytest.mark.slow
+def test_a_generator_that_dies_mid_run_is_restarted_with_the_latest_weights(ray_cluster, tmp_path):
+    marker = ray_cluster
+    marker.write_text("")
+    _, _, local_groups = run(tmp_path, "local", "grpo.max_steps=5")
+    summary, _, groups = run(tmp_path, "ray", RAY, "grpo.max_steps=5", "rewards.functions=[test_ray:exit_once]")
+    assert not marker.exists() and marker.with_name(f"{marker.name}.used").exists()  # it did die
+    assert summary["steps"] == 5 and summary["rollout_retries"] >= 1
+    assert [(g["step"], g["prompt_uid"]) for g in groups] == [(g["step"], g["prompt_uid"]) for g in local_groups]
+    # The batch was retried after the next sync, so on the weights after it: the restarted actor
+    # had loaded them (a generator on other weights refuses the batch, and the retries run out).
+    retried = [g for g, local in zip(groups, local_groups) if g != local]
+    assert retried and all(g["start_version"] == g["end_version"] >= 1 for g in retried)
+
+
+@pytest.mark.slow
+def test_a_dead_trainer_rank_stops_the_run_and_its_last_checkpoint_resumes(ray_cluster, tmp_path):
+    every_step = "checkpoint.every_steps=1"
+    with pytest.raises(Exception, match=r"trainer rank 0 died: ") as stopped:
+        run(tmp_path, "ray", RAY, every_step, "faults.kill_in_checkpoint=2")
+    assert "\n" not in str(stopped.value)
+    checkpoints = tmp_path / "ray" / "checkpoints"
+    assert (checkpoints / "latest").read_text() == "step-000001"
+    summary, resumed, _ = run(tmp_path, "ray", RAY, every_step, resume=tmp_path / "ray")
+    _, full, _ = run(tmp_path, "local", every_step)
+    assert summary["steps"] == 4
+    assert deterministic(resumed) == deterministic(full)
+
+
+def close(a, b) -> bool:
+    """Equal ints and strings; floats within DESIGN 5's float32 tolerance (rtol 1e-4)."""
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(close(a[k], b[k]) for k in a)
+    if isinstance(a, float) and isinstance(b, float):
+        return math.isclose(a, b, rel_tol=1e-4, abs_tol=1e-6)
+    return a == b
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["parallel.dp=2", "parallel.cp=2"])
+def test_trainer_ranks_match_the_single_rank_run(ray_cluster, tmp_path, layout):
+    synchronous = (DIGITS, "sampler.max_lag=0", "grpo.max_steps=3")
+    _, single, _ = run(tmp_path, "single", *synchronous)
+    _, ranks, _ = run(tmp_path, "ranks", RAY, layout, *synchronous)
+    _, other_lr, _ = run(tmp_path, "other-lr", *synchronous, "trainer.lr=0.0101")
+    assert len(ranks) == 3
+    assert all(close(a, b) for a, b in zip(deterministic(ranks), deterministic(single)))
+    assert not all(close(a, b) for a, b in zip(deterministic(other_lr), deterministic(single)))  # it can fail
+
+
+@pytest.mark.slow
+def test_the_cli_on_ray_leaves_no_ray_process_behind(tmp_path):
+    before = ray_server_processes()
+    command = [sys.executable, "-m", "asyncrl", "train", "--output-dir", str(tmp_path / "cli"), *SMALL, RAY]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert (tmp_path / "cli" / "summary.json").is_file()
+    assert not wait_until_gone(ray_server_processes() - before)
