@@ -12,8 +12,10 @@ from test_trainer_worker import make_groups
 
 from asyncrl.config import load_config
 from asyncrl.data import build_task
+from asyncrl.faults import InjectedFault
 from asyncrl.models.factory import build_model, build_tokenizer
 from asyncrl.runtime.local import LocalHandle
+from asyncrl.trainer import PolicyTrainer
 from asyncrl.trainer.group import TrainerGroup, TrainerRankError, build_trainer_rank
 from asyncrl.trainer.parallel import launch
 from asyncrl.trainer.worker import TrainerWorker
@@ -131,6 +133,15 @@ def test_a_single_rank_is_the_driver_s_warm_started_policy(tmp_path):
     expected = model.state_dict()
     assert weights.keys() == expected.keys()
     assert all(torch.equal(weights[k], expected[k]) for k in expected)
+
+
+def test_a_rank_gets_the_fault_section_s_wrapper(tmp_path):
+    worker = build_trainer_rank(small_config(tmp_path, "faults.train_errors=[0]"), 0, None)
+    worker.begin_step(0)
+    with pytest.raises(InjectedFault, match="train step 0 failed"):
+        worker.train_groups(make_groups(0))
+    worker.abort_step()
+    assert isinstance(worker.trainer, PolicyTrainer) and not worker.trainer.step_open
 
 
 # ---- dp × cp ranks against the single-rank worker ---------------------------------------------

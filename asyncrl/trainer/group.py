@@ -20,6 +20,7 @@ from torch import nn
 
 from asyncrl.checkpoint import load_state
 from asyncrl.config import RunConfig
+from asyncrl.faults import inject_trainer_faults
 from asyncrl.models.factory import build_model, build_tokenizer, resolve_device
 from asyncrl.trainer.parallel import init_parallel, start_rank
 from asyncrl.trainer.policy import PolicyTrainer
@@ -37,6 +38,7 @@ def build_trainer_rank(
     builds the same model and applies the warm start, which the driver has cached beforehand; the
     ranks then take rank 0's weights, so they start identical whatever their caches held. A CUDA
     rank uses its current device (one visible GPU per rank). ``checkpoint_dir``: resume from it.
+    The ``faults`` section, when set, wraps the worker (asyncrl/faults.py).
     """
     device = resolve_device(config.trainer.device)
     parallel = None
@@ -61,7 +63,7 @@ def build_trainer_rank(
     worker = TrainerWorker(trainer, config.grpo, tokenizer, rank=rank)
     if checkpoint_dir is not None:
         worker.load_checkpoint(checkpoint_dir, load_state(Path(checkpoint_dir))["trainer"])
-    return worker
+    return inject_trainer_faults(worker, config.faults)
 
 
 def _take_rank0_weights(model: nn.Module) -> None:
