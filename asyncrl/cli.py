@@ -185,6 +185,147 @@ def plot(run_dir: Path = typer.Argument(..., help="a run directory holding metri
     typer.echo(str(path))
 
 
+bench_app = typer.Typer(
+    no_args_is_help=True,
+    help="Speed and overhead benchmarks: each prints JSON and writes benchmarks/results/<name>.json.",
+)
+app.add_typer(bench_app, name="bench")
+RuntimeChoice = _choices("RuntimeChoice", ("local", "ray"))
+OUTPUT_HELP = "where to write the JSON (default: benchmarks/results/<name>.json)"
+
+
+def _benchmarks():
+    """The benchmarks package, which lives beside asyncrl in a source checkout."""
+    try:
+        import benchmarks.common
+    except ImportError:
+        raise ConfigError("bench: the benchmarks/ package is not importable; run from an asyncrl source checkout") from None
+    return benchmarks.common
+
+
+@bench_app.command("overlap")
+def bench_overlap(
+    quick: bool = typer.Option(False, "--quick", help="a smoke run under a minute: small delays, few steps"),
+    scale: Optional[float] = typer.Option(None, "--scale", min=0.001, help="seconds per unit of g and t (default 0.5)"),
+    steps: Optional[int] = typer.Option(None, "--steps", min=1, help="measured steps per run (default 8)"),
+    runtime: Optional[list[RuntimeChoice]] = typer.Option(None, "--runtime", help="repeatable (default: local and ray)"),
+    output: Optional[Path] = typer.Option(None, "--output", help=OUTPUT_HELP),
+) -> None:
+    """Async step time against the ideal max(g, t), and against a synchronous loop (g + t)."""
+    common = _benchmarks()
+    from benchmarks import overlap
+
+    settings = {
+        "scale_s": scale or (0.05 if quick else 0.5),
+        "steps": steps or (3 if quick else 8),
+        "warmup": 1 if quick else 2,
+        "runtimes": [r.value for r in runtime] if runtime else (["local"] if quick else ["local", "ray"]),
+        "prompts_per_step": overlap.PROMPTS_PER_STEP,
+        "generations_per_prompt": overlap.GROUP_SIZE,
+        "shapes_g_t": overlap.SHAPES,
+        "max_lags": overlap.LAGS,
+    }
+    rows = overlap.run(
+        scale=settings["scale_s"], steps=settings["steps"], warmup=settings["warmup"], runtimes=tuple(settings["runtimes"])
+    )
+    common.write_result("overlap", settings, rows, output)
+
+
+@bench_app.command("controller")
+def bench_controller(
+    quick: bool = typer.Option(False, "--quick", help="a smoke run: fewer groups"),
+    steps: Optional[int] = typer.Option(None, "--steps", min=1, help="steps of 8 groups (default 1000)"),
+    top: int = typer.Option(15, "--top", min=1, help="profile rows to report"),
+    output: Optional[Path] = typer.Option(None, "--output", help=OUTPUT_HELP),
+) -> None:
+    """Controller time per group with no-op workers, and its top costs under cProfile."""
+    common = _benchmarks()
+    from benchmarks import controller_overhead
+
+    settings = {"steps": steps or (50 if quick else 1000), "prompts_per_step": 8, "max_lag": 1, "top": top}
+    result = controller_overhead.run(steps=settings["steps"], top=top)
+    common.write_result("controller", settings, result, output)
+
+
+@bench_app.command("weight-sync")
+def bench_weight_sync(
+    quick: bool = typer.Option(False, "--quick", help="a smoke run: the 1M model only"),
+    repeats: int = typer.Option(5, "--repeats", min=1, help="syncs per model (the best one counts)"),
+    runtime: Optional[list[RuntimeChoice]] = typer.Option(None, "--runtime", help="repeatable (default: local and ray)"),
+    output: Optional[Path] = typer.Option(None, "--output", help=OUTPUT_HELP),
+) -> None:
+    """Bytes/s of a full weight sync against torch memcpy bandwidth, for ~1M, 10M and 100M parameters."""
+    common = _benchmarks()
+    from benchmarks import weight_sync
+
+    settings = {
+        "models": ["1M"] if quick else list(weight_sync.MODELS),
+        "repeats": 2 if quick else repeats,
+        "runtimes": [r.value for r in runtime] if runtime else (["local"] if quick else ["local", "ray"]),
+    }
+    rows = weight_sync.run(
+        models=tuple(settings["models"]), repeats=settings["repeats"], runtimes=tuple(settings["runtimes"])
+    )
+    common.write_result("weight-sync", settings, rows, output)
+
+
+@bench_app.command("e2e")
+def bench_e2e(
+    quick: bool = typer.Option(False, "--quick", help="a smoke run: a tiny model, a few steps, one seed"),
+    seeds: int = typer.Option(3, "--seeds", min=1, help="runs per setting"),
+    max_steps: Optional[int] = typer.Option(None, "--max-steps", min=1, help="steps per run (default 400)"),
+    eval_every: Optional[int] = typer.Option(None, "--eval-every", min=1, help="evaluation cadence (default 25)"),
+    target: float = typer.Option(0.35, "--target", min=0.0, max=1.0, help="held-out accuracy to reach"),
+    against: Optional[str] = typer.Option(None, "--against", help="also train the peer baseline: trl"),
+    output: Optional[Path] = typer.Option(None, "--output", help=OUTPUT_HELP),
+    overrides: Optional[list[str]] = typer.Argument(None, help="config overrides applied to every run"),
+) -> None:
+    """Wall time to a held-out accuracy for max_lag 0, 1 and 2 (and TRL with --against trl)."""
+    if against not in (None, "trl"):
+        raise typer.BadParameter(f"unknown baseline '{against}'; the one available is trl", param_hint="--against")
+    common = _benchmarks()
+    from benchmarks import e2e
+
+    settings = {
+        "overrides": (e2e.QUICK if quick else ["data.eval_size=128"]) + list(overrides or ()),
+        "seeds": list(range(1 if quick else seeds)),
+        "max_steps": max_steps or (6 if quick else 400),
+        "eval_every": eval_every or (3 if quick else 25),
+        "target_accuracy": target,
+        "against": against,
+    }
+    load_config(None, settings["overrides"])  # a bad override fails here, before any run
+    result = e2e.run(
+        overrides=settings["overrides"],
+        seeds=tuple(settings["seeds"]),
+        max_steps=settings["max_steps"],
+        eval_every=settings["eval_every"],
+        target=target,
+        against_trl=against == "trl",
+    )
+    common.write_result("e2e-trl" if against else "e2e", settings, result, output)
+
+
+@bench_app.command("report")
+def bench_report(
+    results_dir: Optional[Path] = typer.Option(None, "--results-dir", help="default: benchmarks/results"),
+    write: Optional[Path] = typer.Option(None, "--write", help="replace the generated tables in this page"),
+) -> None:
+    """The results as Markdown tables; with --write, into docs/performance.md's generated section."""
+    common = _benchmarks()
+    from benchmarks import report
+
+    directory = results_dir or common.RESULTS_DIR
+    if write is None:
+        typer.echo(report.render(directory), nl=False)
+        return
+    try:
+        report.write(write, directory)
+    except (FileNotFoundError, ValueError) as err:
+        raise ConfigError(f"--write: {err}") from None
+    typer.echo(str(write))
+
+
 def _one_line(message: str) -> str:
     return " ".join(message.split())
 

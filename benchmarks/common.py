@@ -1,0 +1,70 @@
+"""What every benchmark result carries: where and with what it ran, written atomically."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import time
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+from asyncrl.metrics import write_json_atomic
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+
+
+def environment() -> dict[str, Any]:
+    """Machine, versions and commit: enough to tell whether two results can be compared."""
+    import torch
+
+    versions = {}
+    for package in ("asyncrl", "torch", "transformers", "ray", "trl"):
+        try:
+            versions[package] = metadata.version(package)
+        except metadata.PackageNotFoundError:
+            versions[package] = None
+    return {
+        "machine": {
+            "cpu": _cpu_model(),
+            "cores": os.cpu_count(),
+            "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+            "platform": platform.platform(),
+            "python": platform.python_version(),
+        },
+        "versions": versions,
+        "commit": _commit(),
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+
+
+def write_result(name: str, settings: dict[str, Any], results: Any, output: Path | None = None) -> dict[str, Any]:
+    """Print the result as JSON and write it to ``output`` (default: benchmarks/results/<name>.json)."""
+    payload = {"benchmark": name, **environment(), "settings": settings, "results": results}
+    path = Path(output) if output is not None else RESULTS_DIR / f"{name}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(path, payload)
+    print(json.dumps(payload, indent=2))
+    return payload
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def _commit() -> str | None:
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=Path(__file__).parent, capture_output=True, text=True, timeout=5
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout.strip() or None

@@ -1,0 +1,162 @@
+"""``asyncrl bench e2e``: wall time to a held-out accuracy, synchronous against asynchronous.
+
+The default task and tiny model train with ``max_lag`` 0 (synchronous), 1 and 2, each over
+several seeds, for the same number of steps, so the same number of samples. The report gives:
+
+- the wall time to a target held-out accuracy (mean, spread, median over seeds);
+- the final accuracy at that sample budget, so that speed bought with accuracy shows;
+- the goal ratio: how long ``max_lag: 1`` takes to reach the synchronous run's final accuracy,
+  as a fraction of the synchronous run's wall time.
+
+Times count training only: evaluations are timed and subtracted on both sides. ``--against trl``
+trains the same model from the same warm-started weights with TRL's GRPOTrainer on the same
+prompts (benchmarks/trl_baseline.py) and reports the ratio of median times to the target.
+"""
+
+from __future__ import annotations
+
+import statistics
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from asyncrl.config import RunConfig, load_config
+from asyncrl.metrics import read_jsonl
+from asyncrl.run import train
+
+LAGS = (0, 1, 2)
+GOAL_FRACTION_OF_SYNC = 0.6  # max_lag 1 reaches sync's final accuracy in this fraction of its time
+GOAL_SPEEDUP_OVER_TRL = 2.0
+QUICK = [
+    "model.hidden_size=32",
+    "model.intermediate_size=64",
+    "grpo.prompts_per_step=4",
+    "grpo.generations_per_prompt=4",
+    "generation.max_new_tokens=4",
+    "generation.batch_size=8",
+    "trainer.micro_batch_size=8",
+    "data.eval_size=8",
+    "warm_start.steps=0",
+]
+
+
+def bench_config(overrides: list[str], *, seed: int, max_lag: int, max_steps: int, eval_every: int) -> RunConfig:
+    return load_config(
+        None,
+        [
+            *overrides,
+            f"seed={seed}",
+            f"sampler.max_lag={max_lag}",
+            f"grpo.max_steps={max_steps}",
+            f"logging.eval_every_steps={eval_every}",
+            "checkpoint.every_steps=null",
+            "logging.tensorboard=false",
+            "logging.progress=false",
+        ],
+    )
+
+
+def run_asyncrl(config: RunConfig, output_dir: Path) -> dict[str, Any]:
+    """One run; its evals with wall time (total, and without evaluation time) and samples trained."""
+    config = config.model_copy(update={"logging": config.logging.model_copy(update={"output_dir": str(output_dir)})})
+    summary = train(config)
+    steps = {record["step"]: record for record in read_jsonl(output_dir / "metrics.jsonl")}
+    samples_per_step = config.grpo.prompts_per_step * config.grpo.generations_per_prompt
+    evals, eval_seconds = [], 0.0
+    for record in read_jsonl(output_dir / "eval.jsonl"):
+        step = record["step"]
+        eval_seconds += record["time/eval_s"]
+        wall = (steps[step]["time/wall_s"] if step in steps else 0.0) + record["time/eval_s"]
+        evals.append(
+            {
+                "step": step,
+                "samples": step * samples_per_step,
+                "wall_s": wall,
+                "train_wall_s": wall - eval_seconds,
+                "accuracy": record["accuracy"],
+            }
+        )
+    return {"evals": evals, "wall_s": summary["wall_seconds"]}
+
+
+def time_to(evals: list[dict], accuracy: float) -> float | None:
+    """Training seconds until the first evaluation at or above ``accuracy``; None if never."""
+    return next((e["train_wall_s"] for e in evals if e["accuracy"] >= accuracy), None)
+
+
+def summarize(values: list[float | None]) -> dict[str, Any]:
+    reached = [v for v in values if v is not None]
+    return {
+        "values": values,
+        "reached": f"{len(reached)}/{len(values)}",
+        "mean": statistics.fmean(reached) if reached else None,
+        "median": statistics.median(reached) if len(reached) == len(values) and reached else None,
+        "spread": (max(reached) - min(reached)) if reached else None,
+    }
+
+
+def run(
+    *,
+    overrides: list[str],
+    seeds: tuple[int, ...],
+    max_steps: int,
+    eval_every: int,
+    target: float,
+    against_trl: bool,
+    lags: tuple[int, ...] = LAGS,
+) -> dict[str, Any]:
+    runs: dict[str, list[dict]] = {}
+    with tempfile.TemporaryDirectory(prefix="asyncrl-bench-e2e-") as tmp:
+        for lag in lags:
+            runs[f"max_lag={lag}"] = [
+                run_asyncrl(
+                    bench_config(overrides, seed=seed, max_lag=lag, max_steps=max_steps, eval_every=eval_every),
+                    Path(tmp) / f"lag{lag}-seed{seed}",
+                )
+                for seed in seeds
+            ]
+        if against_trl:
+            from benchmarks.trl_baseline import run_trl
+
+            runs["trl"] = [
+                run_trl(
+                    bench_config(overrides, seed=seed, max_lag=0, max_steps=max_steps, eval_every=eval_every),
+                    seed=seed,
+                    max_steps=max_steps,
+                    eval_every_steps=eval_every,
+                    output_dir=Path(tmp) / f"trl-seed{seed}",
+                )
+                for seed in seeds
+            ]
+    results: dict[str, Any] = {"runs": {}}
+    for name, seed_runs in runs.items():
+        final = [r["evals"][-1]["accuracy"] for r in seed_runs]
+        results["runs"][name] = {
+            "time_to_target_s": summarize([time_to(r["evals"], target) for r in seed_runs]),
+            "final_accuracy": summarize(final),
+            "train_wall_s": summarize([r["evals"][-1]["train_wall_s"] for r in seed_runs]),
+            "samples": seed_runs[0]["evals"][-1]["samples"],
+            "evals": [r["evals"] for r in seed_runs],
+        }
+    sync = results["runs"].get("max_lag=0")
+    if sync is not None and "max_lag=1" in results["runs"]:
+        sync_final = sync["final_accuracy"]["mean"]
+        lag1 = [time_to(r["evals"], sync_final) for r in runs["max_lag=1"]]
+        fraction = summarize([t / sync["train_wall_s"]["mean"] if t is not None else None for t in lag1])
+        results["max_lag_1_time_to_sync_final_accuracy_over_sync_time"] = {
+            **fraction,
+            "sync_final_accuracy": sync_final,
+            "goal": GOAL_FRACTION_OF_SYNC,
+            "goal_met": fraction["median"] is not None and fraction["median"] <= GOAL_FRACTION_OF_SYNC,
+        }
+    if "trl" in results["runs"]:
+        results["trl_time_to_target_over_asyncrl"] = {
+            name: _ratio(results["runs"]["trl"], results["runs"][name]) for name in results["runs"] if name != "trl"
+        }
+    return results
+
+
+def _ratio(trl: dict, ours: dict) -> dict[str, Any]:
+    trl_median, our_median = trl["time_to_target_s"]["median"], ours["time_to_target_s"]["median"]
+    ratio = trl_median / our_median if trl_median is not None and our_median else None
+    return {"ratio": ratio, "goal": GOAL_SPEEDUP_OVER_TRL, "goal_met": ratio is not None and ratio >= GOAL_SPEEDUP_OVER_TRL}
