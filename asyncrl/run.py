@@ -94,11 +94,12 @@ def _start_workers(
     """The trainer and rollout worker handles: actors that build their own workers on Ray,
     in-process objects sharing the driver's model and rewards on the local runtime."""
     if runtime.name == "ray":
-        from asyncrl.trainer.group import TrainerGroup
+        from asyncrl.trainer.group import TrainerGroup, build_trainer_rank
 
+        resume_from = str(checkpoint_dir) if checkpoint_dir is not None else None
         ranks = _input(
             runtime.spawn_trainer_ranks,
-            lambda rank, init_method: partial(build_trainer_rank_worker, config, rank, init_method, checkpoint_dir),
+            lambda rank, init_method: partial(build_trainer_rank, config, rank, init_method, resume_from),
             config.parallel.world_size,
         )
         generators = _input(runtime.spawn_generators, partial(build_rollout_worker, config), config.generation.num_workers)
@@ -109,16 +110,6 @@ def _start_workers(
     rollout_worker = _rollout_worker(config, build_generator(config, copy.deepcopy(model), tokenizer), rewards, tokenizer)
     trainer = runtime.spawn(lambda: inject_trainer_faults(trainer_worker, config.faults), "trainer")
     return trainer, [runtime.spawn(lambda: rollout_worker, "rollout")]
-
-
-def build_trainer_rank_worker(
-    config: RunConfig, rank: int, init_method: str | None, checkpoint_dir: Path | None
-) -> Any:
-    """Inside a trainer rank's actor: the rank's TrainerWorker, wrapped by the ``faults`` section."""
-    from asyncrl.trainer.group import build_trainer_rank
-
-    worker = build_trainer_rank(config, rank, init_method, str(checkpoint_dir) if checkpoint_dir is not None else None)
-    return inject_trainer_faults(worker, config.faults)
 
 
 def build_rollout_worker(config: RunConfig) -> Any:

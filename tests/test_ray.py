@@ -7,8 +7,10 @@ Each run uses the small model of test_train.py; most of a run's seconds are acto
 import itertools
 import math
 import os
+import signal
 import subprocess
 import sys
+import time
 from dataclasses import fields
 
 import pytest
@@ -206,10 +208,22 @@ def test_trainer_ranks_match_the_single_rank_run(ray_cluster, tmp_path, layout):
 
 
 @pytest.mark.slow
-def test_the_cli_on_ray_leaves_no_ray_process_behind(tmp_path):
+def test_an_interrupted_cli_run_on_ray_leaves_no_ray_process_behind(tmp_path):
+    """The CLI starts its own cluster; Ctrl-C checkpoints, stops, and the cluster goes with it."""
     before = ray_server_processes()
-    command = [sys.executable, "-m", "asyncrl", "train", "--output-dir", str(tmp_path / "cli"), *SMALL, RAY]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert (tmp_path / "cli" / "summary.json").is_file()
+    run_dir = tmp_path / "cli"
+    command = [sys.executable, "-m", "asyncrl", "train", "--output-dir", str(run_dir), *SMALL, RAY, "grpo.max_steps=500"]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        metrics = run_dir / "metrics.jsonl"
+        while not (metrics.is_file() and read_jsonl(metrics)) and process.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert ray_server_processes() - before, "the CLI run started no cluster of its own"
+        process.send_signal(signal.SIGINT)
+        _, err = process.communicate(timeout=120)
+    finally:
+        process.kill()
+    assert process.returncode == 128 + signal.SIGINT, err[-2000:]
+    assert "interrupted by SIGINT" in err and (run_dir / "checkpoints" / "latest").is_file()
     assert not wait_until_gone(ray_server_processes() - before)
