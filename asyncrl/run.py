@@ -31,6 +31,7 @@ from asyncrl.rewards import RewardRunner
 from asyncrl.rollout import RolloutWorker
 from asyncrl.runtime import build_runtime
 from asyncrl.sampler import build_sampler
+from asyncrl.trainer.group import TrainerGroup, build_trainer_rank
 from asyncrl.trainer.policy import PolicyTrainer
 from asyncrl.trainer.worker import TrainerWorker
 from asyncrl.warm_start import warm_start
@@ -94,8 +95,6 @@ def _start_workers(
     """The trainer and rollout worker handles: actors that build their own workers on Ray,
     in-process objects sharing the driver's model and rewards on the local runtime."""
     if runtime.name == "ray":
-        from asyncrl.trainer.group import TrainerGroup, build_trainer_rank
-
         resume_from = str(checkpoint_dir) if checkpoint_dir is not None else None
         ranks = _input(
             runtime.spawn_trainer_ranks,
