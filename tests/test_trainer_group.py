@@ -3,6 +3,7 @@ running the real step sequence against the single-rank TrainerWorker (DESIGN 5, 
 
 import asyncio
 import io
+import threading
 from dataclasses import fields
 
 import pytest
@@ -97,6 +98,23 @@ def test_a_failing_rank_is_named_and_its_error_kept():
 
     run(drive)
     assert [m for m, _ in ranks[0].calls] == [m for m, _ in ranks[1].calls] == ["begin_step", "train_groups", "abort_step"]
+
+
+def test_a_failing_rank_is_reported_while_another_still_waits_in_its_call():
+    released = threading.Event()
+
+    class Waiting(RecordingRank):
+        def train_groups(self, groups):  # as a rank blocked in a collective the failed rank never joins
+            released.wait(timeout=30)
+
+    async def drive():
+        group = TrainerGroup([LocalHandle(Waiting(0), "trainer-0"), LocalHandle(RecordingRank(1, fail="train_groups"), "trainer-1")])
+        with pytest.raises(TrainerRankError, match="^trainer rank 1:"):
+            await asyncio.wait_for(group.train_groups(["g"]), timeout=10)
+        assert not released.is_set()
+        released.set()
+
+    run(drive)
 
 
 def test_group_needs_a_rank():
