@@ -20,6 +20,7 @@ from torch import nn
 
 from asyncrl.checkpoint import load_state
 from asyncrl.config import RunConfig
+from asyncrl.data import build_task
 from asyncrl.faults import inject_trainer_faults
 from asyncrl.models.factory import build_model, build_tokenizer, resolve_device
 from asyncrl.trainer.parallel import init_parallel, start_rank
@@ -54,8 +55,6 @@ def build_trainer_rank(
     tokenizer = build_tokenizer(config)
     model = build_model(config, tokenizer)
     if config.warm_start.steps:
-        from asyncrl.data import build_task
-
         warm_start(model, tokenizer, build_task(config.data, tokenizer).train, config.warm_start, seed=config.seed)
     if parallel is not None:
         _take_rank0_weights(model)
