@@ -20,6 +20,7 @@ from asyncrl.config import ConfigError, load_config
 from asyncrl.metrics import read_jsonl, strip_timing
 from asyncrl.rewards.functions import exact_match
 from asyncrl.run import train
+from asyncrl.runtime.ray import TrainerRankDiedError
 from asyncrl.types import RolloutGroup, RolloutJob
 from conftest import ray_server_processes, wait_until_gone
 from test_train import SMALL
@@ -175,7 +176,7 @@ def test_a_generator_that_dies_mid_run_is_restarted_with_the_latest_weights(ray_
 @pytest.mark.slow
 def test_a_dead_trainer_rank_stops_the_run_and_its_last_checkpoint_resumes(ray_cluster, tmp_path):
     every_step = "checkpoint.every_steps=1"
-    with pytest.raises(Exception, match=r"trainer rank 0 died: ") as stopped:
+    with pytest.raises(TrainerRankDiedError, match=r"^trainer rank 0 died: ") as stopped:
         run(tmp_path, "ray", RAY, every_step, "faults.kill_in_checkpoint=2")
     assert "\n" not in str(stopped.value)
     checkpoints = tmp_path / "ray" / "checkpoints"

@@ -20,6 +20,7 @@ from torch import nn
 
 from asyncrl.checkpoint import load_state
 from asyncrl.config import RunConfig
+from asyncrl.controller import RunStopped
 from asyncrl.data import build_task
 from asyncrl.faults import inject_trainer_faults
 from asyncrl.models.factory import build_model, build_tokenizer, resolve_device
@@ -87,7 +88,8 @@ class TrainerGroup:
     ``ranks``: one handle per rank, in rank order, whose method calls submit the call at once and
     return an awaitable (``runtime.local.LocalHandle``, a Ray actor wrapper). A call is submitted to
     every rank before anything is awaited, so every rank sees the same calls in the same order.
-    The awaitable gives rank 0's result, or raises ``TrainerRankError`` as soon as a rank fails.
+    The awaitable gives rank 0's result, or raises ``TrainerRankError`` as soon as a rank fails
+    (a ``RunStopped`` from a rank, such as a dead rank's, is raised as it is).
     """
 
     def __init__(self, ranks: Sequence[Any]) -> None:
@@ -128,6 +130,8 @@ class TrainerGroup:
             done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_EXCEPTION)
             for rank, call in enumerate(calls):
                 if call in done and (error := _failure(call)) is not None:
+                    if isinstance(error, RunStopped):  # e.g. a dead rank: already says which and why
+                        raise error
                     raise TrainerRankError(rank, method, error) from error
         return calls[0].result()
 
