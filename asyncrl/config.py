@@ -7,6 +7,7 @@ run never starts with a configuration that would deadlock or silently mean somet
 from __future__ import annotations
 
 import difflib
+import math
 import re
 from pathlib import Path
 from typing import Any, Literal, get_args, get_origin
@@ -442,7 +443,7 @@ class RunConfig(Section):
 
 def _unknown_key_error(path: tuple[str, ...], key: str, valid: list[str]) -> ConfigError:
     dotted = ".".join((*path, key))
-    close = difflib.get_close_matches(key, valid, n=1, cutoff=0.5)
+    close = difflib.get_close_matches(key, valid, n=1, cutoff=0.6)
     hint = f" (did you mean '{'.'.join((*path, close[0]))}'?)" if close else f" (valid keys: {', '.join(valid)})"
     return ConfigError(f"{dotted}: unknown key{hint}")
 
@@ -452,17 +453,46 @@ def _section(annotation: Any) -> type[BaseModel] | None:
     return annotation if isinstance(annotation, type) and issubclass(annotation, BaseModel) else None
 
 
+def _numeric(annotation: Any) -> bool:
+    """int or float, optional or not, or a list or tuple of them."""
+    if annotation in (int, float):
+        return True
+    args = [a for a in get_args(annotation) if a is not type(None) and a is not Ellipsis]
+    return bool(args) and all(_numeric(a) for a in args)
+
+
+def _textual(annotation: Any) -> bool:
+    """str, optional or not."""
+    return annotation is str or set(get_args(annotation)) == {str, type(None)}
+
+
 def _check_keys(model: type[BaseModel], data: Any, path: tuple[str, ...] = ()) -> None:
-    """Reject unknown keys anywhere in the tree, suggesting the closest valid one."""
-    if not isinstance(data, dict):
-        return
+    """Reject unknown keys anywhere in the tree (suggesting the closest valid one), a value where a
+    section belongs, and true / false where a number belongs (pydantic would read them as 1 / 0)."""
     fields = model.model_fields
     for key, value in data.items():
         if key not in fields:
             raise _unknown_key_error(path, str(key), list(fields))
-        section = _section(fields[key].annotation)
+        dotted = ".".join((*path, key))
+        annotation = fields[key].annotation
+        section = _section(annotation)
         if section is not None:
+            if not isinstance(value, dict):
+                example = f"{dotted}.{next(iter(section.model_fields))}"
+                raise ConfigError(f"{dotted}: is a section, so it takes keys such as {example}, not a value (got {_shown(value)})")
             _check_keys(section, value, (*path, key))
+        elif _numeric(annotation) and any(isinstance(v, bool) for v in (value if isinstance(value, (list, tuple)) else [value])):
+            raise ConfigError(f"{dotted}: expected a number, got {_shown(value)}")
+
+
+def _check_finite(config: BaseModel, path: tuple[str, ...] = ()) -> None:
+    """No float anywhere is inf or nan: every one is a size, a rate or a limit (null disables a limit)."""
+    for key, value in config:
+        dotted = (*path, key)
+        if isinstance(value, BaseModel):
+            _check_finite(value, dotted)
+        elif any(isinstance(v, float) and not math.isfinite(v) for v in (value if isinstance(value, (list, tuple)) else [value])):
+            raise ConfigError(f"{'.'.join(dotted)}: must be a finite number (got {_shown(value)})")
 
 
 _NAMES_ITS_FIELD = re.compile(r"^[a-z_]+(\.[a-z_]+)+: ")
@@ -474,8 +504,41 @@ def _format_validation_error(err: ValidationError) -> ConfigError:
     message = first["msg"].removeprefix("Value error, ")
     if _NAMES_ITS_FIELD.match(message):
         return ConfigError(message)  # a cross-field check already names its field
+    if first["type"] == "missing" and first["loc"] and isinstance(first["loc"][-1], int):
+        parent = ".".join(str(p) for p in first["loc"][:-1])
+        return ConfigError(f"{parent}: too few values (got {_shown(first['input'])})")
+    if first["input"] is None:
+        default = _shown(_default(first["loc"]))
+        return ConfigError(f"{loc}: cannot be null (an empty value is null); give a value, e.g. the default {default}")
     got = "" if isinstance(first["input"], dict) else f" (got {first['input']!r})"
     return ConfigError(f"{loc or 'config'}: {message}{got}")
+
+
+def _shown(value: Any) -> str:
+    """A value as it is written in YAML or an override: true, null, [0.9, 0.99], .inf."""
+    return yaml.safe_dump(value, default_flow_style=True, width=float("inf")).strip().removesuffix("...").strip()
+
+
+def _default(loc: tuple) -> Any:
+    value: Any = RunConfig().model_dump(mode="json")
+    for part in loc:
+        value = value[part]
+    return value
+
+
+class _YamlLoader(yaml.SafeLoader):
+    """``yaml.safe_load``, except that a key given twice in one mapping is an error: YAML would
+    silently keep the last one."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        seen = set()
+        for key_node, _ in node.value:
+            if isinstance(key_node, yaml.ScalarNode) and key_node.tag != "tag:yaml.org,2002:merge":
+                key = self.construct_object(key_node)
+                if key in seen:
+                    raise yaml.constructor.ConstructorError(None, None, f"key '{key}' is given twice", key_node.start_mark)
+                seen.add(key)
+        return super().construct_mapping(node, deep=deep)
 
 
 def _set_dotted(data: dict, override: str) -> None:
@@ -493,9 +556,12 @@ def _set_dotted(data: dict, override: str) -> None:
             raise _unknown_key_error(tuple(keys[:depth]), key, list(fields))
         if depth == len(keys) - 1:
             try:
-                node[key] = yaml.safe_load(raw) if raw.strip() else None
+                value = yaml.load(raw, Loader=_YamlLoader) if raw.strip() else None
             except yaml.YAMLError:
-                node[key] = raw
+                value = raw
+            if _textual(fields[key].annotation) and isinstance(value, (int, float)):
+                value = raw.strip()  # data.path=2024 names a file, not a number
+            node[key] = value
             return
         section = _section(fields[key].annotation)
         if section is None:
@@ -512,26 +578,43 @@ def config_from_dict(data: dict[str, Any]) -> RunConfig:
     """Validate a plain mapping into a RunConfig, raising a one-line ConfigError."""
     _check_keys(RunConfig, data)
     try:
-        return RunConfig.model_validate(data)
+        config = RunConfig.model_validate(data)
     except ValidationError as err:
         raise _format_validation_error(err) from None
+    _check_finite(config)
+    return config
+
+
+def _read_yaml(path: Path) -> dict[str, Any]:
+    """A config file's mapping; every problem with the file itself is a one-line --config error."""
+    if path.is_dir():
+        raise ConfigError(f"--config: '{path}' is a directory, not a YAML file")
+    if not path.is_file():
+        raise ConfigError(f"--config: no such file '{path}'")
+    try:
+        raw = path.read_bytes()
+    except OSError as err:
+        raise ConfigError(f"--config: cannot read '{path}' ({err.strerror or err})") from None
+    try:
+        data = yaml.load(raw.decode("utf-8"), Loader=_YamlLoader)
+    except UnicodeDecodeError as err:
+        line = raw.count(b"\n", 0, err.start) + 1
+        raise ConfigError(f"--config: '{path}' line {line}: not UTF-8 text; save the file as UTF-8") from None
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f" line {mark.line + 1}" if mark is not None else ""
+        problem = getattr(err, "problem", None)
+        raise ConfigError(f"--config: '{path}'{where}: invalid YAML" + (f" ({problem})" if problem else "")) from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"--config: '{path}' must hold a mapping of sections, got {type(data).__name__}")
+    return data
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
     """Load YAML (or the defaults when ``path`` is None), then apply ``a.b=value`` overrides."""
-    data: Any = {}
-    if path is not None:
-        path = Path(path)
-        if not path.is_file():
-            raise ConfigError(f"--config: no such file '{path}'")
-        try:
-            data = yaml.safe_load(path.read_text()) or {}
-        except yaml.YAMLError as err:
-            mark = getattr(err, "problem_mark", None)
-            where = f" line {mark.line + 1}" if mark is not None else ""
-            raise ConfigError(f"--config: '{path}'{where}: invalid YAML") from None
-        if not isinstance(data, dict):
-            raise ConfigError(f"--config: '{path}' must hold a mapping of sections, got {type(data).__name__}")
+    data = _read_yaml(Path(path)) if path is not None else {}
     for override in overrides:
         _set_dotted(data, override)
     return config_from_dict(data)

@@ -21,7 +21,7 @@ from asyncrl.buffer import ReplayBuffer
 from asyncrl.checkpoint import load_state, load_weights, resolve_checkpoint
 from asyncrl.config import ConfigError, RunConfig, dump_config
 from asyncrl.controller import SingleController
-from asyncrl.data import PromptLoader, build_task
+from asyncrl.data import PromptLoader, build_task, check_prompt_lengths
 from asyncrl.faults import inject_rollout_faults, inject_trainer_faults
 from asyncrl.generation import SamplingParams, build_generator
 from asyncrl.metrics import MetricsWriter, ProgressDisplay, read_jsonl, write_json_atomic
@@ -48,6 +48,7 @@ def train(config: RunConfig, *, resume: str | Path | None = None, console: Any =
     tokenizer = _input(build_tokenizer, config)
     model = _input(build_model, config, tokenizer)
     task = _input(build_task, config.data, tokenizer)
+    _input(check_prompt_lengths, task, config, tokenizer, getattr(model.config, "max_position_embeddings", None))
     rewards = _input(RewardRunner.from_config, config.rewards, task)
     state = load_state(checkpoint_dir) if checkpoint_dir is not None else None
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -238,6 +239,7 @@ def evaluate(config: RunConfig, *, checkpoint: str | Path | None = None) -> dict
     tokenizer = _input(build_tokenizer, config)
     model = _input(build_model, config, tokenizer)
     task = _input(build_task, config.data, tokenizer)
+    _input(check_prompt_lengths, task, config, tokenizer, getattr(model.config, "max_position_embeddings", None))
     if checkpoint is not None:
         load_weights(model, _input(resolve_checkpoint, checkpoint))
     else:

@@ -30,6 +30,7 @@ in flight when a checkpoint was taken: resume them with their recorded values.
 from __future__ import annotations
 
 import importlib
+import inspect
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
@@ -162,8 +163,9 @@ def resolve_sampler(name: str) -> type:
     module_name, _, class_name = name.partition(":")
     try:
         cls = getattr(importlib.import_module(module_name), class_name)
-    except (ImportError, AttributeError, ValueError) as err:
-        raise ValueError(f"sampler.name: cannot load '{name}' ({type(err).__name__}: {err})") from None
+    except Exception as err:  # a missing module or class, or the module's own code raising on import
+        hint = "; is its directory on PYTHONPATH?" if isinstance(err, ModuleNotFoundError) else ""
+        raise ValueError(f"sampler.name: cannot load '{name}' ({type(err).__name__}: {err}){hint}") from None
     if not isinstance(cls, type):
         raise ValueError(f"sampler.name: '{name}' is not a class")
     missing = [m for m in PROTOCOL_METHODS if not callable(getattr(cls, m, None))]
@@ -172,6 +174,12 @@ def resolve_sampler(name: str) -> type:
     if missing:
         missing_list = ", ".join(missing)
         raise ValueError(f"sampler.name: '{name}' does not implement the Sampler protocol; missing {missing_list}")
+    try:
+        inspect.signature(cls).bind(prompts_per_step=1, max_lag=0)
+    except TypeError:
+        raise ValueError(f"sampler.name: '{name}' must be constructible as {class_name}(prompts_per_step, max_lag)") from None
+    except ValueError:
+        pass  # no inspectable signature (a class implemented in C)
     return cls
 
 

@@ -182,7 +182,7 @@ def test_missing_unreadable_and_too_short_files(tmp_path):
         build_task(config(task="jsonl", path=good, eval_path=str(tmp_path / "nope.jsonl")))
     broken = tmp_path / "broken.jsonl"
     broken.write_text('{"prompt": "a", "answer": 1}\n{"prompt": \n')
-    with pytest.raises(ValueError, match=r"^data.path: cannot read '.*broken.jsonl' as jsonl"):
+    with pytest.raises(ValueError, match=r"^data.path: line 2 of .*broken.jsonl: invalid JSON"):
         build_task(config(task="jsonl", path=str(broken)))
     with pytest.raises(ValueError, match=r"^data.eval_size: holding out the last 3 rows of .* leaves no train rows"):
         build_task(config(task="jsonl", path=good, eval_size=3))

@@ -1,9 +1,13 @@
-"""User datasets: local jsonl or parquet files, read through Hugging Face ``datasets``.
+"""User datasets: local jsonl or parquet files, parsed as data and nothing else.
 
-Nothing is downloaded: the files are read with the library's packaged json / parquet builders into
-a throwaway cache. Every row is checked before training starts, and a bad one is reported by
-field, row number (1-based; blank lines of a jsonl file do not count) and file. A row's uid is
-``split/row``.
+A jsonl file is decoded as UTF-8 and parsed line by line with the standard ``json`` module, so a
+bad byte or a broken line is reported by its line number; a file holding one JSON array of objects
+loads too. A parquet file is read with pyarrow. Nothing is downloaded, imported or unpickled.
+
+Every row is checked before training starts, and a bad one is reported by field, row number
+(1-based, counting records: blank lines of a jsonl file do not count) and file. A row's uid is
+``split/row``. Once the model is built, ``check_prompt_lengths`` rejects, by row, a prompt that
+leaves no room for ``generation.max_new_tokens`` in the model's context.
 
 The held-out split comes from ``data.eval_path`` when it is set; otherwise the last
 ``data.eval_size`` rows of ``data.path`` are held out and the rows before them are trained on.
@@ -11,18 +15,29 @@ The held-out split comes from ``data.eval_path`` when it is set; otherwise the l
 
 from __future__ import annotations
 
-import tempfile
+import json
+import math
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from asyncrl.data.prompts import Prompt, Task
+
+if TYPE_CHECKING:
+    from asyncrl.config import DataConfig, RunConfig
+
+TOKENIZE_BATCH = 4096  # prompts per tokenizer call when checking lengths
 
 
 def file_task(kind: str, path: str, eval_path: str | None, *, prompt_field: str, answer_field: str, eval_size: int) -> Task:
     """The train and held-out prompts of a ``kind`` ("jsonl" or "parquet") dataset."""
-    columns = _read_columns(kind, path, "data.path")
-    train = _prompts(columns, "train", path, prompt_field, answer_field)
+    if eval_path is not None and Path(eval_path).resolve() == Path(path).resolve():
+        raise ValueError(
+            f"data.eval_path: '{eval_path}' is data.path itself, so the held-out rows would be trained on; "
+            "give another file, or null to hold out the last data.eval_size rows"
+        )
+    train = _prompts(_read_rows(kind, path, "data.path"), "train", path, prompt_field, answer_field)
     if eval_path is not None:
-        heldout = _prompts(_read_columns(kind, eval_path, "data.eval_path"), "heldout", eval_path, prompt_field, answer_field)
+        heldout = _prompts(_read_rows(kind, eval_path, "data.eval_path"), "heldout", eval_path, prompt_field, answer_field)
     elif len(train) <= eval_size:
         raise ValueError(
             f"data.eval_size: holding out the last {eval_size} rows of {path} leaves no train rows "
@@ -38,54 +53,152 @@ def _as_heldout(prompt: Prompt) -> Prompt:
     return Prompt("heldout/" + prompt.uid.removeprefix("train/"), prompt.text, prompt.answer)
 
 
-def _read_columns(kind: str, path: str, field: str) -> dict[str, list]:
-    """The file's rows as columns; ``field`` names the config key in errors."""
-    if not Path(path).is_file():
-        raise ValueError(f"{field}: no such file '{path}'")
-    import datasets
-
-    reader = {"jsonl": datasets.Dataset.from_json, "parquet": datasets.Dataset.from_parquet}[kind]
-    bars_were_enabled = datasets.is_progress_bar_enabled()
-    datasets.disable_progress_bars()
+def _read_rows(kind: str, path: str, field: str) -> list[dict[str, Any]]:
+    """The file's rows as dicts; ``field`` names the config key in errors."""
+    file = Path(path)
+    if not file.is_file():
+        raise ValueError(f"{field}: '{path}' is a directory, not a {kind} file" if file.is_dir() else f"{field}: no such file '{path}'")
     try:
-        with tempfile.TemporaryDirectory(prefix="asyncrl-data-") as cache_dir:
-            table = reader(path, cache_dir=cache_dir, keep_in_memory=True)
-            columns = table.to_dict()
-    except Exception as err:
-        cause = err.__cause__ or err
-        detail = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
-        raise ValueError(f"{field}: cannot read '{path}' as {kind}: {detail}") from err
-    finally:
-        if bars_were_enabled:
-            datasets.enable_progress_bars()
-    if not columns or not next(iter(columns.values())):
+        rows = _jsonl_rows(file, field) if kind == "jsonl" else _parquet_rows(file, field)
+    except OSError as err:
+        raise ValueError(f"{field}: cannot read '{path}' ({err.strerror or err})") from None
+    if not rows:
         raise ValueError(f"{field}: '{path}' has no rows")
-    return columns
+    return rows
 
 
-def _prompts(columns: dict[str, list], split: str, path: str, prompt_field: str, answer_field: str) -> list[Prompt]:
-    prompts = _column(columns, prompt_field, "data.prompt_field", path)
-    answers = _column(columns, answer_field, "data.answer_field", path)
+def _jsonl_rows(path: Path, field: str) -> list[dict[str, Any]]:
+    data = path.read_bytes()
+    try:
+        text = data.decode("utf-8-sig")
+    except UnicodeDecodeError as err:
+        line = data.count(b"\n", 0, err.start) + 1
+        column = err.start - data.rfind(b"\n", 0, err.start)
+        raise ValueError(
+            f"{field}: line {line} of {path}: byte 0x{data[err.start]:02x} at column {column} is not UTF-8; "
+            "save the file as UTF-8"
+        ) from None
+    if text.lstrip().startswith("["):
+        return _json_array_rows(text, path, field)
+    rows = []
+    for number, line in enumerate(text.split("\n"), start=1):  # not splitlines(): JSON strings may hold U+2028
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{field}: line {number} of {path}: invalid JSON ({err.msg} at column {err.colno})") from None
+        if not isinstance(row, dict):
+            raise ValueError(f"{field}: line {number} of {path}: expected one JSON object per line, got {_json_type(row)}")
+        rows.append(row)
+    return rows
+
+
+def _json_array_rows(text: str, path: Path, field: str) -> list[dict[str, Any]]:
+    try:
+        rows = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{field}: line {err.lineno} of {path}: invalid JSON ({err.msg} at column {err.colno})") from None
+    for number, row in enumerate(rows, start=1):
+        if not isinstance(row, dict):
+            raise ValueError(f"{field}: row {number} of {path}: expected a JSON object, got {_json_type(row)}")
+    return rows
+
+
+def _json_type(value: Any) -> str:
+    names = {dict: "an object", list: "an array", str: "a string", bool: "a boolean", type(None): "null"}
+    return names.get(type(value), "a number")
+
+
+def _parquet_rows(path: Path, field: str) -> list[dict[str, Any]]:
+    import pyarrow.parquet as pq
+
+    try:
+        table = pq.read_table(path)
+    except Exception as err:  # pyarrow reports a damaged or foreign file with a variety of errors
+        detail = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ValueError(f"{field}: cannot read '{path}' as parquet: {detail}") from None
+    try:
+        return table.to_pylist()
+    except UnicodeDecodeError:
+        row, column = _first_non_utf8(table)
+        raise ValueError(f"{field}: row {row} of {path}: field '{column}' is not UTF-8 text; write strings as UTF-8") from None
+
+
+def _first_non_utf8(table) -> tuple[int, str]:
+    """(row, column) of the first string cell that does not decode: the slow search, run only on failure."""
+    for column in table.column_names:
+        for row, cell in enumerate(table.column(column), start=1):
+            try:
+                cell.as_py()
+            except UnicodeDecodeError:
+                return row, column
+    raise AssertionError("to_pylist failed to decode, yet every cell decodes")
+
+
+def _prompts(rows: list[dict[str, Any]], split: str, path: str, prompt_field: str, answer_field: str) -> list[Prompt]:
     out = []
-    for row, (text, answer) in enumerate(zip(prompts, answers), start=1):
-        where = f"row {row} of {path}"
+    for number, row in enumerate(rows, start=1):
+        where = f"row {number} of {path}"
+        text, answer = row.get(prompt_field), row.get(answer_field)
         if text is None:
-            raise ValueError(f"data.prompt_field: {where} has no field '{prompt_field}'")
+            raise ValueError(f"data.prompt_field: {where} has no field '{prompt_field}'{_fields_hint(rows, row, prompt_field)}")
         if not isinstance(text, str):
             raise ValueError(f"data.prompt_field: {where}: '{prompt_field}' is {type(text).__name__}, not a string")
         if not text.strip():
             raise ValueError(f"data.prompt_field: {where}: '{prompt_field}' is empty")
         if answer is None:
-            raise ValueError(f"data.answer_field: {where} has no field '{answer_field}'")
+            raise ValueError(f"data.answer_field: {where} has no field '{answer_field}'{_fields_hint(rows, row, answer_field)}")
         if isinstance(answer, bool) or not isinstance(answer, (str, int, float)):
             raise ValueError(
                 f"data.answer_field: {where}: '{answer_field}' is {type(answer).__name__}, not a string or number"
             )
-        out.append(Prompt(f"{split}/{row}", text, str(answer)))
+        if isinstance(answer, float) and not math.isfinite(answer):
+            raise ValueError(f"data.answer_field: {where}: '{answer_field}' is {answer}, not a finite number")
+        if not str(answer).strip():
+            raise ValueError(f"data.answer_field: {where}: '{answer_field}' is empty")
+        out.append(Prompt(f"{split}/{number}", text, str(answer)))
     return out
 
 
-def _column(columns: dict[str, list], name: str, field: str, path: str) -> list:
-    if name not in columns:
-        raise ValueError(f"{field}: row 1 of {path} has no field '{name}' (its fields: {', '.join(columns)})")
-    return columns[name]
+def _fields_hint(rows: list[dict[str, Any]], row: dict[str, Any], name: str) -> str:
+    """When no row has the field the config names the wrong one: list the fields there are."""
+    if any(other.get(name) is not None for other in rows):
+        return ""
+    return f" (its fields: {', '.join(map(str, row))})"
+
+
+def check_prompt_lengths(task: Task, config: RunConfig, tokenizer, max_positions: int | None) -> None:
+    """Reject, naming its row, a prompt that leaves no room for ``generation.max_new_tokens`` in the
+    model's ``max_positions`` (None: the model sets no limit). Tokenized as the rollout worker does."""
+    if max_positions is None:
+        return
+    data, max_new_tokens = config.data, config.generation.max_new_tokens
+    room = max_positions - max_new_tokens
+    if room < 1:
+        raise ValueError(
+            f"generation.max_new_tokens: {max_new_tokens} leaves no room for a prompt in the model's "
+            f"{max_positions} positions; set it below {max_positions}"
+        )
+    for split in (task.train, task.heldout):
+        for start in range(0, len(split), TOKENIZE_BATCH):
+            chunk = split[start : start + TOKENIZE_BATCH]
+            ids = tokenizer([p.text for p in chunk], add_special_tokens=False)["input_ids"]
+            for prompt, prompt_ids in zip(chunk, ids):
+                if not prompt_ids:
+                    raise ValueError(f"{_where(prompt, data)}: the prompt tokenizes to no tokens")
+                if len(prompt_ids) > room:
+                    raise ValueError(
+                        f"{_where(prompt, data)}: the prompt is {len(prompt_ids)} tokens, and with "
+                        f"generation.max_new_tokens {max_new_tokens} needs {len(prompt_ids) + max_new_tokens} "
+                        f"positions, but the model has {max_positions}; shorten it or lower generation.max_new_tokens"
+                    )
+
+
+def _where(prompt: Prompt, data: DataConfig) -> str:
+    """The config field and row a prompt came from: its uid is ``split/row`` for a file."""
+    if data.path is None:
+        return f"data.task: prompt '{prompt.uid}' of {data.task}"
+    split, _, row = prompt.uid.partition("/")
+    path = data.eval_path if split == "heldout" and data.eval_path is not None else data.path
+    return f"data.prompt_field: row {row} of {path}"

@@ -110,14 +110,19 @@ def resolve_reward(name: str, *, format_pattern: str | None = None) -> RewardFn:
     module_name, _, attribute = name.partition(":")
     try:
         fn = getattr(importlib.import_module(module_name), attribute)
-    except (ImportError, AttributeError, ValueError) as err:
-        raise ValueError(f"rewards.functions: cannot load '{name}' ({type(err).__name__}: {err})") from None
+    except Exception as err:  # a missing module or attribute, or the module's own code raising on import
+        hint = "; is its directory on PYTHONPATH?" if isinstance(err, ModuleNotFoundError) else ""
+        raise ValueError(f"rewards.functions: cannot load '{name}' ({type(err).__name__}: {err}){hint}") from None
+    if isinstance(fn, type):
+        raise ValueError(f"rewards.functions: '{name}' is a class; give a function taking (completion, answer), or an instance")
     if not callable(fn):
         raise ValueError(f"rewards.functions: '{name}' is not callable")
+    if inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None)):
+        raise ValueError(f"rewards.functions: '{name}' is async; rewards are called, not awaited: use a plain def")
     try:
         inspect.signature(fn).bind("completion", "answer")
     except TypeError:
-        raise ValueError(f"rewards.functions: '{name}' must accept (completion, answer)") from None
+        raise ValueError(f"rewards.functions: '{name}' must accept (completion, answer), the two strings it is called with") from None
     except ValueError:
         pass  # no inspectable signature (some builtins); a wrong one surfaces as counted errors
     return fn

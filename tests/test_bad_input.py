@@ -1,0 +1,354 @@
+"""Bad input never gives a traceback: each case exits with code 2 and one line naming the field or row.
+
+Config files, dataset files (jsonl and parquet), command-line overrides and options, and custom
+``module:attr`` rewards and samplers, all through the command line's entry point.
+"""
+
+import json
+import subprocess
+import sys
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from asyncrl.cli import main
+from test_train import SMALL
+
+
+def error(capsys, *argv) -> str:
+    """The one-line message of a command that must fail with exit code 2, without ``error: ``."""
+    assert main(list(argv)) == 2
+    captured = capsys.readouterr()
+    assert captured.err.startswith("error: ") and captured.err.count("\n") == 1, captured.err
+    assert "Traceback" not in captured.err + captured.out
+    return captured.err.removeprefix("error: ").rstrip("\n")
+
+
+def train_error(capsys, tmp_path, *overrides) -> str:
+    return error(capsys, "train", "--output-dir", str(tmp_path / "run"), *SMALL, *overrides)
+
+
+def write_jsonl(path, rows) -> str:
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return str(path)
+
+
+def write_parquet(path, columns) -> str:
+    pq.write_table(pa.table(columns), path)
+    return str(path)
+
+
+def rows(n: int) -> list[dict]:
+    return [{"prompt": f"{i}+1=", "answer": str(i + 1)} for i in range(n)]
+
+
+# --- config files
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("trainer:\n  lrr: 0.1\n", "trainer.lrr: unknown key (did you mean 'trainer.lr'?)"),
+        ("grpo:\n  max_stepz: 3\n", "grpo.max_stepz: unknown key (did you mean 'grpo.max_steps'?)"),
+        ("grpo:\n  max_steps: many\n", "grpo.max_steps: Input should be a valid integer"),
+        ("generation:\n  max_new_tokens: true\n", "generation.max_new_tokens: expected a number, got true"),
+        ("rewards:\n  weights: [1.0, false]\n", "rewards.weights: expected a number, got [1.0, false]"),
+        ("trainer:\n  lr: -1\n", "trainer.lr: Input should be greater than 0 (got -1)"),
+        ("trainer:\n  lr: .inf\n", "trainer.lr: must be a finite number (got .inf)"),
+        ("trainer:\n  betas: [0.9]\n", "trainer.betas: too few values (got [0.9])"),
+        ("grpo:\n  max_steps:\n", "grpo.max_steps: cannot be null (an empty value is null); give a value, e.g. the default 800"),
+        ("grpo: 3\n", "grpo: is a section, so it takes keys such as grpo.prompts_per_step, not a value (got 3)"),
+        ("sampler:\n  buffer_capacity: 4\n", "sampler.buffer_capacity: 4 < 32 groups required"),
+        ("loss:\n  mode: seq-mean-token-sum-norm\n", "loss.norm_constant: required when loss.mode is seq-mean-token-sum-norm"),
+        ("data:\n  task: jsonl\n", "data.path: required when data.task is jsonl"),
+    ],
+)
+def test_bad_config_file_names_the_field(tmp_path, capsys, text, message):
+    path = tmp_path / "run.yaml"
+    path.write_text(text)
+    assert error(capsys, "config", "--config", str(path)).startswith(message)
+    assert error(capsys, "train", "--config", str(path)).startswith(message)
+
+
+def test_unreadable_config_files_name_the_file_and_line(tmp_path, capsys):
+    def config_error(content: bytes) -> str:
+        path = tmp_path / "run.yaml"
+        path.write_bytes(content)
+        return error(capsys, "config", "--config", str(path))
+
+    assert error(capsys, "train", "--config", str(tmp_path / "missing.yaml")) == (
+        f"--config: no such file '{tmp_path / 'missing.yaml'}'"
+    )
+    assert error(capsys, "config", "--config", str(tmp_path)) == f"--config: '{tmp_path}' is a directory, not a YAML file"
+    path = tmp_path / "run.yaml"
+    assert config_error(b"seed: 1\ngrpo: [unclosed\n").startswith(f"--config: '{path}' line 3: invalid YAML")
+    assert config_error(b"seed: 1\nseed: 2\n") == f"--config: '{path}' line 2: invalid YAML (key 'seed' is given twice)"
+    assert config_error(b"seed: 1\n# caf\xe9\n") == f"--config: '{path}' line 2: not UTF-8 text; save the file as UTF-8"
+    assert config_error(b"- grpo\n- loss\n") == f"--config: '{path}' must hold a mapping of sections, got list"
+    tagged = config_error(b"seed: !!python/object/apply:os.system ['true']\n")
+    assert tagged.startswith(f"--config: '{path}' line 1: invalid YAML (could not determine a constructor")
+
+
+def test_an_empty_config_file_is_the_defaults(tmp_path, capsys):
+    path = tmp_path / "run.yaml"
+    path.write_text("# nothing set\n")
+    assert main(["config", "--config", str(path)]) == 0
+    assert "max_steps: 800" in capsys.readouterr().out
+
+
+# --- the command line
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["grpo.max_steps="], "grpo.max_steps: cannot be null (an empty value is null); give a value, e.g. the default 800"),
+        (["trainer.max_grad_norm=", "grpo.max_steps=x"], "grpo.max_steps: Input should be a valid integer"),
+        (["grpo=1"], "grpo: is a section, so it takes keys such as grpo.prompts_per_step, not a value (got 1)"),
+        (["model="], "model: is a section, so it takes keys such as model.path, not a value (got null)"),
+        (["grpoo.max_steps=1"], "grpoo: unknown key (did you mean 'grpo'?)"),
+        (["nonsense.key=1"], "nonsense: unknown key (valid keys: seed, model, tokenizer, data"),
+        (["grpo.max_steps"], "override 'grpo.max_steps': expected key=value, e.g. loss.mode=token-mean"),
+        (["grpo..max_steps=1"], "override 'grpo..max_steps=1': empty key"),
+        (["seed.x=1"], "seed: is a value, not a section"),
+        (["trainer.lr=nan"], "trainer.lr: Input should be greater than 0 (got 'nan')"),
+        (["trainer.lr=inf"], "trainer.lr: must be a finite number (got .inf)"),
+        (["generation.max_new_tokens=yes"], "generation.max_new_tokens: expected a number, got true"),
+        (["data.task=jsonl", "data.path=2024"], "data.path: no such file '2024'"),  # a file name, not a number
+    ],
+)
+def test_bad_overrides_name_the_field(tmp_path, capsys, argv, message):
+    assert train_error(capsys, tmp_path, *argv).startswith(message)
+
+
+def test_unknown_options_and_missing_option_values(capsys):
+    assert error(capsys, "train", "--nope") == "No such option: --nope"
+    assert error(capsys, "train", "--output-dirr", "x").startswith("No such option: --output-dirr")
+    assert error(capsys, "train", "--config") == "Option '--config' requires an argument."
+    assert error(capsys, "not-a-command").startswith("No such command 'not-a-command'")
+
+
+def test_the_installed_entry_point_prints_no_traceback(tmp_path):
+    broken = tmp_path / "train.jsonl"
+    broken.write_text('{"prompt": "1+1=", "answer": 2}\n{"prompt": "2+2=" "answer": 4}\n')
+    proc = subprocess.run(
+        [sys.executable, "-m", "asyncrl", "train", *SMALL, "data.task=jsonl", f"data.path={broken}"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2
+    assert proc.stderr == f"error: data.path: line 2 of {broken}: invalid JSON (Expecting ',' delimiter at column 19)\n"
+
+
+# --- dataset files
+
+
+def jsonl_error(capsys, tmp_path, content, *overrides) -> tuple[str, str]:
+    path = tmp_path / "train.jsonl"
+    if isinstance(content, bytes):
+        path.write_bytes(content)
+    else:
+        write_jsonl(path, content)
+    message = train_error(capsys, tmp_path, "data.task=jsonl", f"data.path={path}", "data.eval_size=1", *overrides)
+    return message, str(path)
+
+
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        ([{"question": "1+1=", "answer": "2"}] * 3, "data.prompt_field: row 1 of {f} has no field 'prompt' (its fields: question, answer)"),
+        ([*rows(2), {"answer": "3"}], "data.prompt_field: row 3 of {f} has no field 'prompt'"),
+        ([*rows(2), {"prompt": "3+3="}], "data.answer_field: row 3 of {f} has no field 'answer'"),
+        ([*rows(2), {"prompt": " \t", "answer": "1"}], "data.prompt_field: row 3 of {f}: 'prompt' is empty"),
+        ([*rows(2), {"prompt": "1+1=", "answer": ""}], "data.answer_field: row 3 of {f}: 'answer' is empty"),
+        ([*rows(2), {"prompt": 7, "answer": "1"}], "data.prompt_field: row 3 of {f}: 'prompt' is int, not a string"),
+        ([*rows(2), {"prompt": "x", "answer": {"a": 1}}], "data.answer_field: row 3 of {f}: 'answer' is dict, not a string or number"),
+        ([*rows(2), {"prompt": "x", "answer": True}], "data.answer_field: row 3 of {f}: 'answer' is bool, not a string or number"),
+        (b'{"prompt": "1+1=", "answer": 2}\n\n{"prompt": "2+2=", "answer": NaN}\n', "data.answer_field: row 2 of {f}: 'answer' is nan, not a finite number"),
+        (b'{"prompt": "1+1=", "answer": 2}\n{"prompt": "2+2=", "answer": 4\n', "data.path: line 2 of {f}: invalid JSON (Expecting ',' delimiter at column 31)"),
+        (b'{"prompt": "1+1=", "answer": 2}\n\n["2+2=", 4]\n', "data.path: line 3 of {f}: expected one JSON object per line, got an array"),
+        (b'{"prompt": "1+1=", "answer": 2}\n{"prompt": "2+2\xff=", "answer": 4}\n', "data.path: line 2 of {f}: byte 0xff at column 16 is not UTF-8; save the file as UTF-8"),
+        (b"", "data.path: '{f}' has no rows"),
+        (b"\n  \n\n", "data.path: '{f}' has no rows"),
+        (b'[{"prompt": "1+1=", "answer": 2}, 3]', "data.path: row 2 of {f}: expected a JSON object, got a number"),
+        (b'[{"prompt": "1+1=",\n "answer": 2}, {]', "data.path: line 2 of {f}: invalid JSON (Expecting property name enclosed in double quotes at column 17)"),
+    ],
+)
+def test_bad_jsonl_rows_name_the_field_row_or_line(tmp_path, capsys, content, message):
+    got, path = jsonl_error(capsys, tmp_path, content)
+    assert got == message.format(f=path)
+
+
+def test_a_json_array_file_and_a_byte_order_mark_load(tmp_path):
+    from asyncrl.config import DataConfig
+    from asyncrl.data import build_task
+
+    array = tmp_path / "train.json"
+    array.write_text(json.dumps(rows(3), indent=2))
+    marked = tmp_path / "marked.jsonl"
+    marked.write_bytes(b"\xef\xbb\xbf" + "".join(json.dumps(r) + "\r\n" for r in rows(3)).encode())
+    for path in (array, marked):
+        task = build_task(DataConfig(task="jsonl", path=str(path), eval_size=1))
+        assert [(p.uid, p.text, p.answer) for p in task.train] == [("train/1", "0+1=", "1"), ("train/2", "1+1=", "2")]
+
+
+def test_bad_parquet_rows_name_the_field_and_row(tmp_path, capsys):
+    def parquet_error(columns) -> tuple[str, str]:
+        path = write_parquet(tmp_path / "train.parquet", columns)
+        return train_error(capsys, tmp_path, "data.task=parquet", f"data.path={path}", "data.eval_size=1"), path
+
+    message, path = parquet_error({"question": ["1+1=", "2+2="], "answer": ["2", "4"]})
+    assert message == f"data.prompt_field: row 1 of {path} has no field 'prompt' (its fields: question, answer)"
+    message, path = parquet_error({"prompt": ["1+1=", None, "3+3="], "answer": ["2", "4", "6"]})
+    assert message == f"data.prompt_field: row 2 of {path} has no field 'prompt'"
+    message, path = parquet_error({"prompt": ["1+1=", "", "3+3="], "answer": ["2", "4", "6"]})
+    assert message == f"data.prompt_field: row 2 of {path}: 'prompt' is empty"
+    message, path = parquet_error({"prompt": pa.array([], pa.string()), "answer": pa.array([], pa.string())})
+    assert message == f"data.path: '{path}' has no rows"
+    binary = pa.array([b"1+1=", b"2+2=", b"3\xff="], pa.binary())
+    not_utf8 = pa.Array.from_buffers(pa.string(), 3, binary.buffers())  # a string column holding invalid UTF-8
+    message, path = parquet_error({"prompt": not_utf8, "answer": ["2", "4", "6"]})
+    assert message == f"data.path: row 3 of {path}: field 'prompt' is not UTF-8 text; write strings as UTF-8"
+    message, path = parquet_error({"prompt": binary, "answer": ["2", "4", "6"]})
+    assert message == f"data.prompt_field: row 1 of {path}: 'prompt' is bytes, not a string"
+    jsonl = write_jsonl(tmp_path / "rows.jsonl", rows(3))
+    message = train_error(capsys, tmp_path, "data.task=parquet", f"data.path={jsonl}", "data.eval_size=1")
+    assert message.startswith(f"data.path: cannot read '{jsonl}' as parquet: ")
+
+
+def test_missing_files_and_splits_that_end_up_empty(tmp_path, capsys):
+    good = write_jsonl(tmp_path / "good.jsonl", rows(3))
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n")
+    data = ["data.task=jsonl", f"data.path={good}"]
+    assert train_error(capsys, tmp_path, "data.task=jsonl", f"data.path={tmp_path / 'no.jsonl'}") == (
+        f"data.path: no such file '{tmp_path / 'no.jsonl'}'"
+    )
+    assert train_error(capsys, tmp_path, "data.task=jsonl", f"data.path={tmp_path}") == (
+        f"data.path: '{tmp_path}' is a directory, not a jsonl file"
+    )
+    assert train_error(capsys, tmp_path, *data, "data.eval_size=3") == (
+        f"data.eval_size: holding out the last 3 rows of {good} leaves no train rows (it has 3); "
+        "set data.eval_path or lower data.eval_size"
+    )
+    assert train_error(capsys, tmp_path, *data, f"data.eval_path={empty}") == f"data.eval_path: '{empty}' has no rows"
+    assert train_error(capsys, tmp_path, *data, f"data.eval_path={good}").startswith(
+        f"data.eval_path: '{good}' is data.path itself, so the held-out rows would be trained on"
+    )
+    assert train_error(capsys, tmp_path, "data.num_problems=8").startswith("data.eval_size: ")
+
+
+def test_a_prompt_too_long_for_the_context_is_rejected_by_row(tmp_path, capsys):
+    long_prompt = {"prompt": "1+" * 505 + "1=", "answer": "506"}  # 1012 characters: 1012 tokens of the char tokenizer
+    path = write_jsonl(tmp_path / "train.jsonl", [*rows(2), long_prompt, *rows(2)])
+    data = ["data.task=jsonl", f"data.path={path}", "data.eval_size=1"]
+    assert train_error(capsys, tmp_path, *data, "generation.max_new_tokens=16") == (
+        f"data.prompt_field: row 3 of {path}: the prompt is 1012 tokens, and with generation.max_new_tokens 16 "
+        "needs 1028 positions, but the model has 1024; shorten it or lower generation.max_new_tokens"
+    )
+    held_out = write_parquet(tmp_path / "eval.parquet", {"prompt": ["1+1=", long_prompt["prompt"]], "answer": ["2", "506"]})
+    parquet = write_parquet(tmp_path / "train.parquet", {"prompt": ["1+1=", "2+2="], "answer": ["2", "4"]})
+    message = error(
+        capsys, "eval", *SMALL, "data.task=parquet", f"data.path={parquet}", f"data.eval_path={held_out}", "generation.max_new_tokens=16"
+    )
+    assert message.startswith(f"data.prompt_field: row 2 of {held_out}: the prompt is 1012 tokens")
+    assert train_error(capsys, tmp_path, "generation.max_new_tokens=1024") == (
+        "generation.max_new_tokens: 1024 leaves no room for a prompt in the model's 1024 positions; set it below 1024"
+    )
+    assert train_error(capsys, tmp_path, "generation.max_new_tokens=1019").startswith(
+        "data.task: prompt 'arithmetic/1/"
+    )
+
+
+def test_a_prompt_that_just_fits_is_accepted():
+    from asyncrl.config import load_config
+    from asyncrl.data import Prompt, Task, check_prompt_lengths
+    from asyncrl.models.tokenizer import build_char_tokenizer
+
+    config = load_config(None, ["generation.max_new_tokens=4"])
+    fits = Task("t", train=[Prompt("train/1", "x" * 1020, "1")], heldout=[Prompt("heldout/2", "y", "1")])
+    check_prompt_lengths(fits, config, build_char_tokenizer(), 1024)
+    check_prompt_lengths(fits, config, build_char_tokenizer(), None)  # a model without a position limit
+    too_long = Task("t", train=fits.train, heldout=[Prompt("heldout/2", "y" * 1021, "1")])
+    with pytest.raises(ValueError, match=r"^data.task: prompt 'heldout/2' of arithmetic: the prompt is 1021 tokens"):
+        check_prompt_lengths(too_long, config, build_char_tokenizer(), 1024)
+
+
+# --- custom module:attr rewards and samplers
+
+
+PLUGINS = '''
+import asyncio
+
+from asyncrl.sampler import WindowedSampler
+
+
+def score(completion, answer):
+    return float(completion == answer)
+
+
+def one_argument(completion):
+    return 1.0
+
+
+async def awaited(completion, answer):
+    return 1.0
+
+
+class Scorer:
+    def __call__(self, completion, answer):
+        return 1.0
+
+
+class NoLag(WindowedSampler):
+    def __init__(self, prompts_per_step):
+        super().__init__(prompts_per_step, 0)
+'''
+
+
+@pytest.fixture
+def plugins(tmp_path, monkeypatch):
+    (tmp_path / "bad_input_plugins.py").write_text(PLUGINS)
+    (tmp_path / "bad_input_broken.py").write_text("raise RuntimeError('needs a GPU')\n")
+    (tmp_path / "bad_input_typo.py").write_text("def score(completion, answer)\n    return 1.0\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return "bad_input_plugins"
+
+
+@pytest.mark.parametrize(
+    "reward, message",
+    [
+        ("no_such_module_abc:score", "cannot load 'no_such_module_abc:score' (ModuleNotFoundError: No module named 'no_such_module_abc'); is its directory on PYTHONPATH?"),
+        ("bad_input_plugins:missing", "cannot load 'bad_input_plugins:missing' (AttributeError: module 'bad_input_plugins' has no attribute 'missing')"),
+        ("bad_input_broken:score", "cannot load 'bad_input_broken:score' (RuntimeError: needs a GPU)"),
+        ("bad_input_typo:score", "cannot load 'bad_input_typo:score' (SyntaxError: expected ':'"),
+        ("bad_input_plugins:one_argument", "'bad_input_plugins:one_argument' must accept (completion, answer), the two strings it is called with"),
+        ("bad_input_plugins:awaited", "'bad_input_plugins:awaited' is async; rewards are called, not awaited: use a plain def"),
+        ("bad_input_plugins:Scorer", "'bad_input_plugins:Scorer' is a class; give a function taking (completion, answer), or an instance"),
+        ("bad_input_plugins:asyncio", "'bad_input_plugins:asyncio' is not callable"),
+    ],
+)
+def test_bad_custom_rewards_are_rejected_at_load_time(tmp_path, capsys, plugins, reward, message):
+    assert train_error(capsys, tmp_path, f"rewards.functions=[exact_match, '{reward}']").startswith(f"rewards.functions: {message}")
+
+
+def test_a_good_custom_reward_loads(plugins):
+    from asyncrl.rewards import resolve_reward
+
+    assert resolve_reward("bad_input_plugins:score")("4", "4") == 1.0
+
+
+@pytest.mark.parametrize(
+    "sampler, message",
+    [
+        ("no_such_module_abc:Sampler", "cannot load 'no_such_module_abc:Sampler' (ModuleNotFoundError: No module named 'no_such_module_abc'); is its directory on PYTHONPATH?"),
+        ("bad_input_broken:Sampler", "cannot load 'bad_input_broken:Sampler' (RuntimeError: needs a GPU)"),
+        ("bad_input_plugins:Nope", "cannot load 'bad_input_plugins:Nope' (AttributeError: module 'bad_input_plugins' has no attribute 'Nope')"),
+        ("bad_input_plugins:score", "'bad_input_plugins:score' is not a class"),
+        ("bad_input_plugins:NoLag", "'bad_input_plugins:NoLag' must be constructible as NoLag(prompts_per_step, max_lag)"),
+    ],
+)
+def test_bad_custom_samplers_are_rejected_when_the_config_loads(capsys, plugins, sampler, message):
+    assert error(capsys, "config", f"sampler.name={sampler}") == f"sampler.name: {message}"
