@@ -28,6 +28,20 @@ def ray_server_processes() -> set[int]:
     return pids
 
 
+def dashboard_command_lines() -> list[list[str]]:
+    """The command lines of Ray's dashboard processes on this machine."""
+    lines = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                argv = (entry / "cmdline").read_bytes().decode(errors="replace").split("\0")
+            except OSError:
+                continue
+            if any(arg.endswith("dashboard/dashboard.py") for arg in argv):
+                lines.append(argv)
+    return lines
+
+
 def wait_until_gone(pids: set[int], timeout_s: float = 20.0) -> set[int]:
     """Those of ``pids`` still running after up to ``timeout_s`` (servers take a moment to exit)."""
     deadline = time.monotonic() + timeout_s

@@ -99,6 +99,14 @@ def test_loaders_reject_a_missing_path_in_one_line(tmp_path, loader):
     assert str(missing) in str(err.value) and "\n" not in str(err.value)
 
 
+def test_load_model_refuses_pickled_weights(tmp_path):
+    model = small_model(seed=3, dtype=torch.float32)
+    model.config.save_pretrained(tmp_path)
+    torch.save(model.state_dict(), tmp_path / "pytorch_model.bin")
+    with pytest.raises(OSError, match="safetensors"):
+        load_model(tmp_path)
+
+
 def test_load_model_rejects_a_directory_without_config(tmp_path):
     with pytest.raises(FileNotFoundError, match="config.json") as err:
         load_model(tmp_path)

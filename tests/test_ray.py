@@ -22,7 +22,7 @@ from asyncrl.rewards.functions import exact_match
 from asyncrl.run import train
 from asyncrl.runtime.ray import TrainerRankDiedError
 from asyncrl.types import RolloutGroup, RolloutJob
-from conftest import ray_server_processes, wait_until_gone
+from conftest import dashboard_command_lines, ray_server_processes, wait_until_gone
 from test_train import SMALL
 
 RAY = "runtime.name=ray"
@@ -221,6 +221,8 @@ def test_an_interrupted_cli_run_on_ray_leaves_no_ray_process_behind(tmp_path):
         while not (metrics.is_file() and read_jsonl(metrics)) and process.poll() is None and time.monotonic() < deadline:
             time.sleep(0.2)
         assert ray_server_processes() - before, "the CLI run started no cluster of its own"
+        for argv in dashboard_command_lines():  # the dashboard: no web frontend, loopback only
+            assert "--host=127.0.0.1" in argv and "--disable-frontend" in argv, argv
         process.send_signal(signal.SIGINT)
         _, err = process.communicate(timeout=120)
     finally:

@@ -26,7 +26,8 @@ def load_model(
 ) -> PreTrainedModel:
     """The causal LM saved at ``path``, in eval mode.
 
-    ``dtype=None`` keeps the checkpoint's dtype; ``attn_implementation=None`` lets transformers
+    Weights load from safetensors only: a directory holding just a pickled ``pytorch_model.bin``
+    is refused rather than unpickled. ``dtype=None`` keeps the checkpoint's dtype; ``attn_implementation=None`` lets transformers
     choose (sdpa where available).
     """
     directory = _local_dir(path, "config.json")
@@ -35,6 +36,7 @@ def load_model(
         dtype="auto" if dtype is None else dtype,
         attn_implementation=attn_implementation,
         local_files_only=True,
+        use_safetensors=True,
     )
 
 
