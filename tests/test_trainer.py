@@ -200,6 +200,17 @@ def test_export_weights_is_a_versioned_snapshot():
     assert torch.equal(new_weights[name], trainer.model.state_dict()[name])
 
 
+def test_exported_views_share_the_weights_memory_and_snapshots_do_not():
+    trainer = make_trainer()
+    name = next(n for n, _ in trainer.model.named_parameters())
+    _, views = trainer.export_weights(copy=False)
+    _, snapshot = trainer.export_weights()
+    parameter = dict(trainer.model.named_parameters())[name]
+    assert views[name].data_ptr() == parameter.data_ptr() and snapshot[name].data_ptr() != parameter.data_ptr()
+    trainer.train_step(batch_for(trainer, 0))
+    assert torch.equal(views[name], parameter.detach()) and not torch.equal(snapshot[name], parameter.detach())
+
+
 def test_compute_logprobs_matches_across_micro_batch_sizes():
     trainer = make_trainer()
     batch = batch_for(trainer, 0)

@@ -314,7 +314,7 @@ def single_rank_reference(tmp_path, checkpoint_at: int | None = None):
     for step in range(3):
         if step == checkpoint_at:
             path = worker.save_checkpoint(str(tmp_path / "single"), step, {"note": "single"}, keep_last=1)
-            checkpoint = (path, worker.export_weights()[1])
+            checkpoint = (path, {k: v.clone() for k, v in worker.export_weights()[1].items()})
         reports.append(run_step(worker, step)[0])
     return worker, reports, checkpoint
 

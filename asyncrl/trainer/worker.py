@@ -173,8 +173,11 @@ class TrainerWorker:
         self._reset_step()
 
     def export_weights(self) -> tuple[int, dict[str, Tensor]]:
-        """(version, whole weights) on rank 0; other ranks take part in the gathers and return none."""
-        version, weights = self.trainer.export_weights()
+        """(version, whole weights) on rank 0; other ranks take part in the gathers and return none.
+
+        On CPU the weights are views, valid until the next step: the weight sync loads them into
+        every generator (or serializes them) before the trainer steps again."""
+        version, weights = self.trainer.export_weights(copy=False)
         return version, weights if self.rank == 0 else {}
 
     def save_checkpoint(self, run_dir: str, step: int, run_state: dict, keep_last: int) -> Path | None:
