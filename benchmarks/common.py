@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import os
 import platform
 import subprocess
 import time
 from importlib import metadata
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Iterator
 
 from asyncrl.metrics import write_json_atomic
 
@@ -68,3 +70,49 @@ def _commit() -> str | None:
     except (OSError, subprocess.TimeoutExpired):
         return None
     return out.stdout.strip() or None
+
+
+@contextlib.contextmanager
+def runtime_session(names: tuple[str, ...]) -> Iterator[None]:
+    """One Ray cluster for a whole benchmark when it measures the Ray runtime (runtimes built
+    inside leave a cluster they did not start running), shut down at the end. A cluster this
+    process is already connected to is used as it is."""
+    if "ray" not in names:
+        yield
+        return
+    import ray
+
+    if ray.is_initialized():
+        yield
+        return
+    ray.init(
+        address="local",
+        num_cpus=max(4, os.cpu_count() or 1),
+        include_dashboard=False,
+        log_to_driver=False,
+        logging_level=logging.ERROR,
+    )
+    try:
+        yield
+    finally:
+        ray.shutdown()
+
+
+def spawn_pair(name: str, trainer: Callable[[], Any], generator: Callable[[], Any]) -> tuple[Any, Any, Any]:
+    """(runtime, trainer handle, generator handle) on runtime ``name``; the factories are
+    picklable, since on Ray they run inside the actors."""
+    from asyncrl.config import RuntimeConfig
+
+    if name == "local":
+        from asyncrl.runtime import LocalRuntime
+
+        runtime = LocalRuntime()
+        return runtime, runtime.spawn(trainer, "trainer"), runtime.spawn(generator, "generator")
+    if name == "ray":
+        from asyncrl.runtime.ray import RayRuntime
+
+        runtime = RayRuntime(RuntimeConfig(name="ray", torch_threads=1))
+        (trainer_handle,) = runtime.spawn_trainer_ranks(lambda rank, init_method: trainer, 1)
+        (generator_handle,) = runtime.spawn_generators(generator, 1)
+        return runtime, trainer_handle, generator_handle
+    raise ValueError(f"--runtime: unknown runtime '{name}'")

@@ -13,6 +13,7 @@ loop's step time / (g + t), and ``speedup_over_sync`` = synchronous step time / 
 from __future__ import annotations
 
 import asyncio
+import functools
 import tempfile
 from typing import Any
 
@@ -21,6 +22,7 @@ from asyncrl.config import RunConfig, config_from_dict
 from asyncrl.controller import SingleController
 from asyncrl.data import Prompt, PromptLoader, Task
 from asyncrl.sampler import build_sampler
+from benchmarks.common import runtime_session, spawn_pair
 from benchmarks.fake_workers import DelayRolloutWorker, DelayTrainerWorker, NullMetrics, NullProgress
 
 SHAPES = ((1.0, 1.0), (2.0, 1.0), (1.0, 2.0))  # (g, t) in units of ``scale`` seconds
@@ -81,10 +83,12 @@ def measure_step_time(
     ``sync``: the plain synchronous loop (whole-step chunks, max_lag 0)."""
     chunk_groups = PROMPTS_PER_STEP if sync else 1
     config = bench_config(max_lag=max_lag, steps=steps + warmup, runtime=runtime_name, chunk_groups=chunk_groups)
-    runtime = _runtime(runtime_name)
+    runtime, trainer, generator = spawn_pair(
+        runtime_name,
+        functools.partial(DelayTrainerWorker, train_s / PROMPTS_PER_STEP),
+        functools.partial(DelayRolloutWorker, generate_s / PROMPTS_PER_STEP, GROUP_SIZE),
+    )
     try:
-        trainer = runtime.spawn(lambda: DelayTrainerWorker(train_s / PROMPTS_PER_STEP), "trainer")
-        generator = runtime.spawn(lambda: DelayRolloutWorker(generate_s / PROMPTS_PER_STEP, GROUP_SIZE), "rollout")
         with tempfile.TemporaryDirectory(prefix="asyncrl-bench-") as run_dir:
             controller = build_controller(config, trainer, [generator], run_dir)
             asyncio.run(controller.run())
@@ -95,33 +99,29 @@ def measure_step_time(
 
 
 def run(*, scale: float, steps: int, warmup: int, runtimes: tuple[str, ...]) -> list[dict]:
+    with runtime_session(runtimes):
+        return [row for runtime_name in runtimes for row in _rows(runtime_name, scale, steps, warmup)]
+
+
+def _rows(runtime_name: str, scale: float, steps: int, warmup: int) -> list[dict]:
     rows = []
-    for runtime_name in runtimes:
-        for g, t in SHAPES:
-            generate_s, train_s = g * scale, t * scale
-            sync_s = measure_step_time(runtime_name, generate_s, train_s, 0, steps, warmup, sync=True)
-            times = {lag: measure_step_time(runtime_name, generate_s, train_s, lag, steps, warmup) for lag in LAGS}
-            for lag in LAGS:
-                rows.append(
-                    {
-                        "runtime": runtime_name,
-                        "g_s": generate_s,
-                        "t_s": train_s,
-                        "max_lag": lag,
-                        "step_time_s": times[lag],
-                        "step_time_over_ideal": times[lag] / max(generate_s, train_s),
-                        "sync_step_time_s": sync_s,
-                        "sync_step_time_over_ideal": sync_s / (generate_s + train_s),
-                        "speedup_over_sync": sync_s / times[lag],
-                        "goal_met": None if lag == 0 else times[lag] / max(generate_s, train_s) <= GOAL,
-                    }
-                )
+    for g, t in SHAPES:
+        generate_s, train_s = g * scale, t * scale
+        sync_s = measure_step_time(runtime_name, generate_s, train_s, 0, steps, warmup, sync=True)
+        times = {lag: measure_step_time(runtime_name, generate_s, train_s, lag, steps, warmup) for lag in LAGS}
+        for lag in LAGS:
+            rows.append(
+                {
+                    "runtime": runtime_name,
+                    "g_s": generate_s,
+                    "t_s": train_s,
+                    "max_lag": lag,
+                    "step_time_s": times[lag],
+                    "step_time_over_ideal": times[lag] / max(generate_s, train_s),
+                    "sync_step_time_s": sync_s,
+                    "sync_step_time_over_ideal": sync_s / (generate_s + train_s),
+                    "speedup_over_sync": sync_s / times[lag],
+                    "goal_met": None if lag == 0 else times[lag] / max(generate_s, train_s) <= GOAL,
+                }
+            )
     return rows
-
-
-def _runtime(name: str):
-    if name == "local":
-        from asyncrl.runtime import LocalRuntime
-
-        return LocalRuntime()
-    raise ValueError(f"--runtime: '{name}' is not supported by this benchmark yet")

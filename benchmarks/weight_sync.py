@@ -1,7 +1,8 @@
 """``asyncrl bench weight-sync``: how fast a full weight sync moves bytes, against memcpy.
 
-A sync is the real path: ``WeightSync`` exports the trainer's weights once (``PolicyTrainer``)
-and loads them into a generator (``HFGenerator``), through the runtime's handles. Its bandwidth
+A sync is the real path: ``WeightSync`` exports the trainer's weights once (``TrainerWorker``
+over a ``PolicyTrainer``) and loads them into a generator (``HFGenerator``), through the
+runtime's handles. Its bandwidth
 (bytes of the state dict / transfer seconds) is compared with torch's own memcpy bandwidth for the
 same number of bytes, measured in the same run.
 """
@@ -9,17 +10,18 @@ same number of bytes, measured in the same run.
 from __future__ import annotations
 
 import asyncio
-import copy
+import functools
 import time
 
 import torch
 
-from asyncrl.config import LossConfig, TrainerConfig
+from asyncrl.config import GRPOConfig, LossConfig, TrainerConfig
 from asyncrl.generation.hf import HFGenerator
 from asyncrl.models import build_tiny_model
-from asyncrl.runtime import LocalRuntime
 from asyncrl.trainer.policy import PolicyTrainer
+from asyncrl.trainer.worker import TrainerWorker
 from asyncrl.weights import Changes, RolloutGate, WeightSync
+from benchmarks.common import runtime_session, spawn_pair
 
 VOCAB = 256
 # name -> tiny model shape; the names are the approximate parameter counts.
@@ -44,18 +46,29 @@ def memcpy_bandwidth(num_bytes: int, repeats: int) -> float:
     return num_bytes / best
 
 
-def sync_bandwidth(model: torch.nn.Module, repeats: int) -> tuple[int, float]:
-    """(bytes per sync, best bytes/s) of ``WeightSync`` from a PolicyTrainer into an HFGenerator."""
+def build_trainer(model_name: str) -> TrainerWorker:
+    """The trainer side a run syncs from: a TrainerWorker over a PolicyTrainer."""
+    model = build_tiny_model(VOCAB, seed=0, **MODELS[model_name])
     trainer = PolicyTrainer(model, TrainerConfig(), LossConfig(), importance_sampling="none", total_steps=1)
-    generator = HFGenerator(copy.deepcopy(model), eos_token_id=1, pad_token_id=0, batch_size=1)
-    runtime = LocalRuntime()
+    return TrainerWorker(trainer, GRPOConfig(), tokenizer=None)
+
+
+def build_generator(model_name: str) -> HFGenerator:
+    model = build_tiny_model(VOCAB, seed=1, **MODELS[model_name])
+    return HFGenerator(model, eos_token_id=1, pad_token_id=0, batch_size=1)
+
+
+def sync_bandwidth(model_name: str, runtime_name: str, repeats: int) -> tuple[int, float]:
+    """(bytes per sync, best bytes/s) of ``WeightSync`` from a TrainerWorker into an HFGenerator,
+    each behind a handle of runtime ``runtime_name`` (built inside the actors on Ray)."""
+    runtime, trainer, generator = spawn_pair(
+        runtime_name, functools.partial(build_trainer, model_name), functools.partial(build_generator, model_name)
+    )
     try:
-        trainer_handle = runtime.spawn(lambda: trainer, "trainer")
-        generator_handle = runtime.spawn(lambda: generator, "generator")
 
         async def syncs():
             gate = RolloutGate(0, Changes(), wait_for_admissions=False)
-            weight_sync = WeightSync(trainer_handle, [generator_handle], gate, mode="drain", timeout_s=600)
+            weight_sync = WeightSync(trainer, [generator], gate, mode="drain", timeout_s=600)
             return [await weight_sync.sync() for _ in range(repeats)]
 
         reports = asyncio.run(syncs())
@@ -65,27 +78,22 @@ def sync_bandwidth(model: torch.nn.Module, repeats: int) -> tuple[int, float]:
 
 
 def run(*, models: tuple[str, ...], repeats: int, runtimes: tuple[str, ...]) -> list[dict]:
-    torch.manual_seed(0)
-    rows = []
-    for name in models:
-        model = build_tiny_model(VOCAB, seed=0, **MODELS[name])
-        params = sum(p.numel() for p in model.parameters())
-        for runtime_name in runtimes:
-            if runtime_name != "local":
-                raise ValueError(f"--runtime: '{runtime_name}' is not supported by this benchmark yet")
-            num_bytes, bandwidth = sync_bandwidth(model, repeats)
-            memcpy = memcpy_bandwidth(num_bytes, repeats)
-            rows.append(
-                {
-                    "model": name,
-                    "parameters": params,
-                    "runtime": runtime_name,
-                    "sync_bytes": num_bytes,
-                    "sync_bytes_per_s": bandwidth,
-                    "memcpy_bytes_per_s": memcpy,
-                    "fraction_of_memcpy": bandwidth / memcpy,
-                    "goal": GOALS[runtime_name],
-                    "goal_met": bandwidth / memcpy >= GOALS[runtime_name],
-                }
-            )
-    return rows
+    with runtime_session(runtimes):
+        return [_row(name, runtime_name, repeats) for name in models for runtime_name in runtimes]
+
+
+def _row(name: str, runtime_name: str, repeats: int) -> dict:
+    params = sum(p.numel() for p in build_tiny_model(VOCAB, seed=0, **MODELS[name]).parameters())
+    num_bytes, bandwidth = sync_bandwidth(name, runtime_name, repeats)
+    memcpy = memcpy_bandwidth(num_bytes, repeats)
+    return {
+        "model": name,
+        "parameters": params,
+        "runtime": runtime_name,
+        "sync_bytes": num_bytes,
+        "sync_bytes_per_s": bandwidth,
+        "memcpy_bytes_per_s": memcpy,
+        "fraction_of_memcpy": bandwidth / memcpy,
+        "goal": GOALS[runtime_name],
+        "goal_met": bandwidth / memcpy >= GOALS[runtime_name],
+    }
