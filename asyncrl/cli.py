@@ -286,6 +286,10 @@ def bench_e2e(
     common = _benchmarks()
     from benchmarks import e2e
 
+    if against == "trl":
+        from benchmarks.trl_baseline import require_trl
+
+        require_trl()
     settings = {
         "overrides": (e2e.QUICK if quick else ["data.eval_size=128"]) + list(overrides or ()),
         "seeds": list(range(1 if quick else seeds)),

@@ -138,6 +138,8 @@ def run(
             "samples": seed_runs[0]["evals"][-1]["samples"],
             "evals": [r["evals"] for r in seed_runs],
         }
+        if "unmatched" in seed_runs[0]:
+            results["runs"][name]["unmatched"] = seed_runs[0]["unmatched"]
     sync = results["runs"].get("max_lag=0")
     if sync is not None and "max_lag=1" in results["runs"]:
         sync_final = sync["final_accuracy"]["mean"]

@@ -88,3 +88,102 @@ def test_report_replaces_only_the_generated_section(capsys, tmp_path):
     capsys.readouterr()
     assert main(["bench", "report", "--results-dir", str(tmp_path), "--write", str(page)]) == 2
     assert "--write:" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", ["overlap", "weight-sync"])
+def test_the_ray_runtime_is_measured_through_the_same_handles(capsys, tmp_path, ray_cluster, name):
+    rows = bench(capsys, tmp_path, name, "--runtime", "ray")["results"]
+    assert rows and {row["runtime"] for row in rows} == {"ray"}
+    if name == "weight-sync":
+        (row,) = rows
+        assert row["goal"] == 0.25 and row["sync_bytes"] >= 4 * row["parameters"]
+
+
+@pytest.mark.slow
+def test_e2e_against_trl_reports_trl_runs_and_the_time_ratio(capsys, tmp_path):
+    pytest.importorskip("trl")
+    result = bench(capsys, tmp_path, "e2e", "--target", "0.0", "--against", "trl")["results"]
+    assert set(result["runs"]) == {"max_lag=0", "max_lag=1", "max_lag=2", "trl"}
+    trl = result["runs"]["trl"]
+    (evals,) = trl["evals"]
+    assert [e["step"] for e in evals] == [0, 3, 6] and trl["samples"] == 6 * 4 * 4
+    assert trl["time_to_target_s"]["values"] == [0.0]  # the clock starts with the first evaluation
+    assert 0.0 < evals[1]["train_wall_s"] < evals[2]["train_wall_s"] < evals[2]["wall_s"]  # evaluations left out
+    ratios = result["trl_time_to_target_over_asyncrl"]
+    assert set(ratios) == {"max_lag=0", "max_lag=1", "max_lag=2"}
+    assert all(r["goal"] == e2e.GOAL_SPEEDUP_OVER_TRL for r in ratios.values())
+    assert "sampling seeds" in trl["unmatched"]
+
+
+def test_e2e_against_trl_without_trl_fails_before_any_run(capsys, tmp_path, monkeypatch):
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "trl" else find_spec(name, *a))
+    monkeypatch.setattr(e2e, "run_asyncrl", lambda *a, **k: pytest.fail("an asyncrl run started"))
+    assert main(["bench", "e2e", "--quick", "--against", "trl", "--output", str(tmp_path / "x.json")]) == 2
+    assert capsys.readouterr().err == 'error: --against trl: TRL is not installed; run pip install -e ".[bench]"\n'
+
+
+def test_trl_settings_map_every_shared_setting():
+    from asyncrl.config import load_config
+    from benchmarks.trl_baseline import trl_settings
+
+    base = trl_settings(load_config(None, ["sampler.max_lag=0"]))
+    kwargs = base["kwargs"]
+    assert kwargs["per_device_train_batch_size"] == 16 * 8 and kwargs["num_generations"] == 8
+    assert kwargs["gradient_accumulation_steps"] == kwargs["num_iterations"] == kwargs["steps_per_generation"] == 1
+    assert kwargs["loss_type"] == "dapo" and kwargs["lr_scheduler_type"] == "constant_with_warmup"
+    assert (kwargs["epsilon"], kwargs["epsilon_high"], kwargs["delta"], kwargs["beta"]) == (0.2, 0.28, 3.0, 0.0)
+    assert kwargs["use_cpu"] and not kwargs["bf16"] and not kwargs["activation_checkpointing"]
+    always = {"sampling seeds", "generation.batch_size", "trainer.micro_batch_size", "advantage epsilon"}
+    assert set(base["unmatched"]) == always
+    changes = [
+        ("grpo.generations_per_prompt=4", "num_generations", 4),
+        ("grpo.prompts_per_step=3", "per_device_train_batch_size", 3 * 8),
+        ("generation.max_new_tokens=7", "max_completion_length", 7),
+        ("generation.top_p=0.9", "top_p", 0.9),
+        ("generation.top_k=5", "top_k", 5),
+        ("trainer.lr=0.001", "learning_rate", 0.001),
+        ("trainer.betas=[0.8, 0.9]", "adam_beta1", 0.8),
+        ("trainer.betas=[0.8, 0.9]", "adam_beta2", 0.9),
+        ("trainer.eps=1e-6", "adam_epsilon", 1e-6),
+        ("trainer.weight_decay=0.1", "weight_decay", 0.1),
+        ("trainer.max_grad_norm=0.5", "max_grad_norm", 0.5),
+        ("trainer.max_grad_norm=null", "max_grad_norm", 0.0),
+        ("trainer.lr_schedule=cosine", "lr_scheduler_type", "cosine_with_min_lr"),
+        ("loss.clip_low=0.1", "epsilon", 0.1),
+        ("loss.clip_high=0.3", "epsilon_high", 0.3),
+        ("loss.dual_clip=5.0", "delta", 5.0),
+        ("loss.dual_clip=null", "delta", None),
+        ("loss.mode=seq-mean-token-mean", "loss_type", "grpo"),
+        ("loss.mode=seq-mean-token-sum", "loss_type", "luspo"),
+        ("grpo.scale_by_std=false", "scale_rewards", "none"),
+        # with what they cannot match, listed under "unmatched"
+        ("generation.temperature=0.7", "temperature", 0.7),
+        ("trainer.warmup_steps=10", "warmup_steps", 10),
+        ("loss.kl_coef=0.01", "beta", 0.01),
+        ("loss.entropy_coef=0.01", "entropy_coef", 0.01),
+        ("loss.mode=seq-mean-token-sum-norm", "loss_type", "dr_grpo"),
+    ]
+    for override, key, value in changes:
+        changed = trl_settings(load_config(None, ["sampler.max_lag=0", "loss.norm_constant=16", override]))["kwargs"]
+        assert changed[key] == value != kwargs[key], override
+    cosine = trl_settings(load_config(None, ["trainer.lr_schedule=cosine", "trainer.min_lr_ratio=0.1"]))["kwargs"]
+    assert cosine["lr_scheduler_kwargs"] == {"min_lr_rate": 0.1}
+    unmatched = [
+        ("generation.temperature=0.7", "generation.temperature"),
+        ("trainer.warmup_steps=10", "trainer.warmup_steps"),
+        ("loss.kl_coef=0.01", "loss.kl_clamp"),
+        ("grpo.baseline=leave_one_out", "grpo.baseline"),
+        ("grpo.filter_zero_variance=true", "grpo.filter_zero_variance"),
+        ("loss.importance_sampling=icepop", "loss.importance_sampling"),
+        ("sampler.max_lag=1", "sampler.max_lag"),
+        ("loss.dual_clip=1.2", "loss.dual_clip"),
+        ("loss.entropy_coef=0.01 loss.mode=seq-mean-token-mean", "loss.entropy_coef"),
+    ]
+    for override, key in unmatched:
+        assert key in trl_settings(load_config(None, ["sampler.max_lag=0", *override.split()]))["unmatched"], override
+    norm = ["sampler.max_lag=0", "loss.mode=seq-mean-token-sum-norm", "generation.max_new_tokens=16"]
+    assert "loss.norm_constant" not in trl_settings(load_config(None, [*norm, "loss.norm_constant=16"]))["unmatched"]
+    assert "loss.norm_constant" in trl_settings(load_config(None, [*norm, "loss.norm_constant=8"]))["unmatched"]

@@ -1,0 +1,258 @@
+"""TRL's GRPOTrainer on an asyncrl run's model, prompts and rewards: the peer baseline of
+``asyncrl bench e2e --against trl``.
+
+Only the trainer differs. Shared with asyncrl: the warm-started initial weights (asyncrl's own
+warm start and its cache), the train prompts in the order asyncrl's PromptLoader gives them, the
+reward functions (one RewardRunner, weights applied), and held-out accuracy, measured by asyncrl's
+``RolloutWorker.evaluate`` (greedy, on a generator that takes the TRL policy's weights at every
+evaluation). Torch uses as many threads per op as asyncrl's local runtime: ``runtime.torch_threads``,
+else half the cores. Evaluations are timed and subtracted from the training time, as for asyncrl.
+
+``trl_settings`` maps every setting the two share. Not matched (a run lists those that apply to
+its config under "unmatched"):
+
+- sampling seeds: TRL draws from the global RNG; asyncrl seeds each sample from (run seed, prompt, index);
+- batching: TRL generates a step's completions in one call and trains them in one forward/backward
+  (gradient accumulation 1 keeps one optimizer step per generation batch), whatever
+  ``generation.batch_size`` and ``trainer.micro_batch_size`` say;
+- advantages: TRL divides by std + 1e-4, asyncrl by std + 1e-6; TRL has no leave-one-out baseline
+  and no filter for zero-variance groups;
+- warmup: TRL's ramps from 0 (lr * s / w), asyncrl's from lr / (w + 1);
+- ``seq-mean-token-sum-norm``: TRL's dr_grpo divides by max_completion_length, so only C = max_new_tokens matches;
+- off-policy correction: TRL without vLLM trains on-policy and has no tis / icepop weights;
+- the KL clamps, the entropy bonus outside token-mean (TRL's is always a token mean), a dual clip
+  at or below 1 + clip_high, and a temperature other than 1 (TRL trains on temperature-scaled
+  logprobs, asyncrl on the model's own);
+- ``sampler.max_lag`` above 0: TRL is synchronous.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import itertools
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import transformers
+from transformers import PreTrainedTokenizerFast, TrainerCallback
+
+from asyncrl.config import ConfigError, RunConfig
+from asyncrl.data import PromptLoader, build_task
+from asyncrl.generation import SamplingParams, build_generator
+from asyncrl.models.factory import build_model, build_tokenizer, resolve_device
+from asyncrl.rewards import RewardRunner
+from asyncrl.rollout import RolloutWorker
+from asyncrl.warm_start import warm_start
+
+# token-mean is DAPO's global token mean. TRL's "luspo" sums each sequence's token losses and
+# averages over sequences, which is seq-mean-token-sum as long as ratios stay per token.
+LOSS_TYPES = {
+    "token-mean": "dapo",
+    "seq-mean-token-mean": "grpo",
+    "seq-mean-token-sum": "luspo",
+    "seq-mean-token-sum-norm": "dr_grpo",
+}
+
+
+def trl_settings(config: RunConfig) -> dict[str, Any]:
+    """``{"kwargs": GRPOConfig keyword arguments, "unmatched": {setting: why}}`` for ``config``."""
+    grpo, loss, trainer, generation = config.grpo, config.loss, config.trainer, config.generation
+    cosine = trainer.lr_schedule == "cosine"
+    kwargs = {
+        "num_generations": grpo.generations_per_prompt,
+        "per_device_train_batch_size": grpo.prompts_per_step * grpo.generations_per_prompt,
+        "gradient_accumulation_steps": 1,
+        "steps_per_generation": 1,
+        "num_iterations": 1,
+        "max_completion_length": generation.max_new_tokens,
+        "temperature": generation.temperature,
+        "top_p": generation.top_p,
+        "top_k": generation.top_k,
+        "scale_rewards": "group" if grpo.scale_by_std else "none",
+        "loss_type": LOSS_TYPES[loss.mode],
+        "epsilon": loss.clip_low,
+        "epsilon_high": loss.clip_high,
+        "delta": loss.dual_clip,
+        "beta": loss.kl_coef,
+        "use_bias_correction_kl": False,  # asyncrl's k3 carries no importance weight
+        "entropy_coef": loss.entropy_coef,
+        "optim": "adamw_torch",
+        "learning_rate": trainer.lr,
+        "adam_beta1": trainer.betas[0],
+        "adam_beta2": trainer.betas[1],
+        "adam_epsilon": trainer.eps,
+        "weight_decay": trainer.weight_decay,
+        "max_grad_norm": trainer.max_grad_norm or 0.0,  # 0 disables clipping in the HF Trainer
+        "warmup_steps": trainer.warmup_steps,
+        "lr_scheduler_type": "cosine_with_min_lr" if cosine else "constant_with_warmup",
+        "lr_scheduler_kwargs": {"min_lr_rate": trainer.min_lr_ratio} if cosine else {},
+        "use_cpu": resolve_device(trainer.device).type == "cpu",
+        "bf16": False,
+        "activation_checkpointing": False,
+    }
+    unmatched = {
+        "sampling seeds": "TRL samples from the global RNG, asyncrl seeds each sample from (run seed, prompt, index)",
+        "generation.batch_size": "TRL generates all of a step's completions in one call",
+        "trainer.micro_batch_size": "TRL trains a step's completions in one forward/backward",
+        "advantage epsilon": "TRL divides advantages by std + 1e-4, asyncrl by std + 1e-6",
+    }
+    if grpo.baseline != "mean":
+        unmatched["grpo.baseline"] = f"{grpo.baseline}: TRL's GRPO baseline is the group mean"
+    if grpo.filter_zero_variance:
+        unmatched["grpo.filter_zero_variance"] = "TRL keeps zero-variance groups (advantage 0, counted in the loss)"
+    if trainer.warmup_steps:
+        unmatched["trainer.warmup_steps"] = "TRL's warmup ramps lr * s / w from 0, asyncrl's lr * (s + 1) / (w + 1)"
+    if loss.mode == "seq-mean-token-sum-norm" and loss.norm_constant != generation.max_new_tokens:
+        unmatched["loss.norm_constant"] = (
+            f"TRL's dr_grpo divides by max_completion_length {generation.max_new_tokens}, not {loss.norm_constant}"
+        )
+    if config.importance_sampling != "none":
+        unmatched["loss.importance_sampling"] = f"{config.importance_sampling}: TRL without vLLM trains on-policy"
+    if loss.kl_coef > 0:
+        unmatched["loss.kl_clamp"] = "TRL does not clamp the KL input or output"
+    if loss.entropy_coef > 0 and loss.mode != "token-mean":
+        unmatched["loss.entropy_coef"] = "TRL's entropy bonus is a token mean whatever the loss aggregation"
+    if loss.dual_clip is not None and loss.dual_clip <= 1 + loss.clip_high:
+        unmatched["loss.dual_clip"] = "TRL's delta equals a dual clip only above 1 + clip_high"
+    if generation.temperature != 1.0:
+        unmatched["generation.temperature"] = "TRL trains on temperature-scaled logprobs, asyncrl on the model's own"
+    if config.sampler.max_lag > 0:
+        unmatched["sampler.max_lag"] = "TRL is synchronous"
+    return {"kwargs": kwargs, "unmatched": unmatched}
+
+
+def torch_threads(config: RunConfig) -> int:
+    """The threads per torch op of asyncrl's local runtime (see ``asyncrl.run.train``)."""
+    return config.runtime.torch_threads or max(1, (os.cpu_count() or 2) // 2)
+
+
+def require_trl() -> None:
+    """Fail in one line, before any run, when the optional TRL extra is missing."""
+    if importlib.util.find_spec("trl") is None:
+        raise ConfigError('--against trl: TRL is not installed; run pip install -e ".[bench]"')
+
+
+def run_trl(config: RunConfig, *, seed: int, max_steps: int, eval_every_steps: int, output_dir: Path) -> dict[str, Any]:
+    """Train with TRL; the evals (with training time that excludes evaluation) and wall time, as
+    ``benchmarks.e2e.run_asyncrl`` reports them, plus the unmatched settings."""
+    start = time.perf_counter()
+    require_trl()
+    from datasets import Dataset
+    from trl import GRPOConfig, GRPOTrainer
+
+    torch.manual_seed(seed)
+    torch.set_num_threads(torch_threads(config))
+    transformers.utils.logging.disable_progress_bar()
+    tokenizer = build_tokenizer(config)
+    model = build_model(config, tokenizer)
+    task = build_task(config.data, tokenizer)
+    warm_start(model, tokenizer, task.train, config.warm_start, seed=seed)
+
+    loader = PromptLoader(task.train, shuffle_seed=config.data.shuffle_seed, epochs=config.data.epochs)
+    prompts = list(itertools.islice(iter(loader.next, None), max_steps * config.grpo.prompts_per_step))
+    dataset = Dataset.from_list([{"prompt": p.text, "answer": p.answer} for p in prompts])
+    settings = trl_settings(config)
+    rewards = RewardRunner.from_config(config.rewards, task)
+
+    def asyncrl_rewards(completions: list[str], answer: list[str], **_: Any) -> list[float]:
+        return rewards.score(completions, answer).rewards
+
+    evaluator = Evaluator(
+        # The warm-started model becomes the generator's; TRL trains its own, loaded from init_dir.
+        RolloutWorker(
+            build_generator(config, model, tokenizer),
+            rewards,
+            tokenizer,
+            run_seed=seed,
+            group_size=1,
+            sampling=SamplingParams.from_config(config.generation),
+        ),
+        list(task.heldout[: config.data.eval_size]),
+        every=eval_every_steps,
+        samples_per_step=config.grpo.prompts_per_step * config.grpo.generations_per_prompt,
+    )
+    args = GRPOConfig(
+        **settings["kwargs"],
+        output_dir=str(output_dir),
+        seed=seed,
+        max_steps=len(prompts) // config.grpo.prompts_per_step,
+        shuffle_dataset=False,  # the dataset is already in PromptLoader order
+        model_init_kwargs={"dtype": "auto"},  # the saved dtype, which is trainer.dtype
+        report_to=[],
+        save_strategy="no",
+        logging_strategy="no",
+        disable_tqdm=True,
+    )
+    try:
+        with tempfile.TemporaryDirectory(prefix="asyncrl-trl-init-") as init_dir:
+            # TRL builds the policy (and a KL reference) from a path; the tokenizer is reloaded as
+            # the fast class, since AutoTokenizer would pick one that drops spaces.
+            model.save_pretrained(init_dir)
+            tokenizer.save_pretrained(init_dir)
+            # TRL prints its logs; stdout belongs to the benchmark's JSON.
+            with contextlib.redirect_stdout(sys.stderr):
+                trainer = GRPOTrainer(
+                    model=init_dir,
+                    reward_funcs=asyncrl_rewards,
+                    args=args,
+                    train_dataset=dataset,
+                    processing_class=PreTrainedTokenizerFast.from_pretrained(init_dir),
+                    callbacks=[evaluator],
+                )
+                trainer.train()
+    finally:
+        rewards.close()
+    return {
+        "evals": evaluator.evals,
+        "wall_s": time.perf_counter() - start,
+        "torch_threads": evaluator.torch_threads,
+        "unmatched": settings["unmatched"],
+    }
+
+
+class Evaluator(TrainerCallback):
+    """Held-out accuracy at step 0, every ``every`` steps and at the end, each evaluation timed
+    so that ``train_wall_s`` leaves it out."""
+
+    def __init__(self, worker: RolloutWorker, prompts: list, *, every: int, samples_per_step: int) -> None:
+        self.worker = worker
+        self.prompts = prompts
+        self.every = every
+        self.samples_per_step = samples_per_step
+        self.evals: list[dict[str, Any]] = []
+        self.eval_s = 0.0
+        self.start = 0.0
+        self.torch_threads = 0
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        self.torch_threads = torch.get_num_threads()
+        self.evaluate(model, 0)
+
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        if state.global_step % self.every == 0 or state.global_step == state.max_steps:
+            self.evaluate(model, state.global_step)
+
+    def evaluate(self, model: torch.nn.Module, step: int) -> None:
+        begin = time.perf_counter()
+        if not self.evals:
+            self.start = begin  # the clock starts with the first evaluation, as asyncrl's controller does
+        self.worker.load_weights(model.state_dict(), step)
+        accuracy = self.worker.evaluate(self.prompts).accuracy
+        end = time.perf_counter()
+        self.eval_s += end - begin
+        wall = end - self.start
+        self.evals.append(
+            {
+                "step": step,
+                "samples": step * self.samples_per_step,
+                "wall_s": wall,
+                "train_wall_s": wall - self.eval_s,
+                "accuracy": accuracy,
+            }
+        )
