@@ -102,7 +102,7 @@ class GenerationConfig(Section):
     temperature: float = Field(1.0, ge=0.0, description="sampling temperature; 0 is greedy")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="nucleus sampling mass; 1 disables it")
     top_k: int = Field(0, ge=0, description="top-k sampling; 0 disables it")
-    batch_size: int = Field(64, ge=1, description="sequences per generation forward")
+    batch_size: int = Field(128, ge=1, description="sequences per generation forward (the tiny default model takes a whole step at once)")
     num_workers: int = Field(
         1, ge=1, description="rollout workers, each with its own generator: Ray actors; the local runtime runs one"
     )
@@ -226,7 +226,7 @@ class TrainerConfig(Section):
     lr_schedule: Literal["constant", "cosine"] = Field("constant", description="schedule after warmup")
     warmup_steps: int = Field(0, ge=0, description="linear warmup steps")
     min_lr_ratio: float = Field(0.0, ge=0.0, le=1.0, description="cosine floor as a fraction of lr")
-    micro_batch_size: int = Field(16, ge=1, description="sequences per forward/backward")
+    micro_batch_size: int = Field(128, ge=1, description="sequences per forward/backward (the tiny default model takes a whole step at once)")
     max_grad_norm: float | None = Field(1.0, gt=0.0, description="gradient clipping norm; null disables")
     max_step_retries: int = Field(
         0, ge=0, description="reruns of a train step that raised (after it is aborted) before the run stops"
