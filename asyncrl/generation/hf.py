@@ -48,6 +48,7 @@ class HFGenerator:
         self.pad_token_id = pad_token_id
         self.batch_size = batch_size
         self.version = 0
+        self._targets = self.model.state_dict()  # tensors sharing the model's storage: a sync copies into them
 
     def generate(self, requests: Sequence[SampleRequest], params: SamplingParams) -> list[Rollout]:
         """One Rollout per request, in request order."""
@@ -66,9 +67,10 @@ class HFGenerator:
         """Copy every tensor into the model (strictly: same names, same shapes), then set ``version``.
 
         Names and shapes are checked before anything is copied, so a bad state dict leaves the
-        loaded weights and version as they were.
+        loaded weights and version as they were. The copies go straight into the model's tensors,
+        found once: a sync of a small model costs its bytes, not a walk over every module.
         """
-        expected = self.model.state_dict()
+        expected = self._targets
         missing = sorted(expected.keys() - state_dict.keys())
         unexpected = sorted(state_dict.keys() - expected.keys())
         if missing or unexpected:
@@ -82,7 +84,9 @@ class HFGenerator:
                     f"HFGenerator.load_weights: tensor {name} of version {version} has shape {tuple(tensor.shape)}, "
                     f"the model's has {tuple(expected[name].shape)}"
                 )
-        self.model.load_state_dict(state_dict, strict=True)
+        with torch.no_grad():
+            for name, tensor in state_dict.items():
+                expected[name].copy_(tensor)
         self.version = version
 
     @torch.inference_mode()
