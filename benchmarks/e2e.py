@@ -5,6 +5,8 @@ several seeds, for the same number of steps, so the same number of samples. The 
 
 - the wall time to a target held-out accuracy (mean, spread, median over seeds);
 - the final accuracy at that sample budget, so that speed bought with accuracy shows;
+- the accuracy each setting had reached after as many seconds of training as the fastest run took
+  in all (``equal_time_s``): the comparison that still holds when no run reaches the target;
 - the goal ratio: how long ``max_lag: 1`` takes to reach the synchronous run's final accuracy,
   as a fraction of the synchronous run's wall time.
 
@@ -84,6 +86,11 @@ def time_to(evals: list[dict], accuracy: float) -> float | None:
     return next((e["train_wall_s"] for e in evals if e["accuracy"] >= accuracy), None)
 
 
+def accuracy_at(evals: list[dict], train_wall_s: float) -> float:
+    """The accuracy of the last evaluation taken within ``train_wall_s`` seconds of training."""
+    return [e for e in evals if e["train_wall_s"] <= train_wall_s][-1]["accuracy"]
+
+
 def summarize(values: list[float | None]) -> dict[str, Any]:
     reached = [v for v in values if v is not None]
     return {
@@ -128,18 +135,26 @@ def run(
                 )
                 for seed in seeds
             ]
+    return summarize_runs(runs, target)
+
+
+def summarize_runs(runs: dict[str, list[dict]], target: float) -> dict[str, Any]:
+    """The report of ``run``, from each setting's runs (one per seed) and their evaluations."""
     results: dict[str, Any] = {"runs": {}}
+    equal_time = min(r["evals"][-1]["train_wall_s"] for seed_runs in runs.values() for r in seed_runs)
     for name, seed_runs in runs.items():
         final = [r["evals"][-1]["accuracy"] for r in seed_runs]
         results["runs"][name] = {
             "time_to_target_s": summarize([time_to(r["evals"], target) for r in seed_runs]),
             "final_accuracy": summarize(final),
+            "accuracy_at_equal_time": summarize([accuracy_at(r["evals"], equal_time) for r in seed_runs]),
             "train_wall_s": summarize([r["evals"][-1]["train_wall_s"] for r in seed_runs]),
             "samples": seed_runs[0]["evals"][-1]["samples"],
             "evals": [r["evals"] for r in seed_runs],
         }
         if "unmatched" in seed_runs[0]:
             results["runs"][name]["unmatched"] = seed_runs[0]["unmatched"]
+    results["equal_time_s"] = equal_time
     sync = results["runs"].get("max_lag=0")
     if sync is not None and "max_lag=1" in results["runs"]:
         sync_final = sync["final_accuracy"]["mean"]

@@ -103,12 +103,14 @@ def _e2e(result: dict) -> str:
                 _number(time_to["spread"], "{:.1f}"),
                 _number(final["mean"], "{:.3f}"),
                 _number(final["spread"], "{:.3f}"),
+                _number(run["accuracy_at_equal_time"]["mean"], "{:.3f}"),
                 _number(wall["mean"], "{:.1f}"),
                 run["samples"],
             ]
         )
     header = [
-        "run", f"reached {target:g}", "median s to target", "spread s", "final acc (mean)", "spread", "train s", "samples",
+        "run", f"reached {target:g}", "median s to target", "spread s", "final acc (mean)", "spread",
+        f"acc at {r['equal_time_s']:.0f} s (mean)", "train s", "samples",
     ]
     lines = [_table(header, rows)]
     goal = r.get("max_lag_1_time_to_sync_final_accuracy_over_sync_time")

@@ -62,6 +62,19 @@ def test_e2e_reports_time_to_target_and_final_accuracy(capsys, tmp_path):
         assert run["time_to_target_s"]["values"] == [0.0]  # accuracy >= 0 holds at the first eval
         assert [e["step"] for e in run["evals"][0]] == [0, 3, 6] and run["samples"] == 6 * 4 * 4
     assert "max_lag_1_time_to_sync_final_accuracy_over_sync_time" in result
+    fastest = min(run["train_wall_s"]["mean"] for run in result["runs"].values())
+    assert result["equal_time_s"] == pytest.approx(fastest)
+
+
+def test_equal_time_accuracy_is_taken_where_the_fastest_run_ended():
+    def runs(*finals):
+        return [{"evals": [{"train_wall_s": 0.0, "accuracy": 0.1, "samples": 0}, {"train_wall_s": t, "accuracy": a, "samples": 8}]} for t, a in finals]
+
+    result = e2e.summarize_runs({"max_lag=0": runs((10.0, 0.5)), "max_lag=1": runs((6.0, 0.4))}, target=0.45)
+    assert result["equal_time_s"] == 6.0
+    assert result["runs"]["max_lag=0"]["accuracy_at_equal_time"]["values"] == [0.1]  # it had not evaluated again by 6 s
+    assert result["runs"]["max_lag=1"]["accuracy_at_equal_time"]["values"] == [0.4]
+    assert result["runs"]["max_lag=0"]["time_to_target_s"]["values"] == [10.0]
 
 
 def test_time_to_target_uses_training_time_and_the_first_eval_that_reaches_it():
@@ -72,6 +85,7 @@ def test_time_to_target_uses_training_time_and_the_first_eval_that_reaches_it():
         {"train_wall_s": 6.0, "accuracy": 0.5},
     ]
     assert e2e.time_to(evals, 0.35) == 2.0 and e2e.time_to(evals, 0.45) == 6.0 and e2e.time_to(evals, 0.6) is None
+    assert e2e.accuracy_at(evals, 5.0) == 0.3 and e2e.accuracy_at(evals, 6.0) == 0.5 and e2e.accuracy_at(evals, 0.0) == 0.1
     summary = e2e.summarize([2.0, None, 4.0])
     assert summary["reached"] == "2/3" and summary["mean"] == 3.0 and summary["median"] is None
 
