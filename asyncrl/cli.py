@@ -273,9 +273,9 @@ def bench_weight_sync(
 def bench_e2e(
     quick: bool = typer.Option(False, "--quick", help="a smoke run: a tiny model, a few steps, one seed"),
     seeds: int = typer.Option(3, "--seeds", min=1, help="runs per setting"),
-    max_steps: Optional[int] = typer.Option(None, "--max-steps", min=1, help="steps per run (default 800, the embedded default)"),
-    eval_every: Optional[int] = typer.Option(None, "--eval-every", min=1, help="evaluation cadence (default 50)"),
-    target: float = typer.Option(0.3, "--target", min=0.0, max=1.0, help="held-out accuracy to reach"),
+    max_steps: Optional[int] = typer.Option(None, "--max-steps", min=1, help="steps per run (default 400)"),
+    eval_every: Optional[int] = typer.Option(None, "--eval-every", min=1, help="evaluation cadence (default 25)"),
+    target: float = typer.Option(0.25, "--target", min=0.0, max=1.0, help="held-out accuracy to reach"),
     against: Optional[str] = typer.Option(None, "--against", help="also train the peer baseline: trl"),
     output: Optional[Path] = typer.Option(None, "--output", help=OUTPUT_HELP),
     overrides: Optional[list[str]] = typer.Argument(None, help="config overrides applied to every run"),
@@ -293,8 +293,8 @@ def bench_e2e(
     settings = {
         "overrides": (e2e.QUICK if quick else ["data.eval_size=128"]) + list(overrides or ()),
         "seeds": list(range(1 if quick else seeds)),
-        "max_steps": max_steps or (6 if quick else 800),
-        "eval_every": eval_every or (3 if quick else 50),
+        "max_steps": max_steps or (6 if quick else 400),
+        "eval_every": eval_every or (3 if quick else 25),
         "target_accuracy": target,
         "against": against,
     }
