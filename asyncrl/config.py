@@ -466,6 +466,11 @@ def _textual(annotation: Any) -> bool:
     return annotation is str or set(get_args(annotation)) == {str, type(None)}
 
 
+def _scalars(value: Any) -> list:
+    """A list or tuple value's items; any other value alone."""
+    return list(value) if isinstance(value, (list, tuple)) else [value]
+
+
 def _check_keys(model: type[BaseModel], data: Any, path: tuple[str, ...] = ()) -> None:
     """Reject unknown keys anywhere in the tree (suggesting the closest valid one), a value where a
     section belongs, and true / false where a number belongs (pydantic would read them as 1 / 0)."""
@@ -481,7 +486,7 @@ def _check_keys(model: type[BaseModel], data: Any, path: tuple[str, ...] = ()) -
                 example = f"{dotted}.{next(iter(section.model_fields))}"
                 raise ConfigError(f"{dotted}: is a section, so it takes keys such as {example}, not a value (got {_shown(value)})")
             _check_keys(section, value, (*path, key))
-        elif _numeric(annotation) and any(isinstance(v, bool) for v in (value if isinstance(value, (list, tuple)) else [value])):
+        elif _numeric(annotation) and any(isinstance(v, bool) for v in _scalars(value)):
             raise ConfigError(f"{dotted}: expected a number, got {_shown(value)}")
 
 
@@ -491,7 +496,7 @@ def _check_finite(config: BaseModel, path: tuple[str, ...] = ()) -> None:
         dotted = (*path, key)
         if isinstance(value, BaseModel):
             _check_finite(value, dotted)
-        elif any(isinstance(v, float) and not math.isfinite(v) for v in (value if isinstance(value, (list, tuple)) else [value])):
+        elif any(isinstance(v, float) and not math.isfinite(v) for v in _scalars(value)):
             raise ConfigError(f"{'.'.join(dotted)}: must be a finite number (got {_shown(value)})")
 
 

@@ -47,14 +47,13 @@ def train(config: RunConfig, *, resume: str | Path | None = None, console: Any =
     config = config.model_copy(update={"logging": config.logging.model_copy(update={"output_dir": str(run_dir)})})
     tokenizer = _input(build_tokenizer, config)
     model = _input(build_model, config, tokenizer)
-    task = _input(build_task, config.data, tokenizer)
-    _input(check_prompt_lengths, task, config, tokenizer, getattr(model.config, "max_position_embeddings", None))
+    task = _checked_task(config, tokenizer, model)
     rewards = _input(RewardRunner.from_config, config.rewards, task)
     state = load_state(checkpoint_dir) if checkpoint_dir is not None else None
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(dump_config(config))
     torch.manual_seed(config.seed)
-    torch.set_num_threads(config.runtime.torch_threads or max(1, (os.cpu_count() or 2) // 2))
+    torch.set_num_threads(local_torch_threads(config))
     transformers.utils.logging.disable_progress_bar()  # checkpoint saves would print bars over the display
     progress = ProgressDisplay(config.grpo.max_steps, enabled=config.logging.progress, console=console)
     metrics = None if config.runtime.controller_actor else _metrics_writer(config, state)
@@ -110,6 +109,19 @@ def _start_workers(
     rollout_worker = _rollout_worker(config, build_generator(config, copy.deepcopy(model), tokenizer), rewards, tokenizer)
     trainer = runtime.spawn(lambda: inject_trainer_faults(trainer_worker, config.faults), "trainer")
     return trainer, [runtime.spawn(lambda: rollout_worker, "rollout")]
+
+
+def local_torch_threads(config: RunConfig) -> int:
+    """Threads per torch op in this process: ``runtime.torch_threads``, else half the cores, so
+    the trainer and the generator overlapping on their threads do not oversubscribe the CPU."""
+    return config.runtime.torch_threads or max(1, (os.cpu_count() or 2) // 2)
+
+
+def _checked_task(config: RunConfig, tokenizer: Any, model: Any) -> Any:
+    """The run's prompts, each checked to leave room for its response in the model's context."""
+    task = _input(build_task, config.data, tokenizer)
+    _input(check_prompt_lengths, task, config, tokenizer, getattr(model.config, "max_position_embeddings", None))
+    return task
 
 
 def build_rollout_worker(config: RunConfig) -> Any:
@@ -238,8 +250,7 @@ def evaluate(config: RunConfig, *, checkpoint: str | Path | None = None) -> dict
     """Greedy held-out accuracy of the config's policy (warm start included) or of a checkpoint."""
     tokenizer = _input(build_tokenizer, config)
     model = _input(build_model, config, tokenizer)
-    task = _input(build_task, config.data, tokenizer)
-    _input(check_prompt_lengths, task, config, tokenizer, getattr(model.config, "max_position_embeddings", None))
+    task = _checked_task(config, tokenizer, model)
     if checkpoint is not None:
         load_weights(model, _input(resolve_checkpoint, checkpoint))
     else:

@@ -29,12 +29,12 @@ in flight when a checkpoint was taken: resume them with their recorded values.
 
 from __future__ import annotations
 
-import importlib
 import inspect
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
 from asyncrl.buffer import ReplayBuffer, Slot
+from asyncrl.plugins import import_attribute
 
 
 @dataclass(frozen=True)
@@ -160,12 +160,8 @@ def resolve_sampler(name: str) -> type:
     builtins = ", ".join(BUILTIN_SAMPLERS)
     if ":" not in name:
         raise ValueError(f"sampler.name: unknown sampler '{name}'; built-ins are {builtins}, or give module:Class")
-    module_name, _, class_name = name.partition(":")
-    try:
-        cls = getattr(importlib.import_module(module_name), class_name)
-    except Exception as err:  # a missing module or class, or the module's own code raising on import
-        hint = "; is its directory on PYTHONPATH?" if isinstance(err, ModuleNotFoundError) else ""
-        raise ValueError(f"sampler.name: cannot load '{name}' ({type(err).__name__}: {err}){hint}") from None
+    class_name = name.partition(":")[2]
+    cls = import_attribute(name, "sampler.name")
     if not isinstance(cls, type):
         raise ValueError(f"sampler.name: '{name}' is not a class")
     missing = [m for m in PROTOCOL_METHODS if not callable(getattr(cls, m, None))]

@@ -31,7 +31,6 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import itertools
-import os
 import sys
 import tempfile
 import time
@@ -48,6 +47,7 @@ from asyncrl.generation import SamplingParams, build_generator
 from asyncrl.models.factory import build_model, build_tokenizer, resolve_device
 from asyncrl.rewards import RewardRunner
 from asyncrl.rollout import RolloutWorker
+from asyncrl.run import local_torch_threads
 from asyncrl.warm_start import warm_start
 
 # token-mean is DAPO's global token mean. TRL's "luspo" sums each sequence's token losses and
@@ -127,11 +127,6 @@ def trl_settings(config: RunConfig) -> dict[str, Any]:
     return {"kwargs": kwargs, "unmatched": unmatched}
 
 
-def torch_threads(config: RunConfig) -> int:
-    """The threads per torch op of asyncrl's local runtime (see ``asyncrl.run.train``)."""
-    return config.runtime.torch_threads or max(1, (os.cpu_count() or 2) // 2)
-
-
 def require_trl() -> None:
     """Fail in one line, before any run, when the optional TRL extra is missing."""
     if importlib.util.find_spec("trl") is None:
@@ -147,7 +142,7 @@ def run_trl(config: RunConfig, *, seed: int, max_steps: int, eval_every_steps: i
     from trl import GRPOConfig, GRPOTrainer
 
     torch.manual_seed(seed)
-    torch.set_num_threads(torch_threads(config))
+    torch.set_num_threads(local_torch_threads(config))
     transformers.utils.logging.disable_progress_bar()
     tokenizer = build_tokenizer(config)
     model = build_model(config, tokenizer)

@@ -13,12 +13,13 @@ Built-ins, by name:
 
 from __future__ import annotations
 
-import importlib
 import inspect
 import logging
 import re
 from decimal import Decimal, InvalidOperation
 from typing import Callable
+
+from asyncrl.plugins import import_attribute
 
 RewardFn = Callable[[str, str], float]
 BUILTIN_REWARDS = ("exact_match", "numeric_match", "math", "format")
@@ -107,12 +108,7 @@ def resolve_reward(name: str, *, format_pattern: str | None = None) -> RewardFn:
             f"rewards.functions: unknown reward '{name}'; built-ins are {', '.join(BUILTIN_REWARDS)}, "
             "or give package.module:function"
         )
-    module_name, _, attribute = name.partition(":")
-    try:
-        fn = getattr(importlib.import_module(module_name), attribute)
-    except Exception as err:  # a missing module or attribute, or the module's own code raising on import
-        hint = "; is its directory on PYTHONPATH?" if isinstance(err, ModuleNotFoundError) else ""
-        raise ValueError(f"rewards.functions: cannot load '{name}' ({type(err).__name__}: {err}){hint}") from None
+    fn = import_attribute(name, "rewards.functions")
     if isinstance(fn, type):
         raise ValueError(f"rewards.functions: '{name}' is a class; give a function taking (completion, answer), or an instance")
     if not callable(fn):
