@@ -311,6 +311,12 @@ class SyncConfig(Section):
         "inflight", description="drain: wait for in-flight rollouts first; inflight: they finish on old weights"
     )
     timeout_s: float = Field(600.0, gt=0.0, description="a sync slower than this fails the run")
+    transport: Literal["auto", "object_store", "broadcast"] = Field(
+        "auto",
+        description="ray: how weights reach the generators; object_store: rank 0 exports to Ray's object store; "
+        "broadcast: a process group of rank 0 and the generators (NCCL when each has a whole GPU, else gloo); auto: "
+        "broadcast when that is NCCL, else object_store",
+    )
 
 
 class WarmStartConfig(Section):
@@ -420,6 +426,31 @@ class RunConfig(Section):
         if parallel.dp > sequences:
             raise ValueError(f"parallel.dp: {parallel.dp} data-parallel ranks but only {sequences} sequences per step")
         return self
+
+    @model_validator(mode="after")
+    def _transport_needs_ray(self) -> RunConfig:
+        if self.sync.transport != "auto" and self.runtime.name == "local":
+            raise ValueError(
+                f"sync.transport: {self.sync.transport} needs runtime.name ray (the local runtime hands weights over in memory)"
+            )
+        return self
+
+    @property
+    def weight_transport(self) -> Literal["in_process", "object_store", "broadcast"]:
+        """How a sync moves weights: ``sync.transport`` with ``auto`` resolved."""
+        if self.runtime.name == "local":
+            return "in_process"
+        if self.sync.transport == "auto":
+            return "broadcast" if self.broadcast_backend == "nccl" else "object_store"
+        return self.sync.transport
+
+    @property
+    def broadcast_backend(self) -> Literal["nccl", "gloo"]:
+        """NCCL when trainer rank 0 and the generators each have a whole GPU of their own (on Ray an
+        actor sees a GPU only when it reserves one; generators use ``trainer.device`` too; NCCL
+        refuses two members on one GPU, which fractional GPUs allow), gloo otherwise."""
+        gpus = self.runtime.trainer_gpus >= 1 and self.runtime.generator_gpus >= 1
+        return "nccl" if gpus and self.trainer.device != "cpu" else "gloo"
 
     def _sampler(self):
         from asyncrl.sampler import build_sampler

@@ -618,6 +618,7 @@ class SingleController:
             "nonfinite_steps": self.nonfinite_steps,
             "sync_bytes": sync.bytes,
             "sync_version": sync.version,
+            "sync_transport": sync.transport,
         }
         for source, name in (("entropy_mean", "entropy"), ("kl_mean", "kl")):
             if source in result.metrics:

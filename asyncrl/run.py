@@ -102,6 +102,8 @@ def _start_workers(
             config.parallel.world_size,
         )
         generators = _input(runtime.spawn_generators, partial(build_rollout_worker, config), config.generation.num_workers)
+        if config.weight_transport == "broadcast":
+            runtime.connect_broadcast(ranks[0], generators, config.broadcast_backend, config.sync.timeout_s)
         return TrainerGroup(ranks), generators
     trainer_worker = TrainerWorker(PolicyTrainer.from_config(config, model), config.grpo, tokenizer)
     if checkpoint_dir is not None:

@@ -33,6 +33,7 @@ class SyncReport:
     pause_s: float  # gate closed: no new rollouts admitted
     transfer_s: float  # export from the trainer + load into every generator
     bytes: int
+    transport: str  # in_process, object_store or broadcast (runtime/ray.py)
 
 
 class Changes:
@@ -152,6 +153,7 @@ class WeightSync:
                     pause_s=time.perf_counter() - start,
                     transfer_s=transfer_s,
                     bytes=state_dict_bytes(weights),
+                    transport=getattr(weights, "transport", "in_process"),
                 )
         except TimeoutError:
             raise SyncTimeoutError(

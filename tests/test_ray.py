@@ -7,11 +7,13 @@ Each run uses the small model of test_train.py; most of a run's seconds are acto
 import itertools
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
 import time
 from dataclasses import fields
+from functools import partial
 
 import pytest
 import torch
@@ -39,8 +41,22 @@ def run(tmp_path, name, *overrides, resume=None):
     return summary, read_jsonl(tmp_path / name / "metrics.jsonl"), read_jsonl(tmp_path / name / "groups.jsonl")
 
 
+@pytest.fixture(scope="module")
+def local_run(tmp_path_factory):
+    """``run`` on the local runtime, once per set of overrides in this module: the reference runs."""
+    done = {}
+
+    def run_once(*overrides):
+        if overrides not in done:
+            done[overrides] = run(tmp_path_factory.mktemp("local"), "run", *overrides)
+        return done[overrides]
+
+    return run_once
+
+
 def deterministic(records, *drop):
-    return [{k: v for k, v in strip_timing(r).items() if k not in drop} for r in records]
+    """The records without timing, nor how weights moved (local: in process; Ray: not)."""
+    return [{k: v for k, v in strip_timing(r).items() if k not in {"sync_transport", *drop}} for r in records]
 
 
 # ---- without a cluster ------------------------------------------------------------------------
@@ -60,6 +76,22 @@ def test_ray_only_settings_are_one_line_errors_on_the_local_runtime():
     with pytest.raises(ConfigError, match=r"^generation.num_workers: 2 rollout workers need runtime.name ray"):
         load_config(None, ["generation.num_workers=2"])
     assert load_config(None, [RAY, "generation.num_workers=2"]).generation.num_workers == 2
+
+
+def test_the_weight_transport_broadcasts_between_gpus_by_default_and_only_on_ray():
+    with pytest.raises(ConfigError, match=r"^sync.transport: broadcast needs runtime.name ray \(the local runtime"):
+        load_config(None, ["sync.transport=broadcast"])
+    assert load_config(None, []).weight_transport == "in_process"
+    assert load_config(None, [RAY]).weight_transport == "object_store"
+    gpus = [RAY, "runtime.trainer_gpus=1", "runtime.generator_gpus=1"]
+    assert (load_config(None, gpus).weight_transport, load_config(None, gpus).broadcast_backend) == ("broadcast", "nccl")
+    assert load_config(None, [*gpus, "trainer.device=cpu"]).weight_transport == "object_store"
+    assert load_config(None, [*gpus, "runtime.generator_gpus=0"]).broadcast_backend == "gloo"
+    shared = load_config(None, [*gpus, "runtime.generator_gpus=0.5"])  # NCCL refuses two members on one GPU
+    assert (shared.weight_transport, shared.broadcast_backend) == ("object_store", "gloo")
+    chosen = load_config(None, [RAY, "sync.transport=broadcast"])
+    assert (chosen.weight_transport, chosen.broadcast_backend) == ("broadcast", "gloo")
+    assert load_config(None, [*gpus, "sync.transport=object_store"]).weight_transport == "object_store"
 
 
 def test_a_remote_group_has_every_attribute_of_a_group_but_its_token_tensors():
@@ -123,21 +155,25 @@ def test_group_payloads_are_owned_by_the_caller_and_outlive_their_generator(ray_
 
 
 @pytest.mark.slow
-def test_an_in_order_run_on_two_generator_actors_matches_the_local_runtime(ray_cluster, tmp_path):
-    local, local_metrics, local_groups = run(tmp_path, "local", DIGITS)
+def test_an_in_order_run_on_two_generator_actors_matches_the_local_runtime(ray_cluster, tmp_path, local_run):
+    local, local_metrics, local_groups = local_run(DIGITS)
     remote, metrics, groups = run(tmp_path, "ray", DIGITS, RAY, "generation.num_workers=2")
     assert deterministic(metrics) == deterministic(local_metrics) and len(metrics) == 4
     assert groups == local_groups
     assert all(m["grad_norm"] > 0 for m in metrics) and metrics[-1]["sync_bytes"] > 0
+    assert [m["sync_transport"] for m in metrics] == ["object_store"] * 4
     assert remote["final_eval_reward_mean"] == local["final_eval_reward_mean"]
 
 
 @pytest.mark.slow
-def test_the_controller_runs_in_an_actor(ray_cluster, tmp_path):
-    _, local_metrics, _ = run(tmp_path, "local", DIGITS, "grpo.max_steps=3")
-    summary, metrics, _ = run(tmp_path, "actor", DIGITS, RAY, "runtime.controller_actor=true", "grpo.max_steps=3")
-    assert deterministic(metrics) == deterministic(local_metrics)
-    assert summary["steps"] == 3 and (tmp_path / "actor" / "eval.jsonl").is_file()
+def test_the_controller_runs_in_an_actor_and_broadcasts_weights_to_two_generators(ray_cluster, tmp_path, local_run):
+    """The broadcast channel travels into the controller actor with the handles it serves."""
+    _, local_metrics, local_groups = local_run(DIGITS)
+    broadcast = ("runtime.controller_actor=true", "generation.num_workers=2", "sync.transport=broadcast")
+    summary, metrics, groups = run(tmp_path, "actor", DIGITS, RAY, *broadcast)
+    assert deterministic(metrics) == deterministic(local_metrics) and groups == local_groups
+    assert [m["sync_transport"] for m in metrics] == ["broadcast"] * 4
+    assert summary["steps"] == 4 and (tmp_path / "actor" / "eval.jsonl").is_file()
 
 
 _reward_calls = itertools.count(1)
@@ -159,10 +195,10 @@ def exit_once(completion: str, answer: str) -> float:
 
 
 @pytest.mark.slow
-def test_a_generator_that_dies_mid_run_is_restarted_with_the_latest_weights(ray_cluster, tmp_path):
+def test_a_generator_that_dies_mid_run_is_restarted_with_the_latest_weights(ray_cluster, tmp_path, local_run):
     marker = ray_cluster
     marker.write_text("")
-    _, _, local_groups = run(tmp_path, "local", "grpo.max_steps=5")
+    _, _, local_groups = local_run("grpo.max_steps=5")
     summary, _, groups = run(tmp_path, "ray", RAY, "grpo.max_steps=5", "rewards.functions=[test_ray:exit_once]")
     assert not marker.exists() and marker.with_name(f"{marker.name}.used").exists()  # it did die
     assert summary["steps"] == 5 and summary["rollout_retries"] >= 1
@@ -171,6 +207,62 @@ def test_a_generator_that_dies_mid_run_is_restarted_with_the_latest_weights(ray_
     # had loaded them (a generator on other weights refuses the batch, and the retries run out).
     retried = [g for g, local in zip(groups, local_groups) if g != local]
     assert retried and all(g["start_version"] == g["end_version"] >= 1 for g in retried)
+
+
+@pytest.mark.slow
+def test_a_generator_that_misses_a_broadcast_loads_rank0s_copy_and_the_broadcast_stops(ray_cluster):
+    """A generator killed after a broadcast fails its next call, which stops the broadcast; once
+    restarted it loads the broadcast version from rank 0's copy. A generator killed before a
+    broadcast fails to join it, and loads rank 0's copy in that same sync. Either way it then
+    generates the same groups as before it died, and later syncs use the object store."""
+    import asyncio
+
+    import ray
+
+    from asyncrl.data.prompts import Prompt
+    from asyncrl.run import build_rollout_worker
+    from asyncrl.runtime.ray import RayRuntime, WorkerDiedError
+    from asyncrl.trainer.group import build_trainer_rank
+
+    config = load_config(None, [*SMALL, RAY, "sync.transport=broadcast"])
+    jobs = [RolloutJob(slot, Prompt(f"u{slot}", f"{slot}+1=", str(slot + 1)), 0, 0) for slot in range(2)]
+    runtime = RayRuntime(config.runtime)
+
+    async def sync(generator):
+        version, weights = await rank0.export_weights()
+        await generator.load_weights(weights, version)
+        return weights.transport
+
+    async def generate(generator):
+        return [group.fetch() for group in (await generator.generate(jobs)).groups]
+
+    def same(groups, other):
+        return all(torch.equal(a.input_ids, b.input_ids) and torch.equal(a.behaviour_logprobs, b.behaviour_logprobs) for a, b in zip(groups, other))
+
+    try:
+        [rank0] = runtime.spawn_trainer_ranks(lambda rank, init: partial(build_trainer_rank, config, rank, init), 1)
+        [generator] = runtime.spawn_generators(partial(build_rollout_worker, config), 1)
+        runtime.connect_broadcast(rank0, [generator], "gloo", 60.0)
+        assert asyncio.run(sync(generator)) == "broadcast"
+        before = asyncio.run(generate(generator))
+        ray.kill(generator.actor, no_restart=False)
+        with pytest.raises(WorkerDiedError):
+            asyncio.run(generate(generator))
+        assert generator.broadcast.stopped == "rollout worker 0 died"
+        assert same(asyncio.run(generate(generator)), before)  # on version 0, from rank 0's copy
+        assert asyncio.run(sync(generator)) == "object_store"
+
+        runtime.connect_broadcast(rank0, [generator], "gloo", 60.0)  # a new group, as at the start of a run
+        assert asyncio.run(sync(generator)) == "broadcast"
+        ray.kill(generator.actor, no_restart=False)
+        ray.get(generator.actor.alive.remote())  # restarted
+        assert asyncio.run(sync(generator)) == "broadcast"  # rank 0 broadcast; the generator missed it
+        # Ray may report the restart to the join itself, or the restarted actor refuses it.
+        assert re.match(r"rollout worker 0 (died|missed weight version 0: .*not in the weight broadcast group)", generator.broadcast.stopped)
+        assert same(asyncio.run(generate(generator)), before)
+        assert asyncio.run(sync(generator)) == "object_store"
+    finally:
+        runtime.shutdown()
 
 
 @pytest.mark.slow
@@ -198,12 +290,14 @@ def close(a, b) -> bool:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", ["parallel.dp=2", "parallel.cp=2"])
-def test_trainer_ranks_match_the_single_rank_run(ray_cluster, tmp_path, layout):
+def test_trainer_ranks_match_the_single_rank_run(ray_cluster, tmp_path, local_run, layout):
+    """dp=2 also broadcasts weights from rank 0, beside the ranks' own process group."""
     synchronous = (DIGITS, "sampler.max_lag=0", "grpo.max_steps=3")
-    _, single, _ = run(tmp_path, "single", *synchronous)
-    _, ranks, _ = run(tmp_path, "ranks", RAY, layout, *synchronous)
-    _, other_lr, _ = run(tmp_path, "other-lr", *synchronous, "trainer.lr=0.0101")
-    assert len(ranks) == 3
+    _, single, _ = local_run(*synchronous)
+    transport = "sync.transport=broadcast" if layout == "parallel.dp=2" else "sync.transport=object_store"
+    _, ranks, _ = run(tmp_path, "ranks", RAY, layout, transport, *synchronous)
+    _, other_lr, _ = local_run(*synchronous, "trainer.lr=0.0101")
+    assert len(ranks) == 3 and {m["sync_transport"] for m in ranks} == {transport.split("=")[1]}
     assert all(close(a, b) for a, b in zip(deterministic(ranks), deterministic(single)))
     assert not all(close(a, b) for a, b in zip(deterministic(other_lr), deterministic(single)))  # it can fail
 

@@ -11,7 +11,11 @@ synchronous actor, one call at a time). Three things differ from threads in one 
   the buffer hold ``RemoteGroup``s: metadata plus a reference; trainer ranks fetch the payloads;
 - rank 0 leaves exported weights in the object store and the generators load them from there;
   the controller only passes the reference along. A restarted generator reloads the last weights
-  its handle sent before it serves another call.
+  its handle sent before it serves another call;
+- or, with ``sync.transport: broadcast``, rank 0 broadcasts them to the generators over a process
+  group of their own (runtime/broadcast.py): NCCL between GPUs. A generator that misses a
+  broadcast loads that version from rank 0's copy through the object store, and every later sync
+  goes through the object store (``WeightBroadcast``).
 
 ``ray`` is imported inside functions only: ``import asyncrl`` and the local runtime never load it.
 """
@@ -26,14 +30,17 @@ import os
 import socket
 import warnings
 from dataclasses import dataclass, fields, replace
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, ClassVar, Sequence
 
 import torch
 from torch import Tensor
 
 from asyncrl.config import RuntimeConfig
 from asyncrl.controller import RunStopped
+from asyncrl.runtime.broadcast import BroadcastError, BroadcastMember, Layout, Rendezvous, signal_stop
 from asyncrl.types import RolloutGroup
+
+logger = logging.getLogger(__name__)
 
 
 class WorkerDiedError(RuntimeError):
@@ -86,14 +93,64 @@ class WeightsRef:
 
     ref: Any
     nbytes: int
+    transport: ClassVar[str] = "object_store"
+
+
+class WeightBroadcast:
+    """The driver's side of the weight broadcast group (trainer rank 0 and the generators).
+
+    It carries every sync until a generator misses one (it died, restarted, or the collective
+    failed); from then on rank 0 exports to the object store, as without it, for the rest of the
+    run. A restarted actor is not in the group, and rebuilding the group would need every member.
+    """
+
+    def __init__(self, source: Any, rendezvous: Rendezvous) -> None:
+        self.source = source  # trainer rank 0's actor: it holds the last version it broadcast
+        self.rendezvous = rendezvous
+        self.stopped: str | None = None  # why syncs no longer broadcast
+        self._held: tuple[int, Any] | None = None
+
+    @property
+    def active(self) -> bool:
+        return self.stopped is None
+
+    def stop(self, reason: str) -> None:
+        """Broadcast no more; members still waiting in a broadcast give up now."""
+        if self.stopped is not None:
+            return
+        self.stopped = reason
+        logger.warning("weight broadcast stopped (%s); weights go through the object store from now on", reason)
+        try:
+            signal_stop(self.rendezvous, reason)
+        except RuntimeError as err:  # rank 0 unreachable: a waiting member gives up at the group's timeout
+            logger.warning("could not signal the weight broadcast group to stop: %s", err)
+
+    def held(self, version: int) -> Any:
+        """The reference of rank 0's copy of ``version`` in the object store, published once."""
+        if self._held is None or self._held[0] != version:
+            self._held = (version, self.source.publish_weights.remote(version))
+        return self._held[1]
+
+
+@dataclass(frozen=True)
+class BroadcastWeights:
+    """A version rank 0 is broadcasting: the layout the generators join it with (a reference)."""
+
+    layout: Any
+    nbytes: int
+    channel: WeightBroadcast
+    transport: ClassVar[str] = "broadcast"
 
 
 @dataclass(frozen=True)
 class _SentWeights:
-    """The last weights a handle sent to its actor; travels with every call, unresolved."""
+    """The last weights a handle sent to its actor; travels with every call, unresolved.
+
+    ``ref`` is None for a broadcast version: an actor that lacks it asks ``source`` (rank 0)."""
 
     version: int
     ref: Any
+    source: Any = None
 
 
 class WorkerActor:
@@ -109,6 +166,7 @@ class WorkerActor:
         self.worker: Any = None
         self.weights_version: int | None = None
         self.rank = 0
+        self.member: BroadcastMember | None = None  # in the weight broadcast group
 
     def build(self, factory: Callable[[], Any] | None = None, rank: int = 0) -> None:
         """Build the worker now (from ``factory``, or the one given at creation), so errors surface."""
@@ -140,20 +198,43 @@ class WorkerActor:
         self._ready(None).load_weights(_from_arrays(weights), version)
         self.weights_version = version
 
-    def export_weights(self) -> tuple[tuple[int, int], dict[str, Any] | None]:
-        """((version, bytes), the weights on rank 0 only). Every rank takes part: FSDP gathers."""
+    def export_weights(self, broadcast: bool = False) -> tuple[tuple[int, int], Any]:
+        """((version, bytes), rank 0's weights, or the ``Layout`` of their broadcast once it has
+        started). Every rank takes part: FSDP gathers."""
         from asyncrl.weights import state_dict_bytes
 
-        version, weights = self._ready(None).export_weights()
-        return (version, state_dict_bytes(weights)), (_to_arrays(weights) if self.rank == 0 else None)
+        if not broadcast:
+            if self.member is not None:
+                self.member.stopped()  # after a stop: end a broadcast still stuck on a lost peer
+            version, weights = self._ready(None).export_weights()
+            return (version, state_dict_bytes(weights)), (_to_arrays(weights) if self.rank == 0 else None)
+        device = None if self.member.device == "cuda" else "cpu"  # NCCL sends from the GPU
+        version, weights = self._ready(None).export_weights(device=device)
+        return (version, state_dict_bytes(weights)), self.member.send(weights, version)
+
+    def join_broadcast(self, rendezvous: Rendezvous, rank: int) -> None:
+        self.member = BroadcastMember(rendezvous, rank)
+
+    def receive_weights(self, layout: Layout, version: int) -> None:
+        """Join rank 0's broadcast of ``version`` and load it."""
+        worker = self._ready(None)
+        if self.member is None:
+            raise BroadcastError("this actor is not in the weight broadcast group (it was restarted)")
+        worker.load_weights(self.member.receive(layout), version)
+        self.weights_version = version
+
+    def publish_weights(self, version: int) -> dict[str, Any]:
+        """Rank 0's copy of the last version it broadcast, for a generator that missed it."""
+        if self.member is None:
+            raise BroadcastError("this actor is not in the weight broadcast group (it was restarted)")
+        return _to_arrays({name: tensor.cpu() for name, tensor in self.member.held(version).items()})
 
     def _ready(self, sent: _SentWeights | None) -> Any:
         if self.worker is None:
             self.build()
         if sent is not None and sent.version != self.weights_version:
-            import ray
-
-            self.load_weights(ray.get(sent.ref), sent.version)
+            ref = sent.ref if sent.ref is not None else sent.source.publish_weights.remote(sent.version)
+            self.load_weights(resolve([ref])[0], sent.version)
         return self.worker
 
 
@@ -200,6 +281,7 @@ class RayHandle:
         self.died = died
         self.sent: _SentWeights | None = None
         self.revival: asyncio.Future | None = None  # pending while the actor restarts
+        self.broadcast: WeightBroadcast | None = None  # set on trainer rank 0 and the generators
 
     def __getattr__(self, method: str) -> Callable[..., asyncio.Future]:
         if method.startswith("__"):
@@ -234,16 +316,36 @@ class RayHandle:
         with contextlib.suppress(Exception):
             await asyncio.wrap_future(self.actor.alive.remote().future())
 
-    def load_weights(self, weights: WeightsRef, version: int) -> asyncio.Future:
+    def load_weights(self, weights: WeightsRef | BroadcastWeights, version: int) -> asyncio.Future:
         """The reference is a top-level argument, so Ray resolves it inside the actor.
 
         If the actor dies meanwhile, the load is not an error: the restarted actor reloads these
         weights before its next call (and a generator that stays dead fails its next batch)."""
+        if isinstance(weights, BroadcastWeights):
+            self.sent = _SentWeights(version, None, weights.channel.source)
+            return asyncio.ensure_future(self._receive(weights, version))
         self.sent = _SentWeights(version, weights.ref)
         return self._future(self.actor.load_weights.remote(weights.ref, version), survive_death=True)
 
+    async def _receive(self, weights: BroadcastWeights, version: int) -> None:
+        """Join the broadcast; if that fails, stop broadcasting and load rank 0's copy instead."""
+        joined = self.actor.receive_weights.options(max_task_retries=0).remote(weights.layout, version)
+        try:
+            return await self._result(joined, None, revive=True)
+        except Exception as err:
+            weights.channel.stop(f"{self.name} missed weight version {version}: {_first_line(err)}")
+        ref = weights.channel.held(version)
+        if self.sent is not None and self.sent.version == version:
+            self.sent = _SentWeights(version, ref)
+        return await self._result(self.actor.load_weights.remote(ref, version), None, survive_death=True)
+
     def export_weights(self) -> asyncio.Future:
-        """(version, WeightsRef): rank 0's weights stay in the object store, owned by this caller."""
+        """(version, WeightsRef): rank 0's weights stay in the object store, owned by this caller;
+        or (version, BroadcastWeights) while this rank broadcasts them."""
+        if self.broadcast is not None and self.broadcast.active:
+            info, layout = self.actor.export_weights.options(num_returns=2).remote(True)
+            channel = self.broadcast
+            return self._future(info, lambda v: (v[0], BroadcastWeights(layout, v[1], channel)))
         info, weights = self.actor.export_weights.options(num_returns=2).remote()
         return self._future(info, lambda v: (v[0], WeightsRef(weights, v[1])))
 
@@ -261,6 +363,8 @@ class RayHandle:
             cause = err.cause if isinstance(err.cause, Exception) else RuntimeError(_first_line(err))
             raise cause from None
         except ray.exceptions.RayActorError as err:
+            if self.broadcast is not None and self.died is WorkerDiedError:
+                self.broadcast.stop(f"{self.name} died")
             if revive and (self.revival is None or self.revival.done()):
                 self.revival = asyncio.ensure_future(self._revived())
             if survive_death:
@@ -350,6 +454,17 @@ class RayRuntime:
             init_method = f"tcp://{ip}:{port}"
         resolve([actor.build.remote(build_rank(rank, init_method), rank) for rank, actor in enumerate(actors)])
         return [RayHandle(actor, f"trainer rank {rank}", died=TrainerRankDiedError) for rank, actor in enumerate(actors)]
+
+    def connect_broadcast(self, source: RayHandle, generators: Sequence[RayHandle], backend: str, timeout_s: float) -> None:
+        """Form the weight broadcast group of trainer rank 0 (``source``) and the generators; from
+        now on their handles sync weights through it (``WeightBroadcast``)."""
+        members = [source, *generators]
+        host, port = resolve([source.actor.node_address.remote()])[0]
+        rendezvous = Rendezvous(host, port, len(members), backend, timeout_s)
+        resolve([handle.actor.join_broadcast.remote(rendezvous, rank) for rank, handle in enumerate(members)])
+        channel = WeightBroadcast(source.actor, rendezvous)
+        for handle in members:
+            handle.broadcast = channel
 
     def run_controller(self, drive: Callable[[], Any]) -> Any:
         """``drive()`` inside a CPU actor pinned to this node, so the run directory is this one's."""

@@ -362,14 +362,17 @@ class PolicyTrainer:
         model.train(was_training)
         return torch.cat(chunks).cpu()
 
-    def export_weights(self, *, copy: bool = True) -> tuple[int, dict[str, Tensor]]:
-        """(version, the policy weights as detached CPU tensors) for the generators.
+    def export_weights(self, *, copy: bool = True, device: str | None = "cpu") -> tuple[int, dict[str, Tensor]]:
+        """(version, the policy weights as detached tensors on ``device``) for the generators.
 
-        ``copy=False`` returns views where the weights are already whole CPU tensors: no new
-        memory to allocate and fill, but they change with the next optimizer step, so the caller
-        must be done with them by then. Sharded (FSDP) weights are gathered whole, so every rank
-        must call it."""
-        return self.version, {k: _full(v).detach().to("cpu", copy=copy) for k, v in self.model.state_dict().items()}
+        ``device=None`` leaves them where they are (a GPU-to-GPU broadcast sends them from there).
+        ``copy=False`` returns views where the weights are already whole tensors on ``device``: no
+        new memory to allocate and fill, but they change with the next optimizer step, so the
+        caller must be done with them by then. Sharded (FSDP) weights are gathered whole, so every
+        rank must call it."""
+        return self.version, {
+            k: _full(v).detach().to(device or v.device, copy=copy) for k, v in self.model.state_dict().items()
+        }
 
     def state_dict(self) -> dict:
         """Everything a resumed run needs to continue bit-identically."""

@@ -172,12 +172,13 @@ class TrainerWorker:
         self.trainer.abort_train_step()
         self._reset_step()
 
-    def export_weights(self) -> tuple[int, dict[str, Tensor]]:
-        """(version, whole weights) on rank 0; other ranks take part in the gathers and return none.
+    def export_weights(self, device: str | None = "cpu") -> tuple[int, dict[str, Tensor]]:
+        """(version, whole weights on ``device``, None: where they are) on rank 0; other ranks
+        take part in the gathers and return none.
 
-        On CPU the weights are views, valid until the next step: the weight sync loads them into
-        every generator (or serializes them) before the trainer steps again."""
-        version, weights = self.trainer.export_weights(copy=False)
+        Weights already on ``device`` are views, valid until the next step: the weight sync loads
+        them into every generator (or serializes or copies them) before the trainer steps again."""
+        version, weights = self.trainer.export_weights(copy=False, device=device)
         return version, weights if self.rank == 0 else {}
 
     def save_checkpoint(self, run_dir: str, step: int, run_state: dict, keep_last: int) -> Path | None:
