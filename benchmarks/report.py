@@ -78,6 +78,7 @@ def _weight_sync(result: dict) -> str:
             r["model"],
             f"{r['parameters'] / 1e6:.1f}M",
             r["runtime"],
+            r["transport"],
             f"{r['sync_bytes'] / 1e6:.1f}",
             f"{r['sync_bytes_per_s'] / 1e9:.2f}",
             f"{r['memcpy_bytes_per_s'] / 1e9:.2f}",
@@ -86,7 +87,7 @@ def _weight_sync(result: dict) -> str:
         ]
         for r in result["results"]
     ]
-    return _table(["model", "parameters", "runtime", "MB / sync", "sync GB/s", "memcpy GB/s", "fraction", "goal"], rows)
+    return _table(["model", "parameters", "runtime", "transport", "MB / sync", "sync GB/s", "memcpy GB/s", "fraction", "goal"], rows)
 
 
 def _e2e(result: dict) -> str:

@@ -2,9 +2,9 @@
 
 A sync is the real path: ``WeightSync`` exports the trainer's weights once (``TrainerWorker``
 over a ``PolicyTrainer``) and loads them into a generator (``HFGenerator``), through the
-runtime's handles. Its bandwidth
-(bytes of the state dict / transfer seconds) is compared with torch's own memcpy bandwidth for the
-same number of bytes, measured in the same run.
+runtime's handles; on Ray once per weight transport (the object store, and the broadcast group
+over gloo). Its bandwidth (bytes of the state dict / transfer seconds) is compared with torch's
+own memcpy bandwidth for the same number of bytes, measured in the same run.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ MODELS = {
     "100M": dict(hidden_size=768, num_layers=16, num_heads=12, num_kv_heads=4, intermediate_size=2048),
 }
 GOALS = {"local": 0.5, "ray": 0.25}  # fraction of memcpy bandwidth
+TRANSPORTS = {"local": ("in_process",), "ray": ("object_store", "broadcast")}
 
 
 def memcpy_bandwidth(num_bytes: int, repeats: int) -> float:
@@ -58,13 +59,15 @@ def build_generator(model_name: str) -> HFGenerator:
     return HFGenerator(model, eos_token_id=1, pad_token_id=0, batch_size=1)
 
 
-def sync_bandwidth(model_name: str, runtime_name: str, repeats: int) -> tuple[int, float]:
+def sync_bandwidth(model_name: str, runtime_name: str, transport: str, repeats: int) -> tuple[int, float]:
     """(bytes per sync, best bytes/s) of ``WeightSync`` from a TrainerWorker into an HFGenerator,
     each behind a handle of runtime ``runtime_name`` (built inside the actors on Ray)."""
     runtime, trainer, generator = spawn_pair(
         runtime_name, functools.partial(build_trainer, model_name), functools.partial(build_generator, model_name)
     )
     try:
+        if transport == "broadcast":
+            runtime.connect_broadcast(trainer, [generator], "gloo", timeout_s=600)
 
         async def syncs():
             gate = RolloutGate(0, Changes(), wait_for_admissions=False)
@@ -74,22 +77,30 @@ def sync_bandwidth(model_name: str, runtime_name: str, repeats: int) -> tuple[in
         reports = asyncio.run(syncs())
     finally:
         runtime.shutdown()
+    if {r.transport for r in reports} != {transport}:
+        raise RuntimeError(f"weight-sync: the syncs went {sorted({r.transport for r in reports})}, not {transport}")
     return reports[0].bytes, max(r.bytes / r.transfer_s for r in reports)
 
 
 def run(*, models: tuple[str, ...], repeats: int, runtimes: tuple[str, ...]) -> list[dict]:
     with runtime_session(runtimes):
-        return [_row(name, runtime_name, repeats) for name in models for runtime_name in runtimes]
+        return [
+            _row(name, runtime_name, transport, repeats)
+            for name in models
+            for runtime_name in runtimes
+            for transport in TRANSPORTS[runtime_name]
+        ]
 
 
-def _row(name: str, runtime_name: str, repeats: int) -> dict:
+def _row(name: str, runtime_name: str, transport: str, repeats: int) -> dict:
     params = sum(p.numel() for p in build_tiny_model(VOCAB, seed=0, **MODELS[name]).parameters())
-    num_bytes, bandwidth = sync_bandwidth(name, runtime_name, repeats)
+    num_bytes, bandwidth = sync_bandwidth(name, runtime_name, transport, repeats)
     memcpy = memcpy_bandwidth(num_bytes, repeats)
     return {
         "model": name,
         "parameters": params,
         "runtime": runtime_name,
+        "transport": transport,
         "sync_bytes": num_bytes,
         "sync_bytes_per_s": bandwidth,
         "memcpy_bytes_per_s": memcpy,

@@ -15,7 +15,7 @@ import torch
 
 from asyncrl.checkpoint import load_state, resolve_checkpoint
 from asyncrl.cli import main
-from asyncrl.controller import NonFiniteStepsError, RolloutFailedError, StallError, TrainStepError
+from asyncrl.controller import NonFiniteStepsError, StallError, TrainStepError
 from asyncrl.metrics import read_jsonl, strip_timing
 from asyncrl.weights import SyncTimeoutError
 from test_train import SMALL, run
