@@ -26,7 +26,7 @@ from torch import Tensor
 
 
 STOP_KEY = "stop"
-POLL_S = 0.01  # how often a waiting receiver checks for the stop signal
+POLL_S = (1e-4, 0.01)  # a waiting receiver checks for completion and the stop signal this often: first, at most
 
 
 class BroadcastError(RuntimeError):
@@ -139,10 +139,12 @@ class BroadcastMember:
         if layout != self.layout:
             self.layout, self.buffers = layout, layout.empty(self.device)
         works = [self.group.broadcast(self.buffers[dtype], 0) for dtype, _ in layout.sizes]
+        delay, longest = POLL_S
         while not all(work.is_completed() for work in works):
             if self.stopped():
                 raise BroadcastError("the weight broadcast was stopped while this generator waited for it")
-            time.sleep(POLL_S)
+            time.sleep(delay)
+            delay = min(2 * delay, longest)
         for work in works:
             work.wait()
         if self.device == "cuda":
