@@ -96,12 +96,12 @@ def _start_workers(
     in-process objects sharing the driver's model and rewards on the local runtime."""
     if runtime.name == "ray":
         resume_from = str(checkpoint_dir) if checkpoint_dir is not None else None
-        ranks = _input(
-            runtime.spawn_trainer_ranks,
+        generators = runtime.spawn_generators(partial(build_rollout_worker, config), config.generation.num_workers)
+        ranks = runtime.spawn_trainer_ranks(
             lambda rank, init_method: partial(build_trainer_rank, config, rank, init_method, resume_from),
             config.parallel.world_size,
         )
-        generators = _input(runtime.spawn_generators, partial(build_rollout_worker, config), config.generation.num_workers)
+        _input(runtime.ready)  # both kinds of actors start together
         if config.weight_transport == "broadcast":
             runtime.connect_broadcast(ranks[0], generators, config.broadcast_backend, config.sync.timeout_s)
         return TrainerGroup(ranks), generators

@@ -114,5 +114,6 @@ def spawn_pair(name: str, trainer: Callable[[], Any], generator: Callable[[], An
         runtime = RayRuntime(RuntimeConfig(name="ray", torch_threads=1))
         (trainer_handle,) = runtime.spawn_trainer_ranks(lambda rank, init_method: trainer, 1)
         (generator_handle,) = runtime.spawn_generators(generator, 1)
+        runtime.ready()
         return runtime, trainer_handle, generator_handle
     raise ValueError(f"--runtime: unknown runtime '{name}'")

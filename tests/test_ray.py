@@ -125,8 +125,13 @@ def test_a_remote_group_has_every_attribute_of_a_group_but_its_token_tensors():
 # ---- on the session cluster --------------------------------------------------------------------
 
 
+def unbuildable():
+    raise ValueError("data.path: no such file 'missing.jsonl'")
+
+
 @pytest.mark.slow
 def test_group_payloads_are_owned_by_the_caller_and_outlive_their_generator(ray_cluster, tmp_path):
+    """Also: actors start together, and ``ready`` raises a factory's error as itself."""
     import ray
 
     from asyncrl.data.prompts import Prompt
@@ -136,6 +141,10 @@ def test_group_payloads_are_owned_by_the_caller_and_outlive_their_generator(ray_
     config = load_config(None, [*SMALL, RAY])
     runtime = RayRuntime(config.runtime)
     [handle] = runtime.spawn_generators(lambda: build_rollout_worker(config), 1)
+    [broken] = runtime.spawn_trainer_ranks(lambda rank, init_method: unbuildable, 1)
+    with pytest.raises(ValueError, match=r"^data.path: no such file 'missing.jsonl'$"):
+        runtime.ready()
+    runtime.ready()  # nothing left to wait for
     jobs = [RolloutJob(slot, Prompt(f"u{slot}", f"{slot}+1=", str(slot + 1)), 0, 0) for slot in range(2)]
 
     async def generate():
@@ -242,6 +251,7 @@ def test_a_generator_that_misses_a_broadcast_loads_rank0s_copy_and_the_broadcast
     try:
         [rank0] = runtime.spawn_trainer_ranks(lambda rank, init: partial(build_trainer_rank, config, rank, init), 1)
         [generator] = runtime.spawn_generators(partial(build_rollout_worker, config), 1)
+        runtime.ready()
         runtime.connect_broadcast(rank0, [generator], "gloo", 60.0)
         assert asyncio.run(sync(generator)) == "broadcast"
         before = asyncio.run(generate(generator))

@@ -404,6 +404,7 @@ class RayRuntime:
 
         self.cfg = cfg
         self.actors: list[Any] = []
+        self.builds: list[Any] = []  # workers being built in their actors: ``ready`` waits for them
         self.connected = not ray.is_initialized()
         if self.connected:
             options: dict[str, Any] = {}
@@ -423,7 +424,10 @@ class RayRuntime:
         self._controller_actor = ray.remote(ControllerActor)
 
     def spawn_generators(self, factory: Callable[[], Any], count: int) -> list[RayHandle]:
-        """``count`` rollout worker actors, each built by ``factory``, restarted when they die."""
+        """``count`` rollout worker actors, each built by ``factory``, restarted when they die.
+
+        Like ``spawn_trainer_ranks`` it returns once the builds are under way, so the actors of
+        both kinds start together; ``ready`` waits for them and raises a build's error."""
         actors = [
             self._worker_actor.options(
                 num_cpus=self.cfg.generator_cpus,
@@ -434,7 +438,7 @@ class RayRuntime:
             for _ in range(count)
         ]
         self.actors += actors
-        resolve([actor.build.remote() for actor in actors])
+        self.builds += [actor.build.remote() for actor in actors]
         return [RayHandle(actor, f"rollout worker {i}") for i, actor in enumerate(actors)]
 
     def spawn_trainer_ranks(self, build_rank: Callable[[int, str | None], Callable[[], Any]], world_size: int) -> list[RayHandle]:
@@ -452,8 +456,13 @@ class RayRuntime:
         if world_size > 1:
             ip, port = resolve([actors[0].node_address.remote()])[0]
             init_method = f"tcp://{ip}:{port}"
-        resolve([actor.build.remote(build_rank(rank, init_method), rank) for rank, actor in enumerate(actors)])
+        self.builds += [actor.build.remote(build_rank(rank, init_method), rank) for rank, actor in enumerate(actors)]
         return [RayHandle(actor, f"trainer rank {rank}", died=TrainerRankDiedError) for rank, actor in enumerate(actors)]
+
+    def ready(self) -> None:
+        """Wait until every spawned worker is built; a factory that raised raises here."""
+        builds, self.builds = self.builds, []
+        resolve(builds)
 
     def connect_broadcast(self, source: RayHandle, generators: Sequence[RayHandle], backend: str, timeout_s: float) -> None:
         """Form the weight broadcast group of trainer rank 0 (``source``) and the generators; from
