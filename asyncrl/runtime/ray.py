@@ -218,16 +218,17 @@ class WorkerActor:
     def receive_weights(self, layout: Layout, version: int) -> None:
         """Join rank 0's broadcast of ``version`` and load it."""
         worker = self._ready(None)
-        if self.member is None:
-            raise BroadcastError("this actor is not in the weight broadcast group (it was restarted)")
-        worker.load_weights(self.member.receive(layout), version)
+        worker.load_weights(self._member().receive(layout), version)
         self.weights_version = version
 
     def publish_weights(self, version: int) -> dict[str, Any]:
         """Rank 0's copy of the last version it broadcast, for a generator that missed it."""
+        return _to_arrays({name: tensor.cpu() for name, tensor in self._member().held(version).items()})
+
+    def _member(self) -> BroadcastMember:
         if self.member is None:
             raise BroadcastError("this actor is not in the weight broadcast group (it was restarted)")
-        return _to_arrays({name: tensor.cpu() for name, tensor in self.member.held(version).items()})
+        return self.member
 
     def _ready(self, sent: _SentWeights | None) -> Any:
         if self.worker is None:
