@@ -319,7 +319,12 @@ class SyncConfig(Section):
     mode: Literal["drain", "inflight"] = Field(
         "inflight", description="drain: wait for in-flight rollouts first; inflight: they finish on old weights"
     )
-    timeout_s: float = Field(600.0, gt=0.0, description="a sync slower than this fails the run")
+    timeout_s: float = Field(
+        600.0,
+        gt=0.0,
+        description="closing the rollout gate, exporting the weights or loading them into the generators taking "
+        "longer than this fails the run; waiting for running generation does not count",
+    )
     transport: Literal["auto", "object_store", "broadcast"] = Field(
         "auto",
         description="ray: how weights reach the generators; object_store: rank 0 exports to Ray's object store; "
