@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from asyncrl.config import LossConfig, ParallelConfig, TrainerConfig, load_config
+from asyncrl.generation import build_generator
 from asyncrl.generation.hf import sample_next
-from asyncrl.models import build_tiny_model, token_logprobs
+from asyncrl.models import build_model, build_tiny_model, build_tokenizer, token_logprobs
 from asyncrl.trainer import PolicyTrainer, policy
 from asyncrl.trainer.parallel import init_parallel, launch
 from asyncrl.verify import random_batch, rank_micro_batches
@@ -74,6 +75,17 @@ def test_bfloat16_trainer_keeps_float32_state_and_exports_bfloat16():
     assert {t.dtype for t in weights.values()} == {torch.bfloat16}
 
 
+def test_a_bfloat16_run_builds_float32_masters_a_bfloat16_generator_and_corrects_the_difference():
+    config = load_config(None, ["model.num_layers=1", "trainer.dtype=bfloat16", "sampler.max_lag=0"])
+    tokenizer = build_tokenizer(config)
+    model = build_model(config, tokenizer)
+    generator = build_generator(config, copy.deepcopy(model), tokenizer)
+    trainer = PolicyTrainer.from_config(config, model)
+    assert {p.dtype for p in trainer.model.parameters()} == {torch.float32}
+    assert {p.dtype for p in generator.model.parameters()} == {torch.bfloat16}
+    assert trainer.terms.is_mode == "tis"
+
+
 def fsdp_updates(rank: int, world_size: int) -> bytes:
     out = {dtype: relative_updates(dtype, init_parallel(ParallelConfig(dp=2))) for dtype in ("float32", "bfloat16")}
     buffer = io.BytesIO()
@@ -102,6 +114,12 @@ def test_trainer_scores_the_distribution_the_generator_samples_from():
         untempered, _ = token_logprobs(model, torch.cat([ids, tokens[:, None]], 1), torch.ones(3, 7))
     torch.testing.assert_close(scored[:, -1], sampled, rtol=1e-12, atol=1e-12)
     assert (untempered[:, -1] - sampled).abs().max() > 1e-2  # the twin: scoring at temperature 1
+
+
+@pytest.mark.parametrize("temperature, scored", [(0.7, 0.7), (1.0, 1.0), (0.0, 1.0)])
+def test_the_trainer_takes_the_sampling_temperature(temperature, scored):
+    config = load_config(None, ["model.num_layers=1", f"generation.temperature={temperature}"])
+    assert PolicyTrainer.from_config(config, build_model(config, build_tokenizer(config))).temperature == scored
 
 
 @pytest.mark.slow
