@@ -7,12 +7,13 @@ import io
 
 import pytest
 import torch
+from torch.utils.checkpoint import checkpoint
 
 from asyncrl.config import LossConfig, ParallelConfig, TrainerConfig, load_config
 from asyncrl.generation import build_generator
 from asyncrl.generation.hf import sample_next
 from asyncrl.models import build_model, build_tiny_model, build_tokenizer, token_logprobs
-from asyncrl.trainer import PolicyTrainer, policy
+from asyncrl.trainer import PolicyTrainer, policy, recompute
 from asyncrl.trainer.parallel import init_parallel, launch
 from asyncrl.verify import random_batch, rank_micro_batches
 
@@ -88,17 +89,25 @@ def test_a_bfloat16_run_builds_float32_masters_a_bfloat16_generator_and_corrects
 
 def fsdp_updates(rank: int, world_size: int) -> bytes:
     out = {dtype: relative_updates(dtype, init_parallel(ParallelConfig(dp=2))) for dtype in ("float32", "bfloat16")}
+    model = dropout_model()
+    batch = random_batch(model, num_groups=2, group_size=4, vocab_size=VOCAB, seed=0)
+    batch = rank_micro_batches(batch, dp=2, dp_rank=rank, micro_batches=1, seed=0)[0]
+    for name, fields in (("plain", {}), ("recomputed", {"activation_checkpointing": True})):
+        out[name] = gradients(copy.deepcopy(model), batch, init_parallel(ParallelConfig(dp=2)), **fields)
     buffer = io.BytesIO()
     torch.save(out, buffer)
     return buffer.getvalue()
 
 
 @pytest.mark.slow
-def test_bfloat16_on_two_fsdp_ranks_trains_float32_masters_like_float32():
+def test_on_two_fsdp_ranks_bfloat16_trains_float32_masters_and_recomputation_keeps_gradients():
     for payload in launch(fsdp_updates, 2):
         out = torch.load(io.BytesIO(payload))
         assert moved_like(out["bfloat16"], out["float32"]) == []
         assert all(out["bfloat16"][name] > 0 for name in out["bfloat16"] if "norm" in name)
+        assert out["plain"].keys() == out["recomputed"].keys()
+        for name, grad in out["plain"].items():
+            torch.testing.assert_close(out["recomputed"][name], grad, rtol=1e-12, atol=1e-14)
 
 
 # ---- the sampling temperature --------------------------------------------------------------------
@@ -179,20 +188,29 @@ def test_an_on_policy_step_has_ratio_exactly_one_with_dropout_configured():
     assert abs(on_policy_step(train_mode=True).metrics["ratio_mean"] - 1) > 1e-3
 
 
-def gradients(model, batch, **trainer_fields):
-    trainer = trainer_for(model, "float64", **trainer_fields)
+def gradients(model, batch, parallel=None, **trainer_fields):
+    """Each parameter's whole gradient after one micro-batch (gathered from FSDP shards)."""
+    trainer = trainer_for(model, "float64", parallel, **trainer_fields)
     trainer.begin_train_step()
     trainer.train_microbatch(batch)
-    grads = {name: p.grad.clone() for name, p in trainer.model.named_parameters()}
+    grads = {name: policy._full(p.grad).clone() for name, p in trainer.model.named_parameters()}
     trainer.abort_train_step()
     return grads
 
 
-def test_activation_checkpointing_gives_the_same_gradients():
+def test_activation_checkpointing_gives_the_same_gradients(monkeypatch):
     model = dropout_model()
     batch = random_batch(model, num_groups=2, group_size=4, vocab_size=VOCAB, seed=0)
     plain = gradients(copy.deepcopy(model), batch)
+    checkpointed = []
+
+    def counting_checkpoint(*args, **kwargs):
+        checkpointed.append(args[1])
+        return checkpoint(*args, **kwargs)
+
+    monkeypatch.setattr(recompute, "checkpoint", counting_checkpoint)
     recomputed = gradients(copy.deepcopy(model), batch, activation_checkpointing=True)
+    assert len(checkpointed) == len(model.model.layers)  # every block, once: the check is not vacuous
     assert plain.keys() == recomputed.keys()
     for name, grad in plain.items():
         torch.testing.assert_close(recomputed[name], grad, rtol=1e-12, atol=1e-14)
