@@ -28,8 +28,8 @@ from torch import Tensor, nn
 from asyncrl.algorithms import grpo
 from asyncrl.config import LossConfig, RunConfig, TrainerConfig
 from asyncrl.models import token_logprobs
-from asyncrl.trainer.recompute import checkpoint_activations
 from asyncrl.trainer.optim import build_optimizer, build_scheduler
+from asyncrl.trainer.recompute import checkpoint_activations
 from asyncrl.types import TrainBatch
 
 if TYPE_CHECKING:
