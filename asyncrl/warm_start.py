@@ -20,7 +20,7 @@ from safetensors.torch import load_model, save_model
 from torch import nn
 
 from asyncrl.config import WarmStartConfig
-from asyncrl.data import Prompt
+from asyncrl.data import Prompt, encode_prompts
 from asyncrl.models.logprobs import token_logprobs
 
 
@@ -69,7 +69,7 @@ def warm_start(
 
 def _encode(tokenizer, prompt: Prompt) -> tuple[list[int], int]:
     """(prompt + answer + eos token ids, number of prompt tokens)."""
-    prompt_ids = tokenizer(prompt.text, add_special_tokens=False)["input_ids"]
+    prompt_ids = encode_prompts([prompt.text], tokenizer)[0]
     answer_ids = tokenizer(prompt.answer, add_special_tokens=False)["input_ids"]
     return prompt_ids + answer_ids + [tokenizer.eos_token_id], len(prompt_ids)
 
