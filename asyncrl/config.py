@@ -319,10 +319,18 @@ class SyncConfig(Section):
     )
 
 
+TINY_WARM_START_STEPS = 300
+
+
 class WarmStartConfig(Section):
     """A short supervised warm start on the train split, cached on disk, before GRPO begins."""
 
-    steps: int = Field(300, ge=0, description="supervised steps; 0 skips the warm start")
+    steps: int | None = Field(
+        None,
+        ge=0,
+        description="supervised steps; 0 skips the warm start; null: 300 for the built-in tiny model, 0 with model.path "
+        "(a pretrained model would lose its own skills to it), so a checkpoint warm-starts only when this is set",
+    )
     lr: float = Field(3e-3, gt=0.0, description="warm start learning rate")
     batch_size: int = Field(64, ge=1, description="examples per warm start step")
     cache_dir: str = Field("~/.cache/asyncrl/warm_start", description="where warm-started weights are cached")
@@ -392,6 +400,12 @@ class RunConfig(Section):
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
     faults: FaultsConfig = Field(default_factory=FaultsConfig)
+
+    @model_validator(mode="after")
+    def _warm_start_steps(self) -> RunConfig:
+        if self.warm_start.steps is None:
+            self.warm_start.steps = 0 if self.model.path is not None else TINY_WARM_START_STEPS
+        return self
 
     @model_validator(mode="after")
     def _sampler_capacity(self) -> RunConfig:
