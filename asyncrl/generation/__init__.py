@@ -8,10 +8,12 @@ from asyncrl.config import RunConfig
 from asyncrl.generation.base import Generator, SampleRequest, SamplingParams, sample_seed
 from asyncrl.generation.hf import HFGenerator
 from asyncrl.models.factory import DTYPES
+from asyncrl.models.hf import stop_token_ids
 
 
 def build_generator(config: RunConfig, model: PreTrainedModel, tokenizer) -> Generator:
-    """The backend ``generation.backend`` names (only "hf" today), batch size from ``generation``.
+    """The backend ``generation.backend`` names (only "hf" today), batch size from ``generation``,
+    stopping on every end token the tokenizer and ``model.path`` declare.
 
     The generator owns ``model``: pass a copy if the trainer keeps training its own. It runs in
     ``trainer.dtype``, the trainer's compute dtype, which is also the dtype of exported weights.
@@ -23,7 +25,7 @@ def build_generator(config: RunConfig, model: PreTrainedModel, tokenizer) -> Gen
     pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     return HFGenerator(
         model.to(DTYPES[config.trainer.dtype]),
-        eos_token_id=tokenizer.eos_token_id,
+        stop_token_ids=stop_token_ids(tokenizer, config.model.path),
         pad_token_id=pad_token_id,
         batch_size=config.generation.batch_size,
     )
