@@ -1,4 +1,4 @@
-"""Checkpoints: atomic on disk, exact on resume.
+"""Checkpoints: atomic on disk, checked on load, exact on resume.
 
 A checkpoint is a directory ``<run>/checkpoints/step-<V>/`` holding
 
@@ -6,26 +6,43 @@ A checkpoint is a directory ``<run>/checkpoints/step-<V>/`` holding
   ``AutoModelForCausalLM.from_pretrained`` works on it directly;
 - ``state.pt``: optimizer, scheduler, RNG and version of the trainer, the sampler, the prompt
   loader, the ready buffer groups and any prompt still waiting for its rollout, all tensors and
-  plain Python so it loads with ``torch.load(weights_only=True)``.
+  plain Python so it loads with ``torch.load(weights_only=True)``;
+- ``manifest.json``: the size and SHA-256 of every other file, written last. A file that was cut
+  short, emptied or altered after the save no longer matches, so it is refused by name before
+  anything is parsed (docs/reliability.md).
 
 It is written into a temporary directory and renamed into place, and ``latest`` is rewritten the
-same way afterwards, so a crash at any moment leaves the previous checkpoint intact.
+same way afterwards, so a crash at any moment leaves the previous checkpoint intact. Saving a step
+that already has a checkpoint writes a new directory (``step-<V>-1``, ...) and removes the old one
+only once ``latest`` names the new one, so ``latest`` always names a whole checkpoint.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
+import pickle
 import shutil
 from pathlib import Path
 from typing import Callable
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file
 from torch import nn
 
+from asyncrl.config import ConfigError
+
 STATE_FILE = "state.pt"
 WEIGHTS_FILE = "model.safetensors"
+MANIFEST_FILE = "manifest.json"
 LATEST_FILE = "latest"
+SHOWN_CHARS = 80  # a damaged name read back from disk is echoed at most this long
+
+
+class CheckpointError(ConfigError):
+    """A checkpoint that is missing, damaged or does not fit the run: one line naming the file."""
 
 
 def checkpoint_root(run_dir: str | Path) -> Path:
@@ -41,10 +58,9 @@ def save_checkpoint(
     state: dict,
     keep_last: int,
 ) -> Path:
-    """Write checkpoint ``step`` atomically, point ``latest`` at it, keep the newest ``keep_last``."""
+    """Write checkpoint ``step`` atomically, point ``latest`` at it, keep the newest ``keep_last`` steps."""
     root = checkpoint_root(run_dir)
     root.mkdir(parents=True, exist_ok=True)
-    final = root / f"step-{step:06d}"
     for stale in root.glob(".tmp-step-*"):  # left by a writer that died mid-write; one run, one writer
         shutil.rmtree(stale, ignore_errors=True)
     tmp = root / f".tmp-step-{step:06d}-{os.getpid()}"
@@ -52,46 +68,186 @@ def save_checkpoint(
     write_model(tmp)
     tokenizer.save_pretrained(tmp)
     torch.save(state, tmp / STATE_FILE)
-    if final.exists():
-        shutil.rmtree(final)
+    _write_manifest(tmp)
+    final = _free_name(root, step)
     os.replace(tmp, final)
     _write_text_atomic(root / LATEST_FILE, final.name)
-    for old in sorted(p for p in root.glob("step-*") if p.is_dir())[:-keep_last]:
+    superseded = [p for p in _step_dirs(root) if _step_of(p) == step and p != final]
+    for old in superseded:
         shutil.rmtree(old)
+    steps = sorted({_step_of(p) for p in _step_dirs(root)})
+    for old in _step_dirs(root):
+        if _step_of(old) in steps[:-keep_last]:
+            shutil.rmtree(old)
     return final
 
 
-def resolve_checkpoint(path: str | Path) -> Path:
-    """A checkpoint directory from itself, its run directory, or the run's checkpoints folder."""
+def _free_name(root: Path, step: int) -> Path:
+    """``step-<V>``, or ``step-<V>-<k>`` with the first unused k when step V was saved before."""
+    final, k = root / f"step-{step:06d}", 0
+    while final.exists():
+        k += 1
+        final = root / f"step-{step:06d}-{k}"
+    return final
+
+
+def _step_dirs(root: Path) -> list[Path]:
+    return sorted((p for p in root.glob("step-*") if p.is_dir() and _step_of(p) is not None), key=_save_order)
+
+
+def _step_of(path: Path) -> int | None:
+    digits = path.name.removeprefix("step-").split("-")[0]
+    return int(digits) if digits.isdigit() else None
+
+
+def _save_order(path: Path) -> tuple[int, int]:
+    """(step, re-save number): the order the directories were written in."""
+    parts = path.name.removeprefix("step-").split("-")
+    return int(parts[0]), int(parts[1]) if len(parts) > 1 and parts[1].isdigit() else 0
+
+
+def _write_manifest(directory: Path) -> None:
+    files = {
+        p.name: {"bytes": p.stat().st_size, "sha256": _sha256(p)}
+        for p in sorted(directory.iterdir())
+        if p.is_file() and p.name != MANIFEST_FILE
+    }
+    (directory / MANIFEST_FILE).write_text(json.dumps({"files": files}, indent=1) + "\n")
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def verify_checkpoint(directory: Path) -> None:
+    """Raise ``CheckpointError`` naming the first file that is missing or differs from what was saved."""
+    manifest = directory / MANIFEST_FILE
+    if not manifest.is_file():
+        raise CheckpointError(f"{MANIFEST_FILE} is missing, so the checkpoint's files cannot be checked")
+    try:
+        files = json.loads(manifest.read_bytes())["files"]
+        entries = [(name, int(entry["bytes"]), str(entry["sha256"])) for name, entry in files.items()]
+    except (ValueError, TypeError, KeyError, AttributeError):
+        raise CheckpointError(f"{MANIFEST_FILE} is damaged (not a manifest of file sizes and checksums)") from None
+    if not any(name == STATE_FILE for name, _, _ in entries) or not any(name == WEIGHTS_FILE for name, _, _ in entries):
+        raise CheckpointError(f"{MANIFEST_FILE} is damaged (it does not list {STATE_FILE} and {WEIGHTS_FILE})")
+    for name, size, sha256 in entries:
+        path = directory / name
+        if Path(name).name != name or not path.is_file():
+            raise CheckpointError(f"{_shown(name)} is missing")
+        if path.stat().st_size != size:
+            raise CheckpointError(f"{name} is damaged ({path.stat().st_size} bytes; {size} were saved)")
+        if _sha256(path) != sha256:
+            raise CheckpointError(f"{name} is damaged (its SHA-256 differs from the one saved with it)")
+
+
+def resolve_checkpoint(path: str | Path, option: str = "--resume") -> Path:
+    """A checked checkpoint directory from itself, its run directory, or the run's checkpoints
+    folder. ``option`` names the command-line option in errors; a damaged checkpoint's error
+    names the newest intact one of the same run, which ``option`` can then name directly."""
     path = Path(path).expanduser()
-    candidates = [path, path / "checkpoints"]
-    for candidate in candidates:
-        if (candidate / STATE_FILE).is_file():
+    for candidate in (path, path / "checkpoints"):
+        if (candidate / STATE_FILE).is_file() or (candidate / MANIFEST_FILE).is_file():
+            _checked(candidate, option, named=True)
             return candidate
         latest = candidate / LATEST_FILE
         if latest.is_file():
-            target = candidate / latest.read_text().strip()
-            if (target / STATE_FILE).is_file():
-                return target
-    raise FileNotFoundError(f"--resume: no checkpoint found in '{path}' (expected {STATE_FILE} or checkpoints/{LATEST_FILE})")
+            name = latest.read_bytes().decode("utf-8", "replace").strip()
+            target = candidate / name
+            if not name or "/" in name or not target.is_dir():
+                raise CheckpointError(
+                    f"{option}: {latest} names '{_shown(name)}', which is not a checkpoint{_intact_hint(candidate, option)}"
+                )
+            _checked(target, option, named=False)
+            return target
+    raise CheckpointError(f"{option}: no checkpoint found in '{path}' (expected {STATE_FILE} or checkpoints/{LATEST_FILE})")
+
+
+def _checked(directory: Path, option: str, *, named: bool) -> None:
+    try:
+        verify_checkpoint(directory)
+    except CheckpointError as err:
+        hint = "" if named else _intact_hint(directory.parent, option, skip=directory)
+        raise CheckpointError(f"{option}: checkpoint {directory}: {err}{hint}") from None
+
+
+def _intact_hint(root: Path, option: str, skip: Path | None = None) -> str:
+    """'; the newest intact one is ...' for the other checkpoints of the run, newest first."""
+    for other in reversed(_step_dirs(root)):
+        if other == skip:
+            continue
+        try:
+            verify_checkpoint(other)
+        except CheckpointError:
+            continue
+        return f"; the newest intact checkpoint is {other.name}: continue from it with {option} {other}"
+    return "; no other checkpoint of this run is intact"
 
 
 def load_state(checkpoint_dir: Path) -> dict:
-    return torch.load(checkpoint_dir / STATE_FILE, weights_only=True)
+    """``state.pt`` as tensors and plain values; anything else is refused unexecuted, by name."""
+    path = Path(checkpoint_dir) / STATE_FILE
+    try:
+        state = torch.load(path, weights_only=True)
+    except pickle.UnpicklingError:
+        raise CheckpointError(
+            f"{path}: holds objects other than tensors and plain values; refused, and nothing in it was run"
+        ) from None
+    except Exception as err:
+        raise CheckpointError(f"{path}: cannot be read ({type(err).__name__})") from None
+    if not isinstance(state, dict):
+        raise CheckpointError(f"{path}: holds a {type(state).__name__}, not a checkpoint state")
+    return state
+
+
+def load_run_state(checkpoint_dir: Path) -> dict:
+    """The state of a training run: ``load_state`` with its two parts present."""
+    state = load_state(checkpoint_dir)
+    if not all(isinstance(state.get(part), dict) for part in ("trainer", "run")):
+        raise CheckpointError(f"{Path(checkpoint_dir) / STATE_FILE}: not an asyncrl run state (no 'trainer' and 'run' parts)")
+    return state
+
+
+def read_weights(model: nn.Module, checkpoint_dir: Path, device: str = "cpu") -> dict[str, torch.Tensor]:
+    """``model.safetensors`` as tensors, after checking each one's shape against ``model``."""
+    path = Path(checkpoint_dir) / WEIGHTS_FILE
+    expected = {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}
+    try:
+        with safe_open(path, framework="pt") as f:
+            shapes = {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}
+        for name, shape in shapes.items():
+            if name in expected and shape != expected[name]:
+                raise CheckpointError(
+                    f"{path}: does not fit the configured model: {name} is {list(shape)} there and "
+                    f"{list(expected[name])} here; set model.* as in the run that saved it"
+                )
+        return load_file(path, device=device)
+    except CheckpointError:
+        raise
+    except Exception as err:
+        raise CheckpointError(f"{path}: cannot be read as safetensors ({type(err).__name__})") from None
 
 
 def load_weights(model: nn.Module, checkpoint_dir: Path) -> None:
     """Load ``model.safetensors`` into ``model``; tied weights that HF leaves out stay tied."""
-    weights = load_file(checkpoint_dir / WEIGHTS_FILE, device=str(next(model.parameters()).device))
+    weights = read_weights(model, checkpoint_dir, device=str(next(model.parameters()).device))
     missing, unexpected = model.load_state_dict(weights, strict=False)
     params = model.state_dict()
     loaded_storage = {params[name].data_ptr() for name in weights if name in params}
     untied = [name for name in missing if params[name].data_ptr() not in loaded_storage]
     if unexpected or untied:
-        raise ValueError(
+        raise CheckpointError(
             f"checkpoint {checkpoint_dir}: weights do not match the model "
             f"(missing {untied[:5]}, unexpected {unexpected[:5]})"
         )
+
+
+def _shown(text: str) -> str:
+    return text if len(text) <= SHOWN_CHARS else text[:SHOWN_CHARS] + "..."
 
 
 def _write_text_atomic(path: Path, text: str) -> None:

@@ -330,8 +330,12 @@ def bench_report(
     typer.echo(str(write))
 
 
+MAX_MESSAGE_CHARS = 2000  # a message that echoes input back is cut here, whatever the input
+
+
 def _one_line(message: str) -> str:
-    return " ".join(message.split())
+    line = " ".join(message.split())
+    return line if len(line) <= MAX_MESSAGE_CHARS else line[:MAX_MESSAGE_CHARS] + " ..."
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -18,7 +18,7 @@ import torch
 import transformers
 
 from asyncrl.buffer import ReplayBuffer
-from asyncrl.checkpoint import load_state, load_weights, resolve_checkpoint
+from asyncrl.checkpoint import load_run_state, load_weights, resolve_checkpoint
 from asyncrl.config import ConfigError, RunConfig, dump_config
 from asyncrl.controller import SingleController
 from asyncrl.data import PromptLoader, build_task, check_prompt_lengths
@@ -43,20 +43,19 @@ def train(config: RunConfig, *, resume: str | Path | None = None, console: Any =
     """Run GRPO to the end; returns the summary that is also written to ``summary.json``."""
     start = time.perf_counter()
     checkpoint_dir = _input(resolve_checkpoint, resume) if resume is not None else None
+    state = _input(load_run_state, checkpoint_dir) if checkpoint_dir is not None else None
     run_dir = run_directory(config, resuming=checkpoint_dir is not None)
     config = config.model_copy(update={"logging": config.logging.model_copy(update={"output_dir": str(run_dir)})})
     tokenizer = _input(build_tokenizer, config)
     model = _input(build_model, config, tokenizer)
     task = _checked_task(config, tokenizer, model)
     rewards = _input(RewardRunner.from_config, config.rewards, task)
-    state = load_state(checkpoint_dir) if checkpoint_dir is not None else None
-    run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(dump_config(config))
     torch.manual_seed(config.seed)
     torch.set_num_threads(local_torch_threads(config))
     transformers.utils.logging.disable_progress_bar()  # checkpoint saves would print bars over the display
     progress = ProgressDisplay(config.grpo.max_steps, enabled=config.logging.progress, console=console)
-    metrics = None if config.runtime.controller_actor else _metrics_writer(config, state)
+    metrics = None if config.runtime.controller_actor else _input(_metrics_writer, config, state)
     runtime = _input(build_runtime, config)
     try:
         with progress:
@@ -197,15 +196,23 @@ def _metrics_writer(config: RunConfig, state: dict | None) -> MetricsWriter:
 
 
 def run_directory(config: RunConfig, *, resuming: bool) -> Path:
-    """``logging.output_dir``, or a new ``runs/<date>-<time>``; a fresh run never reuses another's."""
+    """``logging.output_dir``, or a new ``runs/<date>-<time>``, created; a fresh run never reuses
+    another's, and a path that cannot be a directory is refused before anything is built."""
     if config.logging.output_dir is None:
-        return Path("runs") / time.strftime("%Y%m%d-%H%M%S")
-    run_dir = Path(config.logging.output_dir).expanduser()
+        run_dir = Path("runs") / time.strftime("%Y%m%d-%H%M%S")
+    else:
+        run_dir = Path(config.logging.output_dir).expanduser()
     if not resuming and any((run_dir / name).exists() for name in ("metrics.jsonl", "checkpoints")):
         raise ConfigError(
             f"logging.output_dir: '{run_dir}' already holds a run; resume it with --resume {run_dir} "
             "or choose another --output-dir"
         )
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:
+        raise ConfigError(f"logging.output_dir: '{run_dir}' or a parent of it is a file, not a directory") from None
+    except OSError as err:
+        raise ConfigError(f"logging.output_dir: cannot create '{run_dir}' ({err.strerror or err})") from None
     return run_dir
 
 
@@ -250,11 +257,12 @@ def _summary(run_dir: Path, steps_done: int, wall_seconds: float) -> dict:
 
 def evaluate(config: RunConfig, *, checkpoint: str | Path | None = None) -> dict:
     """Greedy held-out accuracy of the config's policy (warm start included) or of a checkpoint."""
+    checkpoint_dir = _input(resolve_checkpoint, checkpoint, "--checkpoint") if checkpoint is not None else None
     tokenizer = _input(build_tokenizer, config)
     model = _input(build_model, config, tokenizer)
     task = _checked_task(config, tokenizer, model)
-    if checkpoint is not None:
-        load_weights(model, _input(resolve_checkpoint, checkpoint))
+    if checkpoint_dir is not None:
+        _input(load_weights, model, checkpoint_dir)
     else:
         warm_start(model, tokenizer, task.train, config.warm_start, seed=config.seed)
     rewards = _input(RewardRunner.from_config, config.rewards, task)

@@ -4,7 +4,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from asyncrl.checkpoint import load_state, load_weights, resolve_checkpoint, save_checkpoint
+from asyncrl.checkpoint import CheckpointError, load_state, load_weights, resolve_checkpoint, save_checkpoint
 from asyncrl.models import build_char_tokenizer, build_tiny_model
 
 TOKENIZER = build_char_tokenizer()
@@ -59,5 +59,5 @@ def test_weights_load_with_transformers_and_back_into_a_model(tmp_path):
 
 
 def test_missing_checkpoint_is_a_one_line_error(tmp_path):
-    with pytest.raises(FileNotFoundError, match="--resume: no checkpoint found"):
+    with pytest.raises(CheckpointError, match="--resume: no checkpoint found"):
         resolve_checkpoint(tmp_path)
