@@ -382,6 +382,9 @@ class FaultsConfig(Section):
     failing_prompts: list[str] = Field(
         default_factory=list, description="prompt uids whose generation raises on every attempt"
     )
+    eval_errors: list[int] = Field(
+        default_factory=list, description="evaluation calls of a rollout worker (0-based, in call order) that raise"
+    )
     hang_generate_calls: list[int] = Field(
         default_factory=list, description="generation calls of a rollout worker that hang for hang_s first"
     )

@@ -21,7 +21,7 @@ from asyncrl.buffer import ReplayBuffer
 from asyncrl.checkpoint import load_run_state, load_weights, resolve_checkpoint
 from asyncrl.config import ConfigError, RunConfig, dump_config
 from asyncrl.controller import SingleController
-from asyncrl.data import PromptLoader, build_task, check_prompt_lengths
+from asyncrl.data import PromptLoader, build_task, check_encodable, check_prompt_lengths
 from asyncrl.faults import inject_rollout_faults, inject_trainer_faults
 from asyncrl.generation import SamplingParams, build_generator
 from asyncrl.metrics import MetricsWriter, ProgressDisplay, read_jsonl, write_json_atomic
@@ -119,8 +119,10 @@ def local_torch_threads(config: RunConfig) -> int:
 
 
 def _checked_task(config: RunConfig, tokenizer: Any, model: Any) -> Any:
-    """The run's prompts, each checked to leave room for its response in the model's context."""
+    """The run's prompts, each checked to survive the tokenizer unchanged and to leave room for its
+    response in the model's context."""
     task = _input(build_task, config.data, tokenizer)
+    _input(check_encodable, task, config.data, tokenizer)
     _input(check_prompt_lengths, task, config, tokenizer, getattr(model.config, "max_position_embeddings", None))
     return task
 
