@@ -226,10 +226,15 @@ def _input(build: Callable[..., T], *args: Any) -> T:
         raise ConfigError(" ".join(str(err).split())) from None
 
 
-def resumed_config_path(resume: str | Path) -> Path:
+def resumed_run_dir(resume: str | Path) -> Path:
+    """The run directory of the checkpoint ``--resume`` names: the resumed run writes there, even
+    when the directory was moved since."""
+    return _input(resolve_checkpoint, resume).parent.parent
+
+
+def resumed_config_path(run_dir: Path) -> Path:
     """The config a run saved beside its checkpoints: a resumed run continues with it."""
-    checkpoint_dir = _input(resolve_checkpoint, resume)
-    path = checkpoint_dir.parent.parent / "config.yaml"
+    path = run_dir / "config.yaml"
     if not path.is_file():
         raise ConfigError(f"--resume: no config.yaml in the run directory {path.parent}; pass --config")
     return path
