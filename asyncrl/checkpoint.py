@@ -11,10 +11,11 @@ A checkpoint is a directory ``<run>/checkpoints/step-<V>/`` holding
   short, emptied or altered after the save no longer matches, so it is refused by name before
   anything is parsed (docs/reliability.md).
 
-It is written into a temporary directory and renamed into place, and ``latest`` is rewritten the
-same way afterwards, so a crash at any moment leaves the previous checkpoint intact. Saving a step
-that already has a checkpoint writes a new directory (``step-<V>-1``, ...) and removes the old one
-only once ``latest`` names the new one, so ``latest`` always names a whole checkpoint.
+It is written into a temporary directory and renamed into place, and ``latest`` (its name, for
+other tools) is rewritten the same way afterwards, so a crash at any moment leaves the previous
+checkpoint intact. Saving a step that already has a checkpoint writes a new directory
+(``step-<V>-1``, ...) and removes the old one only after that, so a whole checkpoint of the step
+exists at every instant. A run resumes from its newest ``step-*`` directory.
 """
 
 from __future__ import annotations
@@ -38,7 +39,6 @@ STATE_FILE = "state.pt"
 WEIGHTS_FILE = "model.safetensors"
 MANIFEST_FILE = "manifest.json"
 LATEST_FILE = "latest"
-SHOWN_CHARS = 80  # a damaged name read back from disk is echoed at most this long
 
 
 class CheckpointError(ConfigError):
@@ -112,7 +112,12 @@ def _write_manifest(directory: Path) -> None:
         for p in sorted(directory.iterdir())
         if p.is_file() and p.name != MANIFEST_FILE
     }
-    (directory / MANIFEST_FILE).write_text(json.dumps({"files": files}, indent=1) + "\n")
+    (directory / MANIFEST_FILE).write_text(_manifest_text(files))
+
+
+def _manifest_text(files: dict) -> str:
+    """The one way a manifest is written, so a changed byte that still parses is caught too."""
+    return json.dumps({"files": files}, indent=1) + "\n"
 
 
 def _sha256(path: Path) -> str:
@@ -128,43 +133,43 @@ def verify_checkpoint(directory: Path) -> None:
     manifest = directory / MANIFEST_FILE
     if not manifest.is_file():
         raise CheckpointError(f"{MANIFEST_FILE} is missing, so the checkpoint's files cannot be checked")
+    text = manifest.read_bytes()
     try:
-        files = json.loads(manifest.read_bytes())["files"]
+        files = json.loads(text)["files"]
         entries = [(name, int(entry["bytes"]), str(entry["sha256"])) for name, entry in files.items()]
+        written = _manifest_text(files).encode() == text
     except (ValueError, TypeError, KeyError, AttributeError):
-        raise CheckpointError(f"{MANIFEST_FILE} is damaged (not a manifest of file sizes and checksums)") from None
+        written = False
+    if not written:
+        raise CheckpointError(f"{MANIFEST_FILE} is damaged (not a manifest of file sizes and checksums as asyncrl writes it)")
     if not any(name == STATE_FILE for name, _, _ in entries) or not any(name == WEIGHTS_FILE for name, _, _ in entries):
         raise CheckpointError(f"{MANIFEST_FILE} is damaged (it does not list {STATE_FILE} and {WEIGHTS_FILE})")
     for name, size, sha256 in entries:
         path = directory / name
         if Path(name).name != name or not path.is_file():
-            raise CheckpointError(f"{_shown(name)} is missing")
+            raise CheckpointError(f"{name[:80]} is missing ({MANIFEST_FILE} lists it)")
         if path.stat().st_size != size:
-            raise CheckpointError(f"{name} is damaged ({path.stat().st_size} bytes; {size} were saved)")
+            raise CheckpointError(f"{name} is damaged ({path.stat().st_size} bytes; {MANIFEST_FILE} says {size} were saved)")
         if _sha256(path) != sha256:
-            raise CheckpointError(f"{name} is damaged (its SHA-256 differs from the one saved with it)")
+            raise CheckpointError(f"{name} is damaged (its SHA-256 differs from the one {MANIFEST_FILE} holds)")
 
 
 def resolve_checkpoint(path: str | Path, option: str = "--resume") -> Path:
-    """A checked checkpoint directory from itself, its run directory, or the run's checkpoints
-    folder. ``option`` names the command-line option in errors; a damaged checkpoint's error
-    names the newest intact one of the same run, which ``option`` can then name directly."""
+    """A checked checkpoint directory: ``path`` itself, or the newest ``step-*`` directory of
+    ``path`` or ``path/checkpoints``. The newest directory is whole (each one is renamed into place
+    complete), so a crash before ``latest`` was rewritten, or a damaged ``latest``, loses nothing.
+    ``option`` names the command-line option in errors; a damaged checkpoint's error names the
+    newest intact one of the same run, which ``option`` can then name directly."""
     path = Path(path).expanduser()
     for candidate in (path, path / "checkpoints"):
         if (candidate / STATE_FILE).is_file() or (candidate / MANIFEST_FILE).is_file():
             _checked(candidate, option, named=True)
             return candidate
-        latest = candidate / LATEST_FILE
-        if latest.is_file():
-            name = latest.read_bytes().decode("utf-8", "replace").strip()
-            target = candidate / name
-            if not name or "/" in name or not target.is_dir():
-                raise CheckpointError(
-                    f"{option}: {latest} names '{_shown(name)}', which is not a checkpoint{_intact_hint(candidate, option)}"
-                )
-            _checked(target, option, named=False)
-            return target
-    raise CheckpointError(f"{option}: no checkpoint found in '{path}' (expected {STATE_FILE} or checkpoints/{LATEST_FILE})")
+        saved = _step_dirs(candidate)
+        if saved:
+            _checked(saved[-1], option, named=False)
+            return saved[-1]
+    raise CheckpointError(f"{option}: no checkpoint found in '{path}' (expected {STATE_FILE} or checkpoints/step-*)")
 
 
 def _checked(directory: Path, option: str, *, named: bool) -> None:
@@ -244,10 +249,6 @@ def load_weights(model: nn.Module, checkpoint_dir: Path) -> None:
             f"checkpoint {checkpoint_dir}: weights do not match the model "
             f"(missing {untied[:5]}, unexpected {unexpected[:5]})"
         )
-
-
-def _shown(text: str) -> str:
-    return text if len(text) <= SHOWN_CHARS else text[:SHOWN_CHARS] + "..."
 
 
 def _write_text_atomic(path: Path, text: str) -> None:
