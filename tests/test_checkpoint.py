@@ -93,5 +93,5 @@ def test_resaving_a_step_leaves_a_whole_checkpoint_at_every_instant(tmp_path, mo
         assert load_state(resolve_checkpoint(run_dir))["step"] == 1
     assert calls == ["replace", "replace", "rmtree"]  # into place, latest, the superseded one
     save_checkpoint(run_dir, 1, write_model=model.save_pretrained, tokenizer=TOKENIZER, state={"step": 1, "again": True}, keep_last=2)
-    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["latest", "step-000001-1"]
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["latest", "step-000001-2"]  # both older ones gone
     assert load_state(resolve_checkpoint(run_dir))["again"]
