@@ -612,3 +612,23 @@ def test_each_class_through_the_installed_console_script(run_dir, tmp_path, case
     assert proc.stderr.startswith("error: ") and proc.stderr.count("\n") == 1 and len(proc.stderr) < 2100
     assert expected in proc.stderr and "Traceback" not in proc.stderr + proc.stdout
     assert not (tmp_path / "code-ran").exists()
+
+
+def test_a_damaged_tokenizer_directory_or_warm_start_cache_is_named(tmp_path, capsys):
+    from asyncrl.models.tokenizer import build_char_tokenizer
+
+    tokenizer_dir = tmp_path / "tokenizer"
+    build_char_tokenizer().save_pretrained(tokenizer_dir)
+    tokenizer_json = tokenizer_dir / "tokenizer.json"
+    tokenizer_json.write_bytes(tokenizer_json.read_bytes()[:100])
+    assert train_error(capsys, tmp_path, f"tokenizer.path={tokenizer_dir}").startswith(
+        f"{tokenizer_dir}: cannot be loaded as a tokenizer (JSONDecodeError: "
+    )
+    cache = tmp_path / "cache"
+    warm = [*SMALL, "warm_start.steps=1", "warm_start.batch_size=2", f"warm_start.cache_dir={cache}", "data.eval_size=1"]
+    assert main(["eval", *warm]) == 0
+    (cached,) = cache.iterdir()
+    cached.write_bytes(cached.read_bytes()[:50])
+    assert error(capsys, "eval", *warm) == (
+        f"warm_start.cache_dir: the cached weights {cached} cannot be loaded (SafetensorError); delete the file to warm-start again"
+    )
