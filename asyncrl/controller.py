@@ -16,7 +16,8 @@ every decision above is a function of the version alone, never of timing: that i
 run reproducible, and a resumed run identical to an uninterrupted one.
 
 Faults end in one of two ways (docs/reliability.md). What can be retried is retried within a
-budget: a generation batch, a train step (aborted first, then rerun on the groups it had taken).
+budget: a generation batch, an evaluation, a train step (aborted first, then rerun on the groups
+it had taken).
 Otherwise the run stops with a ``RunStopped`` error; when the trainer is known to be healthy it
 first writes a checkpoint that holds everything committed, including the groups of the aborted
 step, so nothing is lost and ``--resume`` continues. A watchdog stops a run that makes no progress.
