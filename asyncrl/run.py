@@ -50,6 +50,7 @@ def train(config: RunConfig, *, resume: str | Path | None = None, console: Any =
     model = _input(build_model, config, tokenizer)
     task = _checked_task(config, tokenizer, model)
     rewards = _input(RewardRunner.from_config, config.rewards, task)
+    run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(dump_config(config))
     torch.manual_seed(config.seed)
     torch.set_num_threads(local_torch_threads(config))
@@ -198,8 +199,8 @@ def _metrics_writer(config: RunConfig, state: dict | None) -> MetricsWriter:
 
 
 def run_directory(config: RunConfig, *, resuming: bool) -> Path:
-    """``logging.output_dir``, or a new ``runs/<date>-<time>``, created; a fresh run never reuses
-    another's, and a path that cannot be a directory is refused before anything is built."""
+    """``logging.output_dir``, or a new ``runs/<date>-<time>``; a fresh run never reuses another's,
+    and a path that cannot become a writable directory is refused before anything is built."""
     if config.logging.output_dir is None:
         run_dir = Path("runs") / time.strftime("%Y%m%d-%H%M%S")
     else:
@@ -209,12 +210,11 @@ def run_directory(config: RunConfig, *, resuming: bool) -> Path:
             f"logging.output_dir: '{run_dir}' already holds a run; resume it with --resume {run_dir} "
             "or choose another --output-dir"
         )
-    try:
-        run_dir.mkdir(parents=True, exist_ok=True)
-    except FileExistsError:
-        raise ConfigError(f"logging.output_dir: '{run_dir}' or a parent of it is a file, not a directory") from None
-    except OSError as err:
-        raise ConfigError(f"logging.output_dir: cannot create '{run_dir}' ({err.strerror or err})") from None
+    existing = next(p for p in (run_dir.absolute(), *run_dir.absolute().parents) if p.exists())
+    if not existing.is_dir():
+        raise ConfigError(f"logging.output_dir: '{existing}' is a file, not a directory")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError(f"logging.output_dir: cannot write into '{existing}' (permission denied)")
     return run_dir
 
 

@@ -479,12 +479,10 @@ def test_a_state_file_that_would_run_code_is_refused_unrun(run_dir, tmp_path, ca
 def test_an_output_dir_that_is_a_file_is_refused_before_anything_is_built(tmp_path, capsys):
     file = tmp_path / "taken"
     file.write_text("x")
-    assert error(capsys, "train", "--output-dir", str(file), *SMALL) == (
-        f"logging.output_dir: '{file}' or a parent of it is a file, not a directory"
-    )
-    assert error(capsys, "train", "--output-dir", str(file / "run"), *SMALL) == (
-        f"logging.output_dir: cannot create '{file / 'run'}' (Not a directory)"
-    )
+    for output_dir in (file, file / "run"):
+        assert error(capsys, "train", "--output-dir", str(output_dir), *SMALL) == (
+            f"logging.output_dir: '{file}' is a file, not a directory"
+        )
 
 
 def test_damaged_run_files_read_back_on_resume_are_named(run_dir, capsys):
