@@ -212,8 +212,12 @@ def load_state(checkpoint_dir: Path) -> dict:
 def load_run_state(checkpoint_dir: Path) -> dict:
     """The state of a training run: ``load_state`` with its two parts present."""
     state = load_state(checkpoint_dir)
-    if not all(isinstance(state.get(part), dict) for part in ("trainer", "run")):
-        raise CheckpointError(f"{Path(checkpoint_dir) / STATE_FILE}: not an asyncrl run state (no 'trainer' and 'run' parts)")
+    if not all(isinstance(state.get(part), dict) for part in ("trainer", "run")) or not isinstance(
+        state["run"].get("version"), int
+    ):
+        raise CheckpointError(
+            f"{Path(checkpoint_dir) / STATE_FILE}: not an asyncrl run state (no 'trainer' and 'run' parts with a version)"
+        )
     return state
 
 

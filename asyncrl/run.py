@@ -18,7 +18,7 @@ import torch
 import transformers
 
 from asyncrl.buffer import ReplayBuffer
-from asyncrl.checkpoint import load_run_state, load_weights, resolve_checkpoint
+from asyncrl.checkpoint import STATE_FILE, CheckpointError, load_run_state, load_weights, resolve_checkpoint
 from asyncrl.config import ConfigError, RunConfig, dump_config
 from asyncrl.controller import SingleController
 from asyncrl.data import PromptLoader, build_task, check_encodable, check_prompt_lengths
@@ -107,7 +107,7 @@ def _start_workers(
         return TrainerGroup(ranks), generators
     trainer_worker = TrainerWorker(PolicyTrainer.from_config(config, model), config.grpo, tokenizer)
     if checkpoint_dir is not None:
-        _input(trainer_worker.load_checkpoint, checkpoint_dir, state["trainer"])
+        _from_checkpoint(str(checkpoint_dir / STATE_FILE), trainer_worker.load_checkpoint, checkpoint_dir, state["trainer"])
     rollout_worker = _rollout_worker(config, build_generator(config, copy.deepcopy(model), tokenizer), rewards, tokenizer)
     trainer = runtime.spawn(lambda: inject_trainer_faults(trainer_worker, config.faults), "trainer")
     return trainer, [runtime.spawn(lambda: rollout_worker, "rollout")]
@@ -166,7 +166,7 @@ def drive(
         run_dir=Path(config.logging.output_dir),
     )
     if state is not None:
-        _input(controller.load_state_dict, state["run"])
+        _from_checkpoint(f"the resumed checkpoint's {STATE_FILE}", controller.load_state_dict, state["run"])
     return asyncio.run(_load_weights_then_run(controller, trainer, rollout_workers))
 
 
@@ -224,6 +224,18 @@ def _input(build: Callable[..., T], *args: Any) -> T:
         return build(*args)
     except (ValueError, FileNotFoundError) as err:
         raise ConfigError(" ".join(str(err).split())) from None
+
+
+def _from_checkpoint(where: str, load: Callable[..., T], *args: Any) -> T:
+    """Load checkpoint contents that passed the manifest check: contents of another shape (a
+    foreign or older file vouched for by its manifest) are a one-line error, not a traceback."""
+    try:
+        return load(*args)
+    except ConfigError:
+        raise
+    except (KeyError, TypeError, ValueError, IndexError, RuntimeError) as err:
+        detail = " ".join(f"{type(err).__name__}: {err}".split())[:200]
+        raise CheckpointError(f"{where}: holds a state this version of asyncrl cannot load ({detail})") from None
 
 
 def resumed_run_dir(resume: str | Path) -> Path:

@@ -4,7 +4,8 @@ naming that file (exit 2), and nothing of the run is changed. A damaged ``latest
 run resumes from its newest checkpoint directory, which is intact.
 
 Files damaged with a manifest that vouches for them (rewritten to match) are refused by the
-loaders themselves: a state or weights file that does not parse is a one-line error too.
+loaders themselves: a state or weights file that does not parse, or a state of another shape, is
+a one-line error too.
 """
 
 import hashlib
@@ -13,6 +14,7 @@ import random
 import shutil
 
 import pytest
+import torch
 
 from asyncrl.checkpoint import MANIFEST_FILE, resolve_checkpoint
 from asyncrl.cli import main
@@ -101,3 +103,22 @@ def test_unparseable_files_with_a_matching_manifest_are_refused_by_the_loaders(t
     refused(capsys, ["train", "--resume", str(run_dir)], f"{newest / name}: ")
     if name == "model.safetensors":
         refused(capsys, ["eval", "--checkpoint", str(run_dir), *SMALL, "data.eval_size=2"], f"{newest / name}: ")
+
+
+@pytest.mark.parametrize(
+    "state, culprit",
+    [({"trainer": {}, "run": {"version": 2}}, "state.pt: holds a state this version of asyncrl cannot load (KeyError: 'optimizer')"),
+     ({"trainer": {}, "run": {}}, "state.pt: not an asyncrl run state"),
+     ([1, 2], "state.pt: holds a list, not a checkpoint state"),
+     ({"trainer": 3}, "state.pt: not an asyncrl run state"),
+     ("real trainer, foreign run", "the resumed checkpoint's state.pt: holds a state this version of asyncrl cannot load (KeyError: 'data_exhausted')")],
+)
+def test_a_foreign_state_with_a_matching_manifest_is_refused_by_name(trained, tmp_path, capsys, state, culprit):
+    run_dir = tmp_path / "run"
+    shutil.copytree(trained, run_dir)
+    newest = run_dir / "checkpoints" / "step-000002"
+    if state == "real trainer, foreign run":
+        state = {**torch.load(newest / "state.pt", weights_only=True), "run": {"format": 2, "version": 2}}
+    torch.save(state, newest / "state.pt")
+    vouch(newest, "state.pt", (newest / "state.pt").read_bytes())
+    refused(capsys, ["train", "--resume", str(run_dir)], culprit)
