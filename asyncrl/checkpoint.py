@@ -92,18 +92,20 @@ def _free_name(root: Path, step: int) -> Path:
 
 
 def _step_dirs(root: Path) -> list[Path]:
-    return sorted((p for p in root.glob("step-*") if p.is_dir() and _step_of(p) is not None), key=_save_order)
+    """The checkpoint directories under ``root``, in the order they were written."""
+    return sorted((p for p in root.glob("step-*") if p.is_dir() and _save_order(p) is not None), key=_save_order)
 
 
-def _step_of(path: Path) -> int | None:
-    digits = path.name.removeprefix("step-").split("-")[0]
-    return int(digits) if digits.isdigit() else None
-
-
-def _save_order(path: Path) -> tuple[int, int]:
-    """(step, re-save number): the order the directories were written in."""
+def _save_order(path: Path) -> tuple[int, int] | None:
+    """(step, re-save number) of ``step-<V>`` or ``step-<V>-<k>``; None for any other name."""
     parts = path.name.removeprefix("step-").split("-")
-    return int(parts[0]), int(parts[1]) if len(parts) > 1 and parts[1].isdigit() else 0
+    if len(parts) > 2 or not all(part.isdigit() for part in parts):
+        return None
+    return int(parts[0]), int(parts[1]) if len(parts) == 2 else 0
+
+
+def _step_of(path: Path) -> int:
+    return _save_order(path)[0]
 
 
 def _write_manifest(directory: Path) -> None:
