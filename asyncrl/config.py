@@ -102,9 +102,11 @@ class GenerationConfig(Section):
 
     backend: Literal["hf"] = Field("hf", description="generation backend")
     max_new_tokens: int = Field(16, ge=1, description="response length limit")
-    temperature: float = Field(1.0, ge=0.0, description="sampling temperature; 0 is greedy")
+    temperature: float = Field(
+        1.0, ge=0.0, description="sampling temperature of rollouts, at least 1e-6 (evaluation is always greedy)"
+    )
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="nucleus sampling mass; 1 disables it")
-    top_k: int = Field(0, ge=0, description="top-k sampling; 0 disables it")
+    top_k: int = Field(0, ge=0, description="top-k sampling, at least 2; 0 disables it")
     batch_size: int = Field(128, ge=1, description="sequences per generation forward (the tiny default model takes a whole step at once)")
     num_workers: int = Field(
         1, ge=1, description="rollout workers, each with its own generator: Ray actors; the local runtime runs one"
