@@ -7,6 +7,8 @@ A checkpoint is a directory ``<run>/checkpoints/step-<V>/`` holding
 - ``state.pt``: optimizer, scheduler, RNG and version of the trainer, the sampler, the prompt
   loader, the ready buffer groups and any prompt still waiting for its rollout, all tensors and
   plain Python so it loads with ``torch.load(weights_only=True)``;
+- ``run.yaml``: the run config the state was saved under (the run state's ``config``), which
+  ``--resume`` continues with;
 - ``manifest.json``: the size and SHA-256 of every other file, written last. A file that was cut
   short, emptied or altered after the save no longer matches, so it is refused by name before
   anything is parsed (docs/reliability.md).
@@ -38,6 +40,7 @@ from asyncrl.config import ConfigError
 STATE_FILE = "state.pt"
 WEIGHTS_FILE = "model.safetensors"
 MANIFEST_FILE = "manifest.json"
+RUN_CONFIG_FILE = "run.yaml"
 LATEST_FILE = "latest"
 
 
@@ -68,6 +71,9 @@ def save_checkpoint(
     write_model(tmp)
     tokenizer.save_pretrained(tmp)
     torch.save(state, tmp / STATE_FILE)
+    run_state = state.get("run")
+    if isinstance(run_state, dict) and "config" in run_state:
+        (tmp / RUN_CONFIG_FILE).write_text(run_state["config"])
     _write_manifest(tmp)
     final = _free_name(root, step)
     os.replace(tmp, final)

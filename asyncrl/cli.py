@@ -136,12 +136,12 @@ def train(
     overrides: Optional[list[str]] = typer.Argument(None, help="dotted overrides, e.g. grpo.max_steps=50"),
 ) -> None:
     """Train with asynchronous GRPO. With no arguments: a tiny model learns arithmetic on the CPU."""
-    from asyncrl.run import resumed_config_path, resumed_run_dir, train as run_train
+    from asyncrl.run import resumed_checkpoint, resumed_config_path, train as run_train
 
-    if resume is not None:
-        run_dir = resumed_run_dir(resume)
-        config = config or resumed_config_path(run_dir)
-        output_dir = output_dir or run_dir
+    if resume is not None:  # continue with the checkpoint's config, in its run directory
+        checkpoint = resumed_checkpoint(resume)
+        config = config or resumed_config_path(checkpoint)
+        output_dir = output_dir or checkpoint.parent.parent
     settings = list(overrides or ())
     if output_dir is not None:
         settings.append(f"logging.output_dir={output_dir}")

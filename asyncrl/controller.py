@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
 from asyncrl.buffer import ReplayBuffer
-from asyncrl.config import RunConfig
+from asyncrl.config import RunConfig, dump_config
 from asyncrl.data import Prompt, PromptLoader, Task
 from asyncrl.sampler import Sampler
 from asyncrl.types import RolloutGroup, RolloutJob
@@ -575,6 +575,7 @@ class SingleController:
             "nonfinite_steps": self.nonfinite_steps,
             "nonfinite_streak": self.nonfinite_streak,
             "eval_due": self.eval_due,
+            "config": dump_config(self.config),
             "sampler": self.sampler.state_dict(),
             "loader": self.loader.state_dict(),
             "buffer": buffer_state,

@@ -18,7 +18,7 @@ import torch
 import transformers
 
 from asyncrl.buffer import ReplayBuffer
-from asyncrl.checkpoint import STATE_FILE, CheckpointError, load_run_state, load_weights, resolve_checkpoint
+from asyncrl.checkpoint import RUN_CONFIG_FILE, STATE_FILE, CheckpointError, load_run_state, load_weights, resolve_checkpoint
 from asyncrl.config import ConfigError, RunConfig, dump_config
 from asyncrl.controller import SingleController
 from asyncrl.data import PromptLoader, build_task, check_encodable, check_prompt_lengths
@@ -238,17 +238,17 @@ def _from_checkpoint(where: str, load: Callable[..., T], *args: Any) -> T:
         raise CheckpointError(f"{where}: holds a state this version of asyncrl cannot load ({detail})") from None
 
 
-def resumed_run_dir(resume: str | Path) -> Path:
-    """The run directory of the checkpoint ``--resume`` names: the resumed run writes there, even
-    when the directory was moved since."""
-    return _input(resolve_checkpoint, resume).parent.parent
+def resumed_checkpoint(resume: str | Path) -> Path:
+    """The checked checkpoint directory ``--resume`` names."""
+    return _input(resolve_checkpoint, resume)
 
 
-def resumed_config_path(run_dir: Path) -> Path:
-    """The config a run saved beside its checkpoints: a resumed run continues with it."""
-    path = run_dir / "config.yaml"
+def resumed_config_path(checkpoint_dir: Path) -> Path:
+    """The config the checkpoint was saved under, checked with its other files: a resumed run
+    continues with it."""
+    path = checkpoint_dir / RUN_CONFIG_FILE
     if not path.is_file():
-        raise ConfigError(f"--resume: no config.yaml in the run directory {path.parent}; pass --config")
+        raise ConfigError(f"--resume: checkpoint {checkpoint_dir} holds no {RUN_CONFIG_FILE}; pass --config")
     return path
 
 
