@@ -119,6 +119,7 @@ class SingleController:
         if not rollout_workers:
             raise ValueError("SingleController: at least one rollout worker is needed")
         self.config = config
+        self.config_text = dump_config(config)  # saved with every checkpoint as its run.yaml
         self.trainer = trainer
         self.rollout_workers = list(rollout_workers)
         self.task = task
@@ -575,7 +576,7 @@ class SingleController:
             "nonfinite_steps": self.nonfinite_steps,
             "nonfinite_streak": self.nonfinite_streak,
             "eval_due": self.eval_due,
-            "config": dump_config(self.config),
+            "config": self.config_text,
             "sampler": self.sampler.state_dict(),
             "loader": self.loader.state_dict(),
             "buffer": buffer_state,
