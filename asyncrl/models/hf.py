@@ -22,6 +22,13 @@ def _local_dir(path: str | Path, required_file: str | None = None) -> Path:
     return directory
 
 
+def _first_line(err: Exception, limit: int = 200) -> str:
+    """``Type: first line of the message``, cut at ``limit`` characters: one line whatever the library says."""
+    lines = str(err).strip().splitlines()
+    text = f"{type(err).__name__}: {lines[0]}" if lines else type(err).__name__
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
 def load_model(
     path: str | Path, *, dtype: torch.dtype | None = None, attn_implementation: str | None = None
 ) -> PreTrainedModel:
@@ -32,13 +39,16 @@ def load_model(
     choose (sdpa where available).
     """
     directory = _local_dir(path, "config.json")
-    return AutoModelForCausalLM.from_pretrained(
-        directory,
-        dtype="auto" if dtype is None else dtype,
-        attn_implementation=attn_implementation,
-        local_files_only=True,
-        use_safetensors=True,
-    )
+    try:
+        return AutoModelForCausalLM.from_pretrained(
+            directory,
+            dtype="auto" if dtype is None else dtype,
+            attn_implementation=attn_implementation,
+            local_files_only=True,
+            use_safetensors=True,
+        )
+    except Exception as err:  # transformers reports a damaged file with many error types
+        raise ValueError(f"{directory}: cannot be loaded as a model ({_first_line(err)})") from None
 
 
 def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
@@ -47,7 +57,11 @@ def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
     Many causal LM tokenizers ship without a pad token; then EOS doubles as pad. That is safe as
     long as padding is found through the attention mask, never by comparing token ids with pad.
     """
-    tokenizer = AutoTokenizer.from_pretrained(_local_dir(path), local_files_only=True)
+    directory = _local_dir(path)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True)
+    except Exception as err:
+        raise ValueError(f"{directory}: cannot be loaded as a tokenizer ({_first_line(err)})") from None
     if tokenizer.pad_token is None:
         if tokenizer.eos_token is None:
             raise ValueError(f"{path}: the tokenizer has neither a pad nor an eos token")
