@@ -26,6 +26,7 @@ from asyncrl.faults import inject_rollout_faults, inject_trainer_faults
 from asyncrl.generation import SamplingParams, build_generator
 from asyncrl.metrics import MetricsWriter, ProgressDisplay, read_jsonl, write_json_atomic
 from asyncrl.models.factory import build_model, build_tokenizer
+from asyncrl.models.hf import stop_token_ids
 from asyncrl.plots import write_report
 from asyncrl.rewards import RewardRunner
 from asyncrl.rollout import RolloutWorker
@@ -42,6 +43,7 @@ T = TypeVar("T")
 def train(config: RunConfig, *, resume: str | Path | None = None, console: Any = None) -> dict:
     """Run GRPO to the end; returns the summary that is also written to ``summary.json``."""
     start = time.perf_counter()
+    transformers.utils.logging.disable_progress_bar()  # loads and saves would print bars over the display and errors
     checkpoint_dir = _input(resolve_checkpoint, resume) if resume is not None else None
     state = _input(load_run_state, checkpoint_dir) if checkpoint_dir is not None else None
     run_dir = run_directory(config, resuming=checkpoint_dir is not None)
@@ -54,7 +56,6 @@ def train(config: RunConfig, *, resume: str | Path | None = None, console: Any =
     (run_dir / "config.yaml").write_text(dump_config(config))
     torch.manual_seed(config.seed)
     torch.set_num_threads(local_torch_threads(config))
-    transformers.utils.logging.disable_progress_bar()  # checkpoint saves would print bars over the display
     progress = ProgressDisplay(config.grpo.max_steps, enabled=config.logging.progress, console=console)
     metrics = None if config.runtime.controller_actor else _input(_metrics_writer, config, state)
     runtime = _input(build_runtime, config)
@@ -122,7 +123,8 @@ def local_torch_threads(config: RunConfig) -> int:
 
 def _checked_task(config: RunConfig, tokenizer: Any, model: Any) -> Any:
     """The run's prompts, each checked to survive the tokenizer unchanged and to leave room for its
-    response in the model's context."""
+    response in the model's context; the end tokens the checkpoint declares, checked once here."""
+    _input(stop_token_ids, tokenizer, config.model.path)
     task = _input(build_task, config.data, tokenizer)
     _input(check_encodable, task, config.data, tokenizer)
     _input(check_prompt_lengths, task, config, tokenizer, getattr(model.config, "max_position_embeddings", None))
@@ -277,6 +279,7 @@ def _summary(run_dir: Path, steps_done: int, wall_seconds: float) -> dict:
 
 def evaluate(config: RunConfig, *, checkpoint: str | Path | None = None) -> dict:
     """Greedy held-out accuracy of the config's policy (warm start included) or of a checkpoint."""
+    transformers.utils.logging.disable_progress_bar()
     checkpoint_dir = _input(resolve_checkpoint, checkpoint, "--checkpoint") if checkpoint is not None else None
     tokenizer = _input(build_tokenizer, config)
     model = _input(build_model, config, tokenizer)
