@@ -145,6 +145,7 @@ class SingleController:
         self.step_retries = 0
         self.nonfinite_steps = 0
         self.nonfinite_streak = 0
+        self.empty_steps = 0  # steps without an informative group: no update (docs/loss.md)
         self.step_groups: list[RolloutGroup] = []  # taken by the open step; kept until it finishes
         self.interrupt: int | None = None
         self.last_progress = time.monotonic()
@@ -332,6 +333,7 @@ class SingleController:
                 self.version = sync.version
                 self.last_progress = time.monotonic()
                 self._count_nonfinite(report)
+                self.empty_steps += report.result.num_tokens == 0
                 self._log_step(report, sync, time.perf_counter() - step_start)
                 self._stop_if_nonfinite(report)
                 every = self.config.logging.eval_every_steps
@@ -549,6 +551,7 @@ class SingleController:
             "step_retries": self.step_retries,
             "nonfinite_steps": self.nonfinite_steps,
             "nonfinite_streak": self.nonfinite_streak,
+            "empty_steps": self.empty_steps,
             "sampler": self.sampler.state_dict(),
             "loader": self.loader.state_dict(),
             "buffer": buffer_state,
@@ -563,7 +566,7 @@ class SingleController:
         self.gate.version = self.version
         self.data_exhausted = state["data_exhausted"]
         self.num_evicted = state["num_evicted"]
-        for name in ("skipped_prompts", "step_retries", "nonfinite_steps", "nonfinite_streak"):
+        for name in ("skipped_prompts", "step_retries", "nonfinite_steps", "nonfinite_streak", "empty_steps"):
             setattr(self, name, state.get(name, 0))
         self.step_groups = [RolloutGroup.from_state_dict(group) for group in state.get("step_groups", [])]
         self.sampler.load_state_dict(state["sampler"])
@@ -616,6 +619,8 @@ class SingleController:
             "step_retries": self.step_retries,
             "skipped": result.skipped,
             "nonfinite_steps": self.nonfinite_steps,
+            "num_updates": result.num_updates,
+            "empty_steps": self.empty_steps,
             "sync_bytes": sync.bytes,
             "sync_version": sync.version,
             "sync_transport": sync.transport,

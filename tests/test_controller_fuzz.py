@@ -333,6 +333,7 @@ def step_report(version: int, groups: list[RolloutGroup]) -> SimpleNamespace:
         num_microbatches=1,
         metrics={"clip_mean": 0.0, "is_weight_mean": 1.0, "mismatch_kl_mean": 0.0},
         skipped=False,
+        num_updates=1,
     )
     data = SimpleNamespace(
         num_groups=len(groups),

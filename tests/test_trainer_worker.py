@@ -132,3 +132,15 @@ def test_checkpoint_round_trip_continues_bit_identically(tmp_path):
     assert a.result.loss == b.result.loss
     for p, q in zip(worker.trainer.model.parameters(), resumed.trainer.model.parameters()):
         assert torch.equal(p, q)
+
+
+def test_a_step_whose_groups_are_all_filtered_takes_no_update_and_does_not_raise():
+    worker = make_worker(filter_zero_variance=True)
+    flat = [RolloutGroup(**{**g.__dict__, "rewards": torch.full((4,), float(i % 2))}) for i, g in enumerate(make_groups(4))]
+    before = copy.deepcopy(worker.trainer.model.state_dict())
+    report = run_step(worker, flat, [2, 3])
+    assert report.result.num_updates == 0 and report.result.num_tokens == 0 and not report.result.skipped
+    assert report.data.num_filtered_groups == 5 and worker.version == 1
+    for name, tensor in worker.trainer.model.state_dict().items():
+        assert torch.equal(tensor, before[name]), name
+    assert run_step(worker, make_groups(5, version=1), [5]).result.num_updates == 1

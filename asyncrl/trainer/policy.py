@@ -54,6 +54,7 @@ class StepResult:
     num_microbatches: int
     metrics: dict[str, float] = field(default_factory=dict)
     skipped: bool = False  # non-finite loss or gradient: no update, but the step (and its data) is used up
+    num_updates: int = 1  # optimizer updates taken; 0 for a skipped step or one with no response token
 
 
 # Step counters accumulate in one float64 vector (summed over micro-batches, later over ranks, in
@@ -199,6 +200,8 @@ class PolicyTrainer:
         state = self._require_step("finish_train_step")
         totals, is_weight_range = self._step_totals(state)
         sums = dict(zip(_COUNTERS, totals.tolist()))
+        if sums["num_tokens"] == 0:
+            return self._finish_empty_step(state, sums, is_weight_range)
         normalizer = self._step_normalizer(state, sums)
         grads = [p.grad for p in self.params if p.grad is not None]
         compensation = 1.0 if self.parallel is None else self.parallel.gradient_compensation
@@ -224,6 +227,25 @@ class PolicyTrainer:
             num_microbatches=state.num_microbatches,
             metrics=self._reduce_metrics(is_weight_range, sums),
             skipped=skipped,
+            num_updates=0 if skipped else 1,
+        )
+
+    def _finish_empty_step(self, state: _StepState, sums: dict[str, float], is_weight_range) -> StepResult:
+        """A step without a response token (every group filtered out) has no loss to normalize: no
+        update, and V advances because its data is spent. Loss and gradient norm are undefined (NaN)."""
+        self.optimizer.zero_grad(set_to_none=True)
+        self.version += 1
+        self._step = None
+        return StepResult(
+            version=self.version,
+            loss=float("nan"),
+            grad_norm=float("nan"),
+            lr=self.optimizer.param_groups[0]["lr"],
+            num_sequences=0,
+            num_tokens=0,
+            num_microbatches=state.num_microbatches,
+            metrics=self._reduce_metrics(is_weight_range, sums),
+            num_updates=0,
         )
 
     def abort_train_step(self) -> None:
