@@ -160,6 +160,13 @@ class GRPOConfig(Section):
     scale_by_std: bool = Field(True, description="divide advantages by the group std; false is Dr. GRPO")
     filter_zero_variance: bool = Field(False, description="drop groups whose rewards are all equal")
     min_groups_per_chunk: int = Field(1, ge=1, description="stream a step in chunks of at least this many groups")
+    num_minibatches: int = Field(
+        1,
+        ge=1,
+        description="K: split a step's groups into K mini-batches, one optimizer update each, all clipped against "
+        "logprobs taken once at step start (the clip acts from the second update); 1 streams the step into one update",
+    )
+    num_epochs: int = Field(1, ge=1, description="E: passes over a step's mini-batches; a step takes K*E updates")
 
     @model_validator(mode="after")
     def _batch_size_consistent(self) -> GRPOConfig:
@@ -171,6 +178,10 @@ class GRPOConfig(Section):
             )
         if self.baseline == "leave_one_out" and self.generations_per_prompt < 2:
             raise ValueError("grpo.baseline: leave_one_out needs generations_per_prompt >= 2")
+        if self.num_minibatches > self.prompts_per_step:
+            raise ValueError(
+                f"grpo.num_minibatches: {self.num_minibatches} > prompts_per_step {self.prompts_per_step}"
+            )
         if self.min_groups_per_chunk > self.prompts_per_step:
             raise ValueError(
                 f"grpo.min_groups_per_chunk: {self.min_groups_per_chunk} > prompts_per_step {self.prompts_per_step}"
@@ -186,8 +197,14 @@ class LossConfig(Section):
     clip_low: float = Field(0.2, ge=0.0, lt=1.0, description="ratio clip below: 1 - clip_low")
     clip_high: float = Field(0.28, ge=0.0, description="ratio clip above: 1 + clip_high")
     dual_clip: float | None = Field(3.0, gt=1.0, description="cap the loss of a negative advantage A at dual_clip times -A; null disables")
+    clip_against: Literal["proximal", "behaviour"] = Field(
+        "proximal",
+        description="proximal: ratio to the trainer's logprobs at step start (identically 1 with one update per step, "
+        "so the clip acts only with grpo.num_minibatches or num_epochs > 1); behaviour: ratio to the generator's "
+        "logprobs, which bounds stale data directly (one update per step; no separate importance weight)",
+    )
     importance_sampling: Literal["auto", "none", "tis", "icepop"] = Field(
-        "auto", description="off-policy correction; auto: tis when sampler.max_lag > 0, else none"
+        "auto", description="off-policy correction; auto: tis when sampler.max_lag > 0 (and clip_against is proximal), else none"
     )
     is_cap: float = Field(2.0, gt=0.0, description="tis: importance weights are clamped at this cap")
     is_low: float = Field(0.5, ge=0.0, description="icepop: weights below this are zeroed")
@@ -428,6 +445,21 @@ class RunConfig(Section):
         return self
 
     @model_validator(mode="after")
+    def _behaviour_clip_is_one_update(self) -> RunConfig:
+        if self.loss.clip_against != "behaviour":
+            return self
+        if self.grpo.num_minibatches * self.grpo.num_epochs > 1:
+            raise ValueError(
+                "loss.clip_against: behaviour takes one update per step; set grpo.num_minibatches and num_epochs to 1"
+            )
+        if self.loss.importance_sampling not in ("auto", "none"):
+            raise ValueError(
+                f"loss.importance_sampling: {self.loss.importance_sampling} with clip_against behaviour; the "
+                "ratio to the behaviour policy is already the importance weight (use auto or none)"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _transport_needs_ray(self) -> RunConfig:
         if self.sync.transport != "auto" and self.runtime.name == "local":
             raise ValueError(
@@ -469,6 +501,8 @@ class RunConfig(Section):
         """The effective importance-sampling mode (``auto`` resolved against the sampler's lag)."""
         if self.loss.importance_sampling != "auto":
             return self.loss.importance_sampling
+        if self.loss.clip_against == "behaviour":
+            return "none"
         return "tis" if self.sampler.max_lag > 0 else "none"
 
 
