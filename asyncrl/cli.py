@@ -38,7 +38,15 @@ ModeChoice = _choices("ModeChoice", AGG_MODES)
 DTypeChoice = _choices("DTypeChoice", ("float64", "float32"))
 PlantChoice = _choices(
     "PlantChoice",
-    ("per-microbatch-mean", "shift-after-shard", "per-shard-mean", "average-without-compensation", "double-count-tokens"),
+    (
+        "per-microbatch-mean",
+        "shift-after-shard",
+        "per-shard-mean",
+        "average-without-compensation",
+        "double-count-tokens",
+        "whole-step-normalizer",
+        "recompute-proximal",
+    ),
 )
 WrapChoice = _choices("WrapChoice", ("fsdp", "ddp"))
 
@@ -77,23 +85,30 @@ def verify(
     dp: int = typer.Option(1, "--dp", min=1, help="data-parallel ranks to launch on this machine"),
     cp: int = typer.Option(1, "--cp", min=1, help="context-parallel ranks per sequence"),
     wrap: WrapChoice = typer.Option("fsdp", "--wrap", help="how the ranks hold the parameters (with --dp/--cp)"),
+    updates: int = typer.Option(
+        1, "--updates", min=1, help="K: the step's groups in K mini-batches, one update each, against step-start logprobs"
+    ),
 ) -> None:
     """Check that a split (or dp x cp parallel) train step equals the monolithic step, for every loss mode."""
     from asyncrl.verify import DTYPES, TOLERANCES, check_layout, verify as run_verify
 
     dtype, plant, wrap = dtype.value, plant.value if plant else None, wrap.value
     try:
-        check_layout(dp, cp, micro_batches, [plant])
+        check_layout(dp, cp, micro_batches, [plant], updates)
     except ValueError as err:
         hint, _, message = str(err).partition(": ")
         raise typer.BadParameter(message, param_hint=hint) from None
     modes = tuple(m.value for m in mode) if mode else AGG_MODES
-    results = run_verify(modes, micro_batches=micro_batches, dtype=dtype, plant=plant, seed=seed, dp=dp, cp=cp, wrap=wrap)
+    results = run_verify(
+        modes, micro_batches=micro_batches, dtype=dtype, plant=plant, seed=seed, dp=dp, cp=cp, wrap=wrap, updates=updates
+    )
     tol = TOLERANCES[DTYPES[dtype]]
     if dp * cp > 1:
         what = f"dp {dp} x cp {cp} ranks ({wrap}, {micro_batches} micro-batch{'es' if micro_batches > 1 else ''} per DP rank)"
     else:
         what = f"split ({micro_batches} micro-batches)"
+    if updates > 1:
+        what += f", {updates} updates"
     table = Table(title=f"{what} vs monolithic step, {dtype}" + (f", planted: {plant}" if plant else ""))
     columns = ("mode", "loss", "loss err", "grad norm", "norm err", "worst grad err", "worst param err", "worst metric err")
     for column in (*columns, "result"):
