@@ -159,6 +159,12 @@ class GRPOConfig(Section):
     baseline: Literal["mean", "leave_one_out"] = Field("mean", description="advantage baseline within a group")
     scale_by_std: bool = Field(True, description="divide advantages by the group std; false is Dr. GRPO")
     filter_zero_variance: bool = Field(False, description="drop groups whose rewards are all equal")
+    max_refill_groups: int = Field(
+        0,
+        ge=0,
+        description="dynamic sampling: per step, up to this many replacement prompts are generated for groups that "
+        "filter_zero_variance dropped, so the step trains prompts_per_step informative groups; 0 disables refill",
+    )
     min_groups_per_chunk: int = Field(1, ge=1, description="stream a step in chunks of at least this many groups")
     num_minibatches: int = Field(
         1,
@@ -178,6 +184,8 @@ class GRPOConfig(Section):
             )
         if self.baseline == "leave_one_out" and self.generations_per_prompt < 2:
             raise ValueError("grpo.baseline: leave_one_out needs generations_per_prompt >= 2")
+        if self.max_refill_groups and not self.filter_zero_variance:
+            raise ValueError("grpo.max_refill_groups: refill replaces filtered groups; set grpo.filter_zero_variance=true")
         if self.num_minibatches > self.prompts_per_step:
             raise ValueError(
                 f"grpo.num_minibatches: {self.num_minibatches} > prompts_per_step {self.prompts_per_step}"
@@ -229,7 +237,9 @@ class SamplerConfig(Section):
 
     name: str = Field("in_order", description="in_order, weight_fifo, windowed, or module:Class")
     max_lag: int = Field(1, ge=0, description="how many weight versions behind trained data may be; 0 is synchronous")
-    buffer_capacity: int | None = Field(None, ge=1, description="replay buffer size in groups; null: the sampler's minimum")
+    buffer_capacity: int | None = Field(
+        None, ge=1, description="replay buffer size in groups; null: the sampler's minimum plus grpo.max_refill_groups"
+    )
 
 
 class TrainerConfig(Section):
@@ -413,10 +423,12 @@ class RunConfig(Section):
     @model_validator(mode="after")
     def _sampler_capacity(self) -> RunConfig:
         sampler = self._sampler()
-        required = sampler.required_capacity(self.grpo.prompts_per_step)
+        required = sampler.required_capacity(self.grpo.prompts_per_step) + self.grpo.max_refill_groups
         capacity = self.sampler.buffer_capacity
         if capacity is not None and capacity < required:
             why = "prompts_per_step * (max_lag + 1) for a gated sampler; less would deadlock"
+            if self.grpo.max_refill_groups:
+                why += ", plus grpo.max_refill_groups, so refills never take an admission's slot"
             raise ValueError(
                 f"sampler.buffer_capacity: {capacity} < {required} groups required by sampler "
                 f"'{self.sampler.name}' ({why if sampler.gated else 'one step of groups'})"
@@ -494,7 +506,7 @@ class RunConfig(Section):
         """The configured capacity, or the sampler's minimum when none is given."""
         if self.sampler.buffer_capacity is not None:
             return self.sampler.buffer_capacity
-        return self._sampler().required_capacity(self.grpo.prompts_per_step)
+        return self._sampler().required_capacity(self.grpo.prompts_per_step) + self.grpo.max_refill_groups
 
     @property
     def importance_sampling(self) -> str:

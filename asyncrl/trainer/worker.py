@@ -55,6 +55,7 @@ class StepData:
 
     num_groups: int = 0
     num_filtered_groups: int = 0
+    num_refill_groups: int = 0  # of num_groups, replacements for filtered groups (set by the controller)
     num_samples: int = 0
     reward_sum: float = 0.0
     reward_sq_sum: float = 0.0
