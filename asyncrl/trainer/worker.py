@@ -6,6 +6,12 @@ order received (a partial micro-batch waits for the next chunk), then runs the s
 micro-batch composition depends only on the order of the groups, never on how the step happened
 to be chunked: the same groups in the same order give a bit-identical step.
 
+With ``grpo.num_minibatches`` K or ``num_epochs`` E above 1 the worker collects the step instead,
+and ``finish_step`` cuts its groups into K mini-batches of consecutive groups, packs each the same
+way, scores every micro-batch once with the weights at step start (the proximal logprobs every
+update's ratio is taken against), then trains the mini-batches E times over, one optimizer update
+each (docs/loss.md, "When the clip acts").
+
 On several trainer ranks (trainer/parallel.py) every rank receives every group, in the same order,
 and packs the same micro-batches; global micro-batch m is trained by DP rank m % dp (its cp ranks
 each take their shard of it). Ranks train in rounds of dp micro-batches: a round runs once all of
