@@ -159,6 +159,9 @@ class GRPOConfig(Section):
     baseline: Literal["mean", "leave_one_out"] = Field("mean", description="advantage baseline within a group")
     scale_by_std: bool = Field(True, description="divide advantages by the group std; false is Dr. GRPO")
     filter_zero_variance: bool = Field(False, description="drop groups whose rewards are all equal")
+    mask_truncated: bool = Field(
+        False, description="leave responses cut off by generation.max_new_tokens (finish reason length) out of the loss"
+    )
     max_refill_groups: int = Field(
         0,
         ge=0,

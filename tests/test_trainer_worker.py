@@ -189,3 +189,13 @@ def test_aborting_after_an_update_restores_the_step_start_exactly():
     for name, tensor in worker.trainer.model.state_dict().items():
         assert torch.equal(tensor, clean.trainer.model.state_dict()[name]), name
     assert worker.trainer.optimizer.state_dict()["state"][0]["step"] == 3
+
+
+def test_truncated_responses_can_be_left_out_of_the_loss():
+    groups = make_groups(6)
+    cut = [RolloutGroup(**{**g.__dict__, "finish_reasons": ["length", "stop", "stop", "length"]}) for g in groups]
+    kept = run_step(make_worker(), cut, [5]).result
+    masked = run_step(make_worker(mask_truncated=True), cut, [5]).result
+    lengths = [int(g.response_mask[i].sum()) for g in groups for i in (0, 3)]
+    assert kept.num_sequences == 20 and masked.num_sequences == 10
+    assert masked.num_tokens == kept.num_tokens - sum(lengths) and masked.loss != kept.loss

@@ -297,11 +297,19 @@ class TrainerWorker:
     def _micro_batch(self, micro_batch: MicroBatch) -> TrainBatch:
         groups = [self._fetch(rows.group) for rows in micro_batch]
         batch = TrainBatch.from_groups(groups, [rows.advantages for rows in micro_batch])
-        index, offset = [], 0
+        index, offset, truncated = [], 0, []
         for group, rows in zip(groups, micro_batch):
             index.extend(range(offset + rows.start, offset + rows.stop))
+            truncated.extend(reason == "length" for reason in group.finish_reasons[rows.start : rows.stop])
             offset += group.size
-        return batch.select(index)
+        batch = batch.select(index)
+        if self.grpo.mask_truncated and any(truncated):
+            # out of the loss and out of its counts: a row with n_i = 0 is padding (docs/loss.md)
+            keep = ~torch.tensor(truncated)
+            batch = replace(
+                batch, response_mask=batch.response_mask * keep[:, None], response_lengths=batch.response_lengths * keep
+            )
+        return batch
 
     def _fetch(self, group: Any) -> RolloutGroup:
         """The group with its tensors: itself, or a held group's, fetched once."""
