@@ -292,6 +292,9 @@ def bench_e2e(
     eval_every: Optional[int] = typer.Option(None, "--eval-every", min=1, help="evaluation cadence (default 25)"),
     target: float = typer.Option(0.25, "--target", min=0.0, max=1.0, help="held-out accuracy to reach"),
     against: Optional[str] = typer.Option(None, "--against", help="also train the peer baseline: trl"),
+    variants: bool = typer.Option(
+        False, "--variants", help="also max_lag 1 with 4 mini-batch updates per step, and with dynamic sampling"
+    ),
     output: Optional[Path] = typer.Option(None, "--output", help=OUTPUT_HELP),
     overrides: Optional[list[str]] = typer.Argument(None, help="config overrides applied to every run"),
 ) -> None:
@@ -312,6 +315,7 @@ def bench_e2e(
         "eval_every": eval_every or (3 if quick else 25),
         "target_accuracy": target,
         "against": against,
+        "variants": e2e.VARIANTS if variants else {},
     }
     load_config(None, settings["overrides"])  # a bad override fails here, before any run
     result = e2e.run(
@@ -321,6 +325,7 @@ def bench_e2e(
         eval_every=settings["eval_every"],
         target=target,
         against_trl=against == "trl",
+        variants=settings["variants"],
     )
     common.write_result("e2e-trl" if against else "e2e", settings, result, output)
 
