@@ -130,7 +130,8 @@ def verify(
     error, where = worst.worst_error
     passed = all(r.passed for r in results)
     console.print(
-        f"tolerance ({dtype}): loss rel {tol.loss:g}, tensors rtol {tol.rtol:g} atol {tol.atol_frac:g}*max|x|",
+        f"tolerance ({dtype}): loss rel {tol.loss:g}, tensors rtol {tol.rtol:g} "
+        f"atol {tol.atol_frac if updates == 1 else max(tol.atol_frac, tol.rtol):g}*max|x|",
         highlight=False,
     )
     console.print(
