@@ -26,6 +26,7 @@ from asyncrl.faults import inject_rollout_faults, inject_trainer_faults
 from asyncrl.generation import SamplingParams, build_generator
 from asyncrl.metrics import MetricsWriter, ProgressDisplay, read_jsonl, write_json_atomic
 from asyncrl.models.factory import build_model, build_tokenizer
+from asyncrl.models.hf import stop_token_ids
 from asyncrl.plots import write_report
 from asyncrl.rewards import RewardRunner
 from asyncrl.rollout import RolloutWorker
@@ -122,7 +123,8 @@ def local_torch_threads(config: RunConfig) -> int:
 
 def _checked_task(config: RunConfig, tokenizer: Any, model: Any) -> Any:
     """The run's prompts, each checked to survive the tokenizer unchanged and to leave room for its
-    response in the model's context."""
+    response in the model's context; the end tokens the checkpoint declares, checked once here."""
+    _input(stop_token_ids, tokenizer, config.model.path)
     task = _input(build_task, config.data, tokenizer)
     _input(check_encodable, task, config.data, tokenizer)
     _input(check_prompt_lengths, task, config, tokenizer, getattr(model.config, "max_position_embeddings", None))

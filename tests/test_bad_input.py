@@ -630,3 +630,24 @@ def test_a_damaged_tokenizer_directory_or_warm_start_cache_is_named(tmp_path, ca
     assert error(capsys, "eval", *warm) == (
         f"warm_start.cache_dir: the cached weights {cached} cannot be loaded (SafetensorError); delete the file to warm-start again"
     )
+
+
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        ("{not json", "cannot be read as JSON (JSONDecodeError: "),
+        ('{"eos_token_id": "end"}', "eos_token_id must be a token id or a list of token ids"),
+    ],
+)
+def test_a_damaged_generation_config_is_named(tmp_path, capsys, content, message):
+    from asyncrl.models.tiny import build_tiny_model
+    from asyncrl.models.tokenizer import build_char_tokenizer
+
+    model_dir = tmp_path / "model"
+    tokenizer = build_char_tokenizer()
+    build_tiny_model(len(tokenizer), seed=0).save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    (model_dir / "generation_config.json").write_text(content)
+    assert train_error(capsys, tmp_path, f"model.path={model_dir}").startswith(
+        f"{model_dir / 'generation_config.json'}: {message}"
+    )

@@ -77,6 +77,22 @@ def stop_token_ids(tokenizer: PreTrainedTokenizerBase, model_path: str | Path | 
     ids = [] if tokenizer.eos_token_id is None else [tokenizer.eos_token_id]
     config_file = None if model_path is None else Path(model_path).expanduser() / "generation_config.json"
     if config_file is not None and config_file.is_file():
-        declared = json.loads(config_file.read_text()).get("eos_token_id")
+        declared = _declared_end_ids(config_file)
         ids += [declared] if isinstance(declared, int) else list(declared or [])
     return list(dict.fromkeys(ids))
+
+
+def _declared_end_ids(config_file: Path) -> int | list[int] | None:
+    """``eos_token_id`` of a generation_config.json, checked: a damaged file is named, not traced."""
+    try:
+        config = json.loads(config_file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ValueError(f"{config_file}: cannot be read as JSON ({_first_line(err)})") from None
+    declared = config.get("eos_token_id") if isinstance(config, dict) else None
+    if not isinstance(config, dict) or not (
+        declared is None
+        or (isinstance(declared, int) and not isinstance(declared, bool))
+        or (isinstance(declared, list) and all(isinstance(i, int) and not isinstance(i, bool) for i in declared))
+    ):
+        raise ValueError(f"{config_file}: eos_token_id must be a token id or a list of token ids")
+    return declared
