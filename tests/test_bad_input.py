@@ -648,6 +648,7 @@ def test_a_damaged_generation_config_is_named(tmp_path, capsys, content, message
     build_tiny_model(len(tokenizer), seed=0).save_pretrained(model_dir)
     tokenizer.save_pretrained(model_dir)
     (model_dir / "generation_config.json").write_text(content)
+    capsys.readouterr()
     assert train_error(capsys, tmp_path, f"model.path={model_dir}").startswith(
         f"{model_dir / 'generation_config.json'}: {message}"
     )
