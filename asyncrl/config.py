@@ -603,9 +603,9 @@ class RunConfig(Section):
 
     @property
     def scoring_temperature(self) -> float:
-        """The temperature the trainer divides logits by: the sampling temperature, or 1 for greedy
-        sampling, whose logprobs are those of the unmodified distribution."""
-        return self.generation.temperature if self.generation.temperature > 0 else 1.0
+        """The temperature the trainer divides logits by: the one rollouts sample at (validation
+        keeps it above 0, so logits / temperature is finite)."""
+        return self.generation.temperature
 
 
 def _unknown_key_error(path: tuple[str, ...], key: str, valid: list[str]) -> ConfigError:
