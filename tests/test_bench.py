@@ -9,7 +9,7 @@ import json
 import pytest
 
 from asyncrl.cli import main
-from benchmarks import e2e, report
+from asyncrl.bench import e2e, report
 
 pytestmark = pytest.mark.slow
 
@@ -90,6 +90,27 @@ def test_time_to_target_uses_training_time_and_the_first_eval_that_reaches_it():
     assert summary["reached"] == "2/3" and summary["mean"] == 3.0 and summary["median"] is None
 
 
+def test_results_land_in_the_working_directory_not_the_package(capsys, tmp_path, monkeypatch):
+    from asyncrl.bench import common
+
+    monkeypatch.chdir(tmp_path)
+    common.write_result("probe", {"a": 1}, [1, 2])
+    assert json.loads((tmp_path / "bench-results" / "probe.json").read_text())["results"] == [1, 2]
+    assert json.loads(capsys.readouterr().out)["settings"] == {"a": 1}
+
+
+def test_the_only_installed_top_level_package_is_asyncrl():
+    """A top-level ``benchmarks`` (or any other) package would shadow the user's own."""
+    import tomllib
+    from pathlib import Path
+
+    from setuptools import find_packages
+
+    root = Path(__file__).resolve().parents[1]
+    include = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]["include"]
+    assert {name.split(".")[0] for name in find_packages(str(root), include=include)} == {"asyncrl"}
+
+
 def test_report_replaces_only_the_generated_section(capsys, tmp_path):
     bench(capsys, tmp_path, "overlap")
     page = tmp_path / "performance.md"
@@ -141,7 +162,7 @@ def test_e2e_against_trl_without_trl_fails_before_any_run(capsys, tmp_path, monk
 
 def test_trl_settings_map_every_shared_setting():
     from asyncrl.config import load_config
-    from benchmarks.trl_baseline import trl_settings
+    from asyncrl.bench.trl_baseline import trl_settings
 
     base = trl_settings(load_config(None, ["sampler.max_lag=0"]))
     kwargs = base["kwargs"]

@@ -12,7 +12,7 @@ several seeds, for the same number of steps, so the same number of samples. The 
 
 Times count training only: evaluations are timed and subtracted on both sides. ``--against trl``
 trains the same model from the same warm-started weights with TRL's GRPOTrainer on the same
-prompts (benchmarks/trl_baseline.py) and reports the ratio of median times to the target.
+prompts (asyncrl/bench/trl_baseline.py) and reports the ratio of median times to the target.
 """
 
 from __future__ import annotations
@@ -123,7 +123,7 @@ def run(
                 for seed in seeds
             ]
         if against_trl:
-            from benchmarks.trl_baseline import run_trl
+            from asyncrl.bench.trl_baseline import run_trl
 
             runs["trl"] = [
                 run_trl(
