@@ -77,6 +77,34 @@ def test_equal_time_accuracy_is_taken_where_the_fastest_run_ended():
     assert result["runs"]["max_lag=0"]["time_to_target_s"]["values"] == [10.0]
 
 
+def test_time_to_target_ratios_pair_the_runs_of_each_seed_and_report_their_spread(tmp_path):
+    def run(*points):
+        return {"evals": [{"train_wall_s": t, "accuracy": a, "samples": 0} for t, a in [(0.0, 0.1), *points]]}
+
+    runs = {
+        "max_lag=0": [run((10.0, 0.5)), run((20.0, 0.5)), run((8.0, 0.5))],
+        "max_lag=1": [run((5.0, 0.5)), run((15.0, 0.5)), run((8.0, 0.2))],
+        "trl": [run((30.0, 0.5)), run((40.0, 0.5)), run((16.0, 0.5))],
+    }
+    ratios = e2e.summarize_runs(runs, target=0.45)["time_to_target_ratios"]
+    assert set(ratios) == {"max_lag=1 / max_lag=0", "trl / max_lag=0", "trl / max_lag=1"}
+    lag = ratios["max_lag=1 / max_lag=0"]
+    assert lag["values"] == [0.5, 0.75, None] and lag["reached"] == "2/3" and lag["spread"] == pytest.approx(0.25)
+    trl = ratios["trl / max_lag=0"]
+    assert trl["values"] == [3.0, 2.0, 2.0] and trl["median"] == 2.0 and trl["spread"] == 1.0
+    result = {
+        "settings": {"target_accuracy": 0.45},
+        "results": e2e.summarize_runs(runs, 0.45),
+        "date": "d",
+        "commit": "c",
+        "machine": {"cpu": "x", "cores": 2, "cuda": None},
+        "versions": {},
+    }
+    (tmp_path / "e2e.json").write_text(json.dumps(result))
+    text = report.render(tmp_path)
+    assert "| max_lag=1 | 5.0 | 15.0 | n/a |" in text and "| max_lag=1 / max_lag=0 | 2/3 | n/a | 0.62 | 0.25 |" in text
+
+
 def test_time_to_target_uses_training_time_and_the_first_eval_that_reaches_it():
     evals = [
         {"train_wall_s": 0.0, "accuracy": 0.1},

@@ -121,6 +121,15 @@ def _e2e(result: dict) -> str:
             f"{_number(goal['median'], '{:.2f}')} of the synchronous run's time (median over seeds; goal <= "
             f"{goal['goal']:g}): {_goal(goal['goal_met'], '')}."
         )
+    per_seed = [[name, *(_number(t, "{:.1f}") for t in run["time_to_target_s"]["values"])] for name, run in r["runs"].items()]
+    seeds = len(per_seed[0]) - 1
+    lines.append(_table(["run", *(f"seed {i} s to {target:g}" for i in range(seeds))], per_seed))
+    ratios = [
+        [pair, ratio["reached"], _number(ratio["median"], "{:.2f}"), _number(ratio["mean"], "{:.2f}"), _number(ratio["spread"], "{:.2f}")]
+        for pair, ratio in r.get("time_to_target_ratios", {}).items()
+    ]
+    if ratios:
+        lines.append(_table(["time to target, per seed", "seeds with both", "median ratio", "mean ratio", "spread"], ratios))
     for name, ratio in r.get("trl_time_to_target_over_asyncrl", {}).items():
         lines.append(
             f"TRL time to {target:g} / asyncrl {name} time to {target:g}: {_number(ratio['ratio'], '{:.2f}x')} "
