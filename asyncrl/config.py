@@ -75,7 +75,11 @@ class DataConfig(Section):
     shuffle_seed: int = Field(0, description="seed of the prompt order")
     epochs: int | None = Field(None, ge=1, description="passes over the train split; null repeats it forever")
     eval_size: int = Field(64, ge=1, description="held-out prompts per evaluation")
-    dataset: str | None = Field(None, description="reasoning_gym: the dataset name, e.g. chain_sum (docs/data.md)")
+    dataset: str | None = Field(
+        None,
+        description="reasoning_gym: the dataset name, e.g. chain_sum; the char tokenizer "
+        "reads digits, letters, space, newline and +-*/=()?.,:;!<>, anything else as <unk> (docs/data.md)",
+    )
     dataset_config: dict[str, Any] = Field(
         default_factory=dict, description="reasoning_gym: the dataset's settings, e.g. {min_terms: 2, max_terms: 2}"
     )

@@ -1,9 +1,7 @@
 """A character-level tokenizer built locally, so the tiny setup needs nothing from a hub.
 
 One character is one token: arithmetic answers are scored digit by digit and no merge can hide a
-digit inside a larger token. The alphabet is printable ASCII and newline, enough for the built-in
-tasks and the reasoning-gym datasets of docs/data.md; text outside it (any non-ASCII character)
-maps to ``<unk>``.
+digit inside a larger token. Text outside the alphabet maps to ``<unk>``.
 """
 
 from __future__ import annotations
@@ -13,9 +11,7 @@ import string
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-DEFAULT_ALPHABET = (
-    string.digits + "+-*/=()?.,:;!<> " + string.ascii_lowercase + string.ascii_uppercase + "\n" + "\"'#$%&@[\\]^_`{|}~"
-)
+DEFAULT_ALPHABET = string.digits + "+-*/=()?.,:;!<> " + string.ascii_lowercase + string.ascii_uppercase + "\n"
 PAD, EOS, UNK = "<pad>", "<eos>", "<unk>"
 
 
