@@ -16,8 +16,8 @@ FILE_TASKS = ("jsonl", "parquet")
 
 
 def build_task(cfg: DataConfig, tokenizer=None) -> Task:
-    """``cfg.task``: a built-in name, reasoning_gym, or jsonl / parquet for ``cfg.path``. The tokenizer is needed
-    only for ``cfg.chat_template``."""
+    """``cfg.task``: a built-in name, reasoning_gym, or jsonl / parquet for ``cfg.path``. The
+    tokenizer is needed only for ``cfg.chat_template``."""
     if cfg.task in SYNTHETIC_TASKS:
         task = synthetic_task(
             cfg.task, cfg.difficulty, seed=cfg.task_seed, num_problems=cfg.num_problems, eval_size=cfg.eval_size
