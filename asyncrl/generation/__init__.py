@@ -7,10 +7,12 @@ from transformers import PreTrainedModel
 from asyncrl.config import RunConfig
 from asyncrl.generation.base import Generator, SampleRequest, SamplingParams, sample_seed
 from asyncrl.generation.hf import HFGenerator
+from asyncrl.models.hf import stop_token_ids
 
 
 def build_generator(config: RunConfig, model: PreTrainedModel, tokenizer) -> Generator:
-    """The backend ``generation.backend`` names (only "hf" today), batch size from ``generation``.
+    """The backend ``generation.backend`` names (only "hf" today), batch size from ``generation``,
+    stopping on every end token the tokenizer and ``model.path`` declare.
 
     The generator owns ``model``: pass a copy if the trainer keeps training its own.
     """
@@ -21,7 +23,7 @@ def build_generator(config: RunConfig, model: PreTrainedModel, tokenizer) -> Gen
     pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     return HFGenerator(
         model,
-        eos_token_id=tokenizer.eos_token_id,
+        stop_token_ids=stop_token_ids(tokenizer, config.model.path),
         pad_token_id=pad_token_id,
         batch_size=config.generation.batch_size,
     )
