@@ -93,8 +93,9 @@ class DataConfig(Section):
             for name in ("path", "eval_path"):
                 if getattr(self, name) is not None:
                     raise ValueError(f"data.{name}: set, but data.task '{self.task}' is built in; use jsonl or parquet")
-        if self.task != "reasoning_gym" and (self.dataset is not None or self.dataset_config):
-            raise ValueError(f"data.dataset: set, but data.task is '{self.task}'; it is read only by reasoning_gym")
+        for name in ("dataset", "dataset_config"):
+            if self.task != "reasoning_gym" and getattr(self, name):
+                raise ValueError(f"data.{name}: set, but data.task is '{self.task}'; it is read only by reasoning_gym")
         if self.task in SYNTHETIC_TASKS:
             check_difficulty(self.task, self.difficulty)
         elif self.task == "reasoning_gym":

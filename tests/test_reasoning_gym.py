@@ -67,6 +67,8 @@ def test_the_task_reward_is_the_datasets_own_checker_inside_the_runner():
         assert result.errors == 0
     plain = runner.score([prompt.answer], [str(prompt.answer)])
     assert plain.rewards == [0.0] and plain.errors == 1 and runner.counts["task"].errors == 1
+    runner.close()
+    copy.close()
 
 
 def test_the_loader_resumes_a_reasoning_gym_split():
@@ -84,6 +86,7 @@ def test_the_loader_resumes_a_reasoning_gym_split():
     [
         (["data.task=reasoning_gym", "rewards.functions=[task]"], "data.dataset: required when data.task is reasoning_gym"),
         (["data.dataset=chain_sum"], "data.dataset: set, but data.task is 'arithmetic'"),
+        (["data.dataset_config={max_terms: 2}"], "data.dataset_config: set, but data.task is 'arithmetic'"),
         (["data.task=reasoning_gym", "data.dataset=chain_sum"], "rewards.functions: data.task reasoning_gym is scored by"),
         (["rewards.functions=[task]"], "rewards.functions: the task reward needs a task with its own checker"),
         ([*CHAIN_SUM, "data.path=x.jsonl"], "data.path: set, but data.task 'reasoning_gym' is built in"),
