@@ -352,10 +352,7 @@ def _run_failure(err: Exception) -> tuple[str, int] | None:
 
     Imported here, on the error path only, so ``asyncrl config`` never loads the training stack."""
     from asyncrl.controller import RunStopped
-    from asyncrl.weights import SyncTimeoutError
 
-    if isinstance(err, SyncTimeoutError):
-        return f"{_one_line(str(err))}; the last periodic checkpoint is intact", 1
     if not isinstance(err, RunStopped):
         return None
     notes = "; ".join(getattr(err, "__notes__", []))

@@ -208,7 +208,9 @@ class LossConfig(Section):
     clip_high: float = Field(0.28, ge=0.0, description="ratio clip above: 1 + clip_high")
     dual_clip: float | None = Field(3.0, gt=1.0, description="cap the loss of a negative advantage A at dual_clip times -A; null disables")
     importance_sampling: Literal["auto", "none", "tis", "icepop"] = Field(
-        "auto", description="off-policy correction; auto: tis when sampler.max_lag > 0, else none"
+        "auto",
+        description="off-policy correction; auto: tis whenever the generator's distribution can differ from the "
+        "trainer's (sampler.max_lag > 0, generation.top_p < 1, generation.top_k > 0, or trainer.dtype bfloat16), else none",
     )
     is_cap: float = Field(2.0, gt=0.0, description="tis: importance weights are clamped at this cap")
     is_low: float = Field(0.5, ge=0.0, description="icepop: weights below this are zeroed")
@@ -258,7 +260,14 @@ class TrainerConfig(Section):
         description="consecutive steps with a non-finite loss or gradient that are skipped (weights untouched) "
         "before the run stops; 0 stops at the first",
     )
-    dtype: Literal["float32", "bfloat16", "float64"] = Field("float32", description="parameter dtype")
+    dtype: Literal["float32", "bfloat16", "float64"] = Field(
+        "float32",
+        description="compute dtype; bfloat16 runs forward and backward in bfloat16 over float32 master parameters and "
+        "optimizer state, and the generators get bfloat16 weights",
+    )
+    activation_checkpointing: bool = Field(
+        False, description="recompute each transformer block's activations in the backward pass instead of keeping them"
+    )
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: cuda when available")
 
     @model_validator(mode="after")
@@ -331,7 +340,12 @@ class SyncConfig(Section):
     mode: Literal["drain", "inflight"] = Field(
         "inflight", description="drain: wait for in-flight rollouts first; inflight: they finish on old weights"
     )
-    timeout_s: float = Field(600.0, gt=0.0, description="a sync slower than this fails the run")
+    timeout_s: float = Field(
+        600.0,
+        gt=0.0,
+        description="closing the rollout gate, exporting the weights or loading them into the generators taking "
+        "longer than this fails the run; waiting for running generation does not count",
+    )
     transport: Literal["auto", "object_store", "broadcast"] = Field(
         "auto",
         description="ray: how weights reach the generators; object_store: rank 0 exports to Ray's object store; "
@@ -530,10 +544,21 @@ class RunConfig(Section):
 
     @property
     def importance_sampling(self) -> str:
-        """The effective importance-sampling mode (``auto`` resolved against the sampler's lag)."""
+        """The effective importance-sampling mode: ``auto`` is tis whenever the behaviour and the
+        trainer's distributions can differ: lagged weights, top-p / top-k truncation (the trainer
+        scores the untruncated distribution), or bfloat16, where the generator's cached decoding
+        and the trainer's forward round differently."""
         if self.loss.importance_sampling != "auto":
             return self.loss.importance_sampling
-        return "tis" if self.sampler.max_lag > 0 else "none"
+        g = self.generation
+        differ = self.sampler.max_lag > 0 or g.top_p < 1.0 or g.top_k > 0 or self.trainer.dtype == "bfloat16"
+        return "tis" if differ else "none"
+
+    @property
+    def scoring_temperature(self) -> float:
+        """The temperature the trainer divides logits by: the sampling temperature, or 1 for greedy
+        sampling, whose logprobs are those of the unmodified distribution."""
+        return self.generation.temperature if self.generation.temperature > 0 else 1.0
 
 
 def _unknown_key_error(path: tuple[str, ...], key: str, valid: list[str]) -> ConfigError:

@@ -39,7 +39,7 @@ from asyncrl.config import RunConfig
 from asyncrl.data import Prompt, PromptLoader, Task
 from asyncrl.sampler import Sampler
 from asyncrl.types import RolloutGroup, RolloutJob
-from asyncrl.weights import Changes, RolloutGate, SyncReport, WeightSync
+from asyncrl.weights import Changes, RolloutGate, SyncReport, SyncTimeoutError, WeightSync
 
 if TYPE_CHECKING:  # worker-side types; the controller never imports model code
     from asyncrl.rollout import RolloutBatch
@@ -78,6 +78,15 @@ class RunInterrupted(RunStopped):
     def __init__(self, signum: int, version: int) -> None:
         super().__init__(f"interrupted by {signal.Signals(signum).name} at step {version}")
         self.exit_code = 128 + signum
+
+
+class SyncTimedOut(RunStopped, SyncTimeoutError):
+    """A weight sync phase took longer than ``sync.timeout_s``; the step before it is complete, so
+    the run checkpoints it, unless the trainer's export was what hung."""
+
+    def __init__(self, err: SyncTimeoutError) -> None:
+        super().__init__(str(err))
+        self.trainer_healthy = self.saves_checkpoint = err.trainer_healthy
 
 
 class StallError(RunStopped):
@@ -181,8 +190,8 @@ class SingleController:
         """Save what the run holds before it stops, when the trainer can be trusted to save it."""
         if isinstance(err, RunStopped) and err.saves_checkpoint:
             self.progress.status(f"stopping: checkpointing step {self.version}")
-            try:
-                async with asyncio.timeout(self.config.sync.timeout_s):
+            try:  # bounded like any other wait for progress, not by the weight sync's own limit
+                async with asyncio.timeout(self.config.runtime.watchdog_s):
                     err.checkpoint = await self.trainer.save_checkpoint(
                         str(self.run_dir), self.version, self.state_dict(), self.config.checkpoint.keep_last
                     )
@@ -252,14 +261,17 @@ class SingleController:
             self.gate.add_in_flight(len(batch))
         # Submitted now, not when the task first runs: a later weight load queues behind it.
         future = worker.generate(batch)
+        self.gate.add_running(1)
         self._tasks.create_task(self._collect(batch, future))
 
     async def _collect(self, batch: list[RolloutJob], future: asyncio.Future) -> None:
         try:
             result: RolloutBatch = await future
         except Exception as err:
+            self.gate.add_running(-1)
             self._schedule_retry(batch, err)
             return
+        self.gate.add_running(-1)
         for job, group in zip(batch, result.groups):
             self.buffer.commit(job.slot_id, group)
             del self.jobs[job.slot_id]
@@ -327,9 +339,12 @@ class SingleController:
                 report = await self.train_step()
                 if report is None:
                     break
+                self.version = report.result.version  # the trainer's: a checkpoint from here on holds the step
                 self.waiting["train loop"] = f"the weight sync after step {self.version}"
-                sync = await self.weight_sync.sync()
-                self.version = sync.version
+                try:
+                    sync = await self.weight_sync.sync()
+                except SyncTimeoutError as err:
+                    raise SyncTimedOut(err) from None
                 self.last_progress = time.monotonic()
                 self._count_nonfinite(report)
                 self._log_step(report, sync, time.perf_counter() - step_start)

@@ -117,11 +117,20 @@ def test_a_prompt_that_always_fails_stops_the_run_with_a_resumable_checkpoint(tm
     assert len(read_jsonl(tmp_path / "stop" / "metrics.jsonl")) == 4
 
 
-def test_a_weight_sync_past_its_timeout_is_a_clear_error(tmp_path, capsys):
-    with pytest.raises(SyncTimeoutError, match=r"sync.timeout_s=0.3s while loading weights version 1"):
+def test_a_weight_sync_past_its_timeout_checkpoints_the_step_it_follows(tmp_path, capsys):
+    with pytest.raises(SyncTimeoutError, match=r"sync.timeout_s=0.3s while loading weights version 1") as err:
         run(tmp_path, "slow", "faults.slow_sync_s=1", "sync.timeout_s=0.3")
+    assert err.value.checkpoint == tmp_path / "slow" / "checkpoints" / "step-000001"
+    state = load_state(err.value.checkpoint)
+    assert state["run"]["version"] == state["trainer"]["version"] == 1
     code, err = cli(capsys, tmp_path, "slow-cli", "faults.slow_sync_s=1", "sync.timeout_s=0.3")
-    assert code == 1 and "\n" not in err and err.endswith("the last periodic checkpoint is intact")
+    assert code == 1 and "\n" not in err and "checkpoint saved to" in err
+
+
+def test_generation_longer_than_the_sync_timeout_does_not_fail_the_sync(tmp_path):
+    # max_lag 1: step 1's batches (calls 2 and 3) run while step 0's sync waits; call 2 takes 1.5 s
+    summary, metrics, _ = run(tmp_path, "long", "faults.hang_generate_calls=[2]", "faults.hang_s=1.5", "sync.timeout_s=0.5")
+    assert summary["steps"] == 4 and metrics[0]["time/sync_pause_s"] > 0.5
 
 
 def test_the_watchdog_stops_a_stalled_run_naming_what_each_loop_waits_on(tmp_path):
