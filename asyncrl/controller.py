@@ -16,7 +16,8 @@ every decision above is a function of the version alone, never of timing: that i
 run reproducible, and a resumed run identical to an uninterrupted one.
 
 Faults end in one of two ways (docs/reliability.md). What can be retried is retried within a
-budget: a generation batch, a train step (aborted first, then rerun on the groups it had taken).
+budget: a generation batch, an evaluation, a train step (aborted first, then rerun on the groups
+it had taken).
 Otherwise the run stops with a ``RunStopped`` error; when the trainer is known to be healthy it
 first writes a checkpoint that holds everything committed, including the groups of the aborted
 step, so nothing is lost and ``--resume`` continues. A watchdog stops a run that makes no progress.
@@ -35,7 +36,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
 from asyncrl.buffer import ReplayBuffer
-from asyncrl.config import RunConfig
+from asyncrl.config import RunConfig, dump_config
 from asyncrl.data import Prompt, PromptLoader, Task
 from asyncrl.sampler import Sampler
 from asyncrl.types import RolloutGroup, RolloutJob
@@ -89,6 +90,10 @@ class SyncTimedOut(RunStopped, SyncTimeoutError):
         self.trainer_healthy = self.saves_checkpoint = err.trainer_healthy
 
 
+class EvaluationFailedError(RunStopped):
+    """An evaluation failed more often than ``runtime.max_rollout_retries`` allows."""
+
+
 class StallError(RunStopped):
     """No loop made progress for ``runtime.watchdog_s``; the message says what each waited on."""
 
@@ -123,6 +128,7 @@ class SingleController:
         if not rollout_workers:
             raise ValueError("SingleController: at least one rollout worker is needed")
         self.config = config
+        self.config_text = dump_config(config)  # saved with every checkpoint as its run.yaml
         self.trainer = trainer
         self.rollout_workers = list(rollout_workers)
         self.task = task
@@ -162,6 +168,7 @@ class SingleController:
         self.clock = _Clock()
         self.start_time = time.perf_counter()
         self.evals: list[dict] = []
+        self.eval_due = False  # an evaluation of this version was started and has not finished
         self._tasks: asyncio.TaskGroup | None = None
 
     # ---- the run --------------------------------------------------------------------------
@@ -171,18 +178,21 @@ class SingleController:
 
         Raises ``RunStopped`` (checkpoint saved where possible) or the error that stopped it."""
         with self._signals_handled():
-            if self.version == 0:
-                await self.evaluate()
-            self.last_progress = time.monotonic()
             try:
-                async with asyncio.TaskGroup() as tasks:
-                    self._tasks = tasks
-                    loops = [tasks.create_task(self.rollout_loop()), tasks.create_task(self.train_loop())]
-                    tasks.create_task(self.watchdog(loops))
-            except BaseExceptionGroup as group:
-                raise await self._stopped(_first_error(group)) from None
-        if not self.evals or self.evals[-1]["step"] != self.version:
-            await self.evaluate()
+                if self.version == 0 or self.eval_due:
+                    await self.evaluate()
+                self.last_progress = time.monotonic()
+                try:
+                    async with asyncio.TaskGroup() as tasks:
+                        self._tasks = tasks
+                        loops = [tasks.create_task(self.rollout_loop()), tasks.create_task(self.train_loop())]
+                        tasks.create_task(self.watchdog(loops))
+                except BaseExceptionGroup as group:
+                    raise _first_error(group) from None
+                if not self.evals or self.evals[-1]["step"] != self.version:
+                    await self.evaluate()
+            except RunStopped as err:
+                raise await self._stopped(err) from err.__cause__
         await self.checkpoint()
         return self.version
 
@@ -519,9 +529,25 @@ class SingleController:
     # ---- evaluation, checkpoints, metrics ---------------------------------------------------
 
     async def evaluate(self) -> None:
+        """Greedy held-out evaluation, retried on the next worker like a generation batch; past the
+        budget the run stops, and ``eval_due`` makes the resumed run evaluate this version first."""
         self.progress.status(f"evaluating at step {self.version}")
+        self.eval_due = True
         prompts: list[Prompt] = list(self.task.heldout[: self.config.data.eval_size])
-        result = await self.rollout_workers[0].evaluate(prompts)
+        for attempt in range(self.max_retries + 1):
+            worker = self.rollout_workers[attempt % len(self.rollout_workers)]
+            try:
+                result = await worker.evaluate(prompts)
+                break
+            except Exception as err:
+                self.last_progress = time.monotonic()
+                if attempt == self.max_retries:
+                    raise EvaluationFailedError(
+                        f"evaluation at step {self.version} failed {attempt + 1} times "
+                        f"(runtime.max_rollout_retries={self.max_retries}); last error: {type(err).__name__}: {err}"
+                    ) from err
+                self.progress.status(f"evaluation at step {self.version} failed ({type(err).__name__}); retrying")
+        self.eval_due = False
         record = {
             "step": self.version,
             "accuracy": result.accuracy,
@@ -564,6 +590,8 @@ class SingleController:
             "step_retries": self.step_retries,
             "nonfinite_steps": self.nonfinite_steps,
             "nonfinite_streak": self.nonfinite_streak,
+            "eval_due": self.eval_due,
+            "config": self.config_text,
             "sampler": self.sampler.state_dict(),
             "loader": self.loader.state_dict(),
             "buffer": buffer_state,
@@ -580,6 +608,7 @@ class SingleController:
         self.num_evicted = state["num_evicted"]
         for name in ("skipped_prompts", "step_retries", "nonfinite_steps", "nonfinite_streak"):
             setattr(self, name, state.get(name, 0))
+        self.eval_due = bool(state.get("eval_due", False))
         self.step_groups = [RolloutGroup.from_state_dict(group) for group in state.get("step_groups", [])]
         self.sampler.load_state_dict(state["sampler"])
         self.loader.load_state_dict(state["loader"])

@@ -15,7 +15,7 @@ import torch
 
 from asyncrl.checkpoint import load_state, resolve_checkpoint
 from asyncrl.cli import main
-from asyncrl.controller import NonFiniteStepsError, StallError, TrainStepError
+from asyncrl.controller import EvaluationFailedError, NonFiniteStepsError, StallError, TrainStepError
 from asyncrl.metrics import read_jsonl, strip_timing
 from asyncrl.weights import SyncTimeoutError
 from test_train import SMALL, run
@@ -206,3 +206,22 @@ def test_injected_nan_gradients_reach_every_parameter():
     worker.begin_step(3)
     assert worker.finish_step().isnan().all()
     assert inject_trainer_faults(worker.worker, FaultsConfig()) is worker.worker
+
+
+def test_a_failed_evaluation_is_retried_and_one_that_keeps_failing_stops_with_a_checkpoint_that_resumes_exactly(tmp_path):
+    _, clean, clean_groups = run(tmp_path, "clean", "sampler.max_lag=0")
+    clean_evals = read_jsonl(tmp_path / "clean" / "eval.jsonl")
+    _, retried, _ = run(tmp_path, "retried", "sampler.max_lag=0", "faults.eval_errors=[1]")
+    assert without(retried) == without(clean)
+    assert [strip_timing(e) for e in read_jsonl(tmp_path / "retried" / "eval.jsonl")] == [strip_timing(e) for e in clean_evals]
+    # evaluation call 1 is step 2's: it fails on every attempt (runtime.max_rollout_retries=2)
+    with pytest.raises(EvaluationFailedError, match=r"evaluation at step 2 failed 3 times") as err:
+        run(tmp_path, "part", "sampler.max_lag=0", "faults.eval_errors=[1, 2, 3]")
+    assert err.value.checkpoint == tmp_path / "part" / "checkpoints" / "step-000002"
+    assert load_state(err.value.checkpoint)["run"]["eval_due"]
+    assert [e["step"] for e in read_jsonl(tmp_path / "part" / "eval.jsonl")] == [0]
+    summary, resumed, resumed_groups = run(tmp_path, "part", "sampler.max_lag=0", resume=tmp_path / "part")
+    assert summary["steps"] == 4
+    assert without(resumed) == without(clean)
+    assert resumed_groups == clean_groups
+    assert [strip_timing(e) for e in read_jsonl(tmp_path / "part" / "eval.jsonl")] == [strip_timing(e) for e in clean_evals]
