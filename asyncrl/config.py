@@ -79,7 +79,7 @@ class DataConfig(Section):
     dataset: str | None = Field(
         None,
         description="reasoning_gym: the dataset name, e.g. chain_sum; the char tokenizer "
-        "reads digits, letters, space, newline and +-*/=()?.,:;!<>, anything else as <unk> (docs/data.md)",
+        "encodes digits, letters, space, newline and +-*/=()?.,:;!<> only; other text is rejected (docs/data.md)",
     )
     dataset_config: dict[str, Any] = Field(
         default_factory=dict, description="reasoning_gym: the dataset's settings, e.g. {min_terms: 2, max_terms: 2}"

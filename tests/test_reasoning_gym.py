@@ -110,6 +110,8 @@ def test_unknown_dataset_bad_settings_and_a_missing_package_are_one_line_errors(
     assert "data.dataset: unknown reasoning-gym dataset 'chain_sums'" in one_line_error(capsys, [*train, "data.dataset=chain_sums"])
     bad = one_line_error(capsys, [*train, "data.dataset_config={min_termz: 2}"])
     assert bad.startswith("error: data.dataset_config: invalid settings for chain_sum")
+    quotes = one_line_error(capsys, [*train, "data.dataset=letter_counting", "data.dataset_config={}"])
+    assert "of reasoning_gym: '\"' (U+0022)" in quotes and "not in the tokenizer's vocabulary" in quotes
     monkeypatch.setitem(sys.modules, "reasoning_gym", None)  # import reasoning_gym now raises ImportError
     missing = one_line_error(capsys, train)
     assert missing == "error: data.task: reasoning_gym needs the reasoning-gym package; run pip install 'asyncrl[reasoning-gym]'\n"
