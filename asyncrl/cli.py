@@ -38,7 +38,15 @@ ModeChoice = _choices("ModeChoice", AGG_MODES)
 DTypeChoice = _choices("DTypeChoice", ("float64", "float32"))
 PlantChoice = _choices(
     "PlantChoice",
-    ("per-microbatch-mean", "shift-after-shard", "per-shard-mean", "average-without-compensation", "double-count-tokens"),
+    (
+        "per-microbatch-mean",
+        "shift-after-shard",
+        "per-shard-mean",
+        "average-without-compensation",
+        "double-count-tokens",
+        "whole-step-normalizer",
+        "recompute-proximal",
+    ),
 )
 WrapChoice = _choices("WrapChoice", ("fsdp", "ddp"))
 
@@ -77,23 +85,30 @@ def verify(
     dp: int = typer.Option(1, "--dp", min=1, help="data-parallel ranks to launch on this machine"),
     cp: int = typer.Option(1, "--cp", min=1, help="context-parallel ranks per sequence"),
     wrap: WrapChoice = typer.Option("fsdp", "--wrap", help="how the ranks hold the parameters (with --dp/--cp)"),
+    updates: int = typer.Option(
+        1, "--updates", min=1, help="K: the step's groups in K mini-batches, one update each, against step-start logprobs"
+    ),
 ) -> None:
     """Check that a split (or dp x cp parallel) train step equals the monolithic step, for every loss mode."""
     from asyncrl.verify import DTYPES, TOLERANCES, check_layout, verify as run_verify
 
     dtype, plant, wrap = dtype.value, plant.value if plant else None, wrap.value
     try:
-        check_layout(dp, cp, micro_batches, [plant])
+        check_layout(dp, cp, micro_batches, [plant], updates)
     except ValueError as err:
         hint, _, message = str(err).partition(": ")
         raise typer.BadParameter(message, param_hint=hint) from None
     modes = tuple(m.value for m in mode) if mode else AGG_MODES
-    results = run_verify(modes, micro_batches=micro_batches, dtype=dtype, plant=plant, seed=seed, dp=dp, cp=cp, wrap=wrap)
+    results = run_verify(
+        modes, micro_batches=micro_batches, dtype=dtype, plant=plant, seed=seed, dp=dp, cp=cp, wrap=wrap, updates=updates
+    )
     tol = TOLERANCES[DTYPES[dtype]]
     if dp * cp > 1:
         what = f"dp {dp} x cp {cp} ranks ({wrap}, {micro_batches} micro-batch{'es' if micro_batches > 1 else ''} per DP rank)"
     else:
         what = f"split ({micro_batches} micro-batches)"
+    if updates > 1:
+        what += f", {updates} updates"
     table = Table(title=f"{what} vs monolithic step, {dtype}" + (f", planted: {plant}" if plant else ""))
     columns = ("mode", "loss", "loss err", "grad norm", "norm err", "worst grad err", "worst param err", "worst metric err")
     for column in (*columns, "result"):
@@ -115,7 +130,8 @@ def verify(
     error, where = worst.worst_error
     passed = all(r.passed for r in results)
     console.print(
-        f"tolerance ({dtype}): loss rel {tol.loss:g}, tensors rtol {tol.rtol:g} atol {tol.atol_frac:g}*max|x|",
+        f"tolerance ({dtype}): loss rel {tol.loss:g}, tensors rtol {tol.rtol:g} "
+        f"atol {tol.atol_frac if updates == 1 else max(tol.atol_frac, tol.rtol):g}*max|x|",
         highlight=False,
     )
     console.print(
@@ -267,6 +283,9 @@ def bench_e2e(
     eval_every: Optional[int] = typer.Option(None, "--eval-every", min=1, help="evaluation cadence (default 25)"),
     target: float = typer.Option(0.25, "--target", min=0.0, max=1.0, help="held-out accuracy to reach"),
     against: Optional[str] = typer.Option(None, "--against", help="also train the peer baseline: trl"),
+    variants: bool = typer.Option(
+        False, "--variants", help="also max_lag 1 with 4 mini-batch updates per step, and with dynamic sampling"
+    ),
     output: Optional[Path] = typer.Option(None, "--output", help=OUTPUT_HELP),
     overrides: Optional[list[str]] = typer.Argument(None, help="config overrides applied to every run"),
 ) -> None:
@@ -286,6 +305,7 @@ def bench_e2e(
         "eval_every": eval_every or (3 if quick else 25),
         "target_accuracy": target,
         "against": against,
+        "variants": e2e.VARIANTS if variants else {},
     }
     load_config(None, settings["overrides"])  # a bad override fails here, before any run
     result = e2e.run(
@@ -295,6 +315,7 @@ def bench_e2e(
         eval_every=settings["eval_every"],
         target=target,
         against_trl=against == "trl",
+        variants=settings["variants"],
     )
     common.write_result("e2e-trl" if against else "e2e", settings, result, output)
 

@@ -203,7 +203,23 @@ class GRPOConfig(Section):
     baseline: Literal["mean", "leave_one_out"] = Field("mean", description="advantage baseline within a group")
     scale_by_std: bool = Field(True, description="divide advantages by the group std; false is Dr. GRPO")
     filter_zero_variance: bool = Field(False, description="drop groups whose rewards are all equal")
+    mask_truncated: bool = Field(
+        False, description="leave responses cut off by generation.max_new_tokens (finish reason length) out of the loss"
+    )
+    max_refill_groups: int = Field(
+        0,
+        ge=0,
+        description="dynamic sampling: per step, up to this many replacement prompts are generated for groups that "
+        "filter_zero_variance dropped, so the step trains prompts_per_step informative groups; 0 disables refill",
+    )
     min_groups_per_chunk: int = Field(1, ge=1, description="stream a step in chunks of at least this many groups")
+    num_minibatches: int = Field(
+        1,
+        ge=1,
+        description="K: split a step's groups into K mini-batches, one optimizer update each, all clipped against "
+        "logprobs taken once at step start (the clip acts from the second update); 1 streams the step into one update",
+    )
+    num_epochs: int = Field(1, ge=1, description="E: passes over a step's mini-batches; a step takes K*E updates")
 
     @model_validator(mode="after")
     def _batch_size_consistent(self) -> GRPOConfig:
@@ -215,6 +231,12 @@ class GRPOConfig(Section):
             )
         if self.baseline == "leave_one_out" and self.generations_per_prompt < 2:
             raise ValueError("grpo.baseline: leave_one_out needs generations_per_prompt >= 2")
+        if self.max_refill_groups and not self.filter_zero_variance:
+            raise ValueError("grpo.max_refill_groups: refill replaces filtered groups; set grpo.filter_zero_variance=true")
+        if self.num_minibatches > self.prompts_per_step:
+            raise ValueError(
+                f"grpo.num_minibatches: {self.num_minibatches} > prompts_per_step {self.prompts_per_step}"
+            )
         if self.generations_per_prompt < 2:
             raise ValueError(
                 "grpo.generations_per_prompt: 1 sample per prompt makes every advantage 0 (a group's baseline is "
@@ -235,10 +257,16 @@ class LossConfig(Section):
     clip_low: float = Field(0.2, ge=0.0, lt=1.0, description="ratio clip below: 1 - clip_low")
     clip_high: float = Field(0.28, ge=0.0, description="ratio clip above: 1 + clip_high")
     dual_clip: float | None = Field(3.0, gt=1.0, description="cap the loss of a negative advantage A at dual_clip times -A; null disables")
+    clip_against: Literal["proximal", "behaviour"] = Field(
+        "proximal",
+        description="proximal: ratio to the trainer's logprobs at step start (identically 1 with one update per step, "
+        "so the clip acts only with grpo.num_minibatches or num_epochs > 1); behaviour: ratio to the generator's "
+        "logprobs, which bounds stale data directly (one update per step; no separate importance weight)",
+    )
     importance_sampling: Literal["auto", "none", "tis", "icepop"] = Field(
         "auto",
         description="off-policy correction; auto: tis whenever the generator's distribution can differ from the "
-        "trainer's (sampler.max_lag > 0, generation.top_p < 1, generation.top_k > 0, or trainer.dtype bfloat16), else none",
+        "trainer's (sampler.max_lag > 0, generation.top_p < 1, generation.top_k > 0, or trainer.dtype bfloat16), else none; none with clip_against behaviour",
     )
     is_cap: float = Field(2.0, gt=0.0, description="tis: importance weights are clamped at this cap")
     is_low: float = Field(0.5, ge=0.0, description="icepop: weights below this are zeroed")
@@ -263,7 +291,9 @@ class SamplerConfig(Section):
 
     name: str = Field("in_order", description="in_order, weight_fifo, windowed, or module:Class")
     max_lag: int = Field(1, ge=0, description="how many weight versions behind trained data may be; 0 is synchronous")
-    buffer_capacity: int | None = Field(None, ge=1, description="replay buffer size in groups; null: the sampler's minimum")
+    buffer_capacity: int | None = Field(
+        None, ge=1, description="replay buffer size in groups; null: the sampler's minimum plus grpo.max_refill_groups"
+    )
 
 
 class TrainerConfig(Section):
@@ -477,10 +507,12 @@ class RunConfig(Section):
     @model_validator(mode="after")
     def _sampler_capacity(self) -> RunConfig:
         sampler = self._sampler()
-        required = sampler.required_capacity(self.grpo.prompts_per_step)
+        required = sampler.required_capacity(self.grpo.prompts_per_step) + self.grpo.max_refill_groups
         capacity = self.sampler.buffer_capacity
         if capacity is not None and capacity < required:
             why = "prompts_per_step * (max_lag + 1) for a gated sampler; less would deadlock"
+            if self.grpo.max_refill_groups:
+                why += ", plus grpo.max_refill_groups, so refills never take an admission's slot"
             raise ValueError(
                 f"sampler.buffer_capacity: {capacity} < {required} groups required by sampler "
                 f"'{self.sampler.name}' ({why if sampler.gated else 'one step of groups'})"
@@ -518,6 +550,21 @@ class RunConfig(Section):
         if self.data.task != "reasoning_gym" and "task" in self.rewards.functions:
             raise ValueError(
                 f"rewards.functions: the task reward needs a task with its own checker; data.task '{self.data.task}' has none"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _behaviour_clip_is_one_update(self) -> RunConfig:
+        if self.loss.clip_against != "behaviour":
+            return self
+        if self.grpo.num_minibatches * self.grpo.num_epochs > 1:
+            raise ValueError(
+                "loss.clip_against: behaviour takes one update per step; set grpo.num_minibatches and num_epochs to 1"
+            )
+        if self.loss.importance_sampling not in ("auto", "none"):
+            raise ValueError(
+                f"loss.importance_sampling: {self.loss.importance_sampling} with clip_against behaviour; the "
+                "ratio to the behaviour policy is already the importance weight (use auto or none)"
             )
         return self
 
@@ -571,7 +618,7 @@ class RunConfig(Section):
         """The configured capacity, or the sampler's minimum when none is given."""
         if self.sampler.buffer_capacity is not None:
             return self.sampler.buffer_capacity
-        return self._sampler().required_capacity(self.grpo.prompts_per_step)
+        return self._sampler().required_capacity(self.grpo.prompts_per_step) + self.grpo.max_refill_groups
 
     @property
     def importance_sampling(self) -> str:
@@ -581,6 +628,8 @@ class RunConfig(Section):
         and the trainer's forward round differently."""
         if self.loss.importance_sampling != "auto":
             return self.loss.importance_sampling
+        if self.loss.clip_against == "behaviour":
+            return "none"
         g = self.generation
         differ = self.sampler.max_lag > 0 or g.top_p < 1.0 or g.top_k > 0 or self.trainer.dtype == "bfloat16"
         return "tis" if differ else "none"

@@ -35,6 +35,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
+from asyncrl.algorithms.grpo import zero_variance_groups
 from asyncrl.buffer import ReplayBuffer
 from asyncrl.config import RunConfig, dump_config
 from asyncrl.data import Prompt, PromptLoader, Task
@@ -47,7 +48,8 @@ if TYPE_CHECKING:  # worker-side types; the controller never imports model code
     from asyncrl.trainer.worker import StepReport
 
 STATE_VERSION = 2
-ABORT_TIMEOUT_S = 60.0  # a trainer too stuck to abort its step within this is left behind
+ABORT_TIMEOUT_S = 60.0
+REFILL_PREFIX = "refill:"  # uid prefix of the prompts that refill a step (dynamic sampling)  # a trainer too stuck to abort its step within this is left behind
 
 
 class RunStopped(RuntimeError):
@@ -144,6 +146,15 @@ class SingleController:
         self.groups_per_batch = max(1, config.generation.batch_size // config.grpo.generations_per_prompt)
         self.max_in_flight = config.runtime.max_inflight_groups or buffer.capacity
         self.max_retries = config.runtime.max_rollout_retries
+        # dynamic sampling: replacements come from a stream of their own, so that which prompts
+        # refill a step never depends on how refills and admissions interleave
+        self.refill_budget = config.grpo.max_refill_groups
+        self.refill_loader = PromptLoader(
+            [replace(prompt, uid=f"{REFILL_PREFIX}{prompt.uid}") for prompt in loader.prompts],
+            shuffle_seed=loader.shuffle_seed + 1,
+            epochs=loader.epochs,
+        )
+        self.refill_exhausted = False
 
         self.version = 0
         self.changes = Changes()
@@ -160,6 +171,9 @@ class SingleController:
         self.step_retries = 0
         self.nonfinite_steps = 0
         self.nonfinite_streak = 0
+        self.empty_steps = 0  # steps without an informative group: no update (docs/loss.md)
+        self.step_refills = 0  # replacement prompts dispatched for the open step
+        self.refill_groups = 0  # over the run
         self.step_groups: list[RolloutGroup] = []  # taken by the open step; kept until it finishes
         self.interrupt: int | None = None
         self.last_progress = time.monotonic()
@@ -316,9 +330,13 @@ class SingleController:
                 f"prompt {job.prompt.uid}: {attempts}; last error: {type(err).__name__}: {err}"
             ) from err
         self.skipped_prompts += 1
-        prompt = None if self.data_exhausted else self.loader.next()
+        if job.prompt.uid.startswith(REFILL_PREFIX):  # a refill is replaced from its own stream
+            prompt = None if self.refill_exhausted else self.refill_loader.next()
+            self.refill_exhausted = prompt is None
+        else:
+            prompt = None if self.data_exhausted else self.loader.next()
+            self.data_exhausted = prompt is None
         if prompt is None:
-            self.data_exhausted = True
             self.buffer.cancel(job.slot_id)
             del self.jobs[job.slot_id]
             self.gate.add_in_flight(-1)
@@ -357,6 +375,7 @@ class SingleController:
                     raise SyncTimedOut(err) from None
                 self.last_progress = time.monotonic()
                 self._count_nonfinite(report)
+                self.empty_steps += report.result.num_tokens == 0
                 self._log_step(report, sync, time.perf_counter() - step_start)
                 self._stop_if_nonfinite(report)
                 every = self.config.logging.eval_every_steps
@@ -379,6 +398,10 @@ class SingleController:
             try:
                 report = await self._attempt_step()
                 self.step_groups = []
+                if report is not None:
+                    report.data.num_refill_groups = self.step_refills
+                self.refill_groups += self.step_refills
+                self.step_refills = 0
                 return report
             except Exception as err:
                 await self._abort_step()
@@ -404,13 +427,21 @@ class SingleController:
         if self.step_groups:
             self.waiting["train loop"] = f"trainer.train_groups, rerunning step {version}"
             await self.trainer.train_groups(list(self.step_groups))
-        while len(self.step_groups) < target:
+        while True:
             self._check_interrupt()
+            if len(self.step_groups) >= target + self.step_refills:
+                refill = self._refill()
+                if refill == "wait":
+                    self.waiting["train loop"] = f"room under runtime.max_inflight_groups to refill step {version}"
+                    await self.changes.next()
+                if refill != "done":
+                    continue
+                break
             # Evict on every pass: a stale group committed mid-step would otherwise hold a slot.
             if evicted := self.buffer.evict(self.sampler.evict(version, self.buffer)):
                 self.num_evicted += evicted
                 self.changes.notify()
-            remaining = target - len(self.step_groups)
+            remaining = target + self.step_refills - len(self.step_groups)
             exhausted = self.data_exhausted and self.gate.in_flight == 0
             min_k = 1 if exhausted else min(self.chunk_groups, remaining)
             slot_ids = self._in_dispatch_order(self.sampler.select(version, self.buffer, min_k, remaining))
@@ -441,6 +472,34 @@ class SingleController:
         report = await self.trainer.finish_step()
         self.clock.train_s += time.perf_counter() - busy_start
         return report
+
+    def _refill(self) -> str:
+        """Dynamic sampling: once every group the step waits for has arrived, dispatch one batch of
+        replacement prompts for the groups ``grpo.filter_zero_variance`` drops, within the step's
+        budget, the free buffer slots and the in-flight limit. Returns "dispatched" (the step waits
+        for them), "wait" (the in-flight limit is reached: retry after a change) or "done".
+
+        A refill is generated with the current weights (lag 0) and stamped with the step's target
+        step, and a round is dispatched only when the step's groups are all in, so under ``in_order``
+        what refills a step is a function of the config alone."""
+        informative = sum(not bool(zero_variance_groups(group.rewards)) for group in self.step_groups)
+        count = min(self.prompts_per_step - informative, self.refill_budget - self.step_refills, self.buffer.num_free)
+        if count <= 0 or self.stopping or self.refill_exhausted:
+            return "done"
+        count = min(count, self.max_in_flight - self.gate.in_flight)
+        if count <= 0:
+            return "wait"
+        jobs = []
+        for _ in range(count):
+            prompt = self.refill_loader.next()
+            if prompt is None:
+                self.refill_exhausted = True
+                break
+            slot_id = self.buffer.reserve(self.gate.version, self.step_groups[0].target_step)
+            jobs.append(RolloutJob(slot_id, prompt, self.gate.version, self.step_groups[0].target_step))
+        self.step_refills += len(jobs)
+        self._dispatch(jobs)
+        return "dispatched" if jobs else "done"
 
     async def _abort_step(self) -> None:
         """Abort the trainer's open step; bounded, since the trainer may be what is stuck."""
@@ -519,7 +578,11 @@ class SingleController:
         step's micro-batches (and its result) do not depend on which batch finished first.
         """
         first_in_flight = min(
-            (slot.slot_id for slot in self.buffer.reserved_slots() if slot.target_step is not None),
+            (
+                slot.slot_id
+                for slot in self.buffer.reserved_slots()
+                if slot.target_step is not None and slot.target_step <= self.version
+            ),
             default=None,
         )
         if first_in_flight is None:
@@ -590,6 +653,11 @@ class SingleController:
             "step_retries": self.step_retries,
             "nonfinite_steps": self.nonfinite_steps,
             "nonfinite_streak": self.nonfinite_streak,
+            "empty_steps": self.empty_steps,
+            "step_refills": self.step_refills,
+            "refill_groups": self.refill_groups,
+            "refill_exhausted": self.refill_exhausted,
+            "refill_loader": self.refill_loader.state_dict(),
             "eval_due": self.eval_due,
             "config": self.config_text,
             "sampler": self.sampler.state_dict(),
@@ -606,12 +674,23 @@ class SingleController:
         self.gate.version = self.version
         self.data_exhausted = state["data_exhausted"]
         self.num_evicted = state["num_evicted"]
-        for name in ("skipped_prompts", "step_retries", "nonfinite_steps", "nonfinite_streak"):
+        for name in (
+            "skipped_prompts",
+            "step_retries",
+            "nonfinite_steps",
+            "nonfinite_streak",
+            "empty_steps",
+            "step_refills",
+            "refill_groups",
+            "refill_exhausted",
+        ):
             setattr(self, name, state.get(name, 0))
         self.eval_due = bool(state.get("eval_due", False))
         self.step_groups = [RolloutGroup.from_state_dict(group) for group in state.get("step_groups", [])]
         self.sampler.load_state_dict(state["sampler"])
         self.loader.load_state_dict(state["loader"])
+        if "refill_loader" in state:
+            self.refill_loader.load_state_dict(state["refill_loader"])
         buffer_state = dict(state["buffer"])
         buffer_state["ready"] = [
             {**slot, "group": RolloutGroup.from_state_dict(slot["group"])} for slot in buffer_state["ready"]
@@ -640,6 +719,9 @@ class SingleController:
             "response_length_mean": data.response_tokens / samples,
             "num_groups": data.num_groups,
             "num_filtered_groups": data.num_filtered_groups,
+            "num_informative_groups": data.num_groups - data.num_filtered_groups,
+            "refill_groups": data.num_refill_groups,
+            "refill_groups_total": self.refill_groups,
             "num_sequences": result.num_sequences,
             "num_tokens": result.num_tokens,
             "loss": _finite_or_none(result.loss),
@@ -660,6 +742,8 @@ class SingleController:
             "step_retries": self.step_retries,
             "skipped": result.skipped,
             "nonfinite_steps": self.nonfinite_steps,
+            "num_updates": result.num_updates,
+            "empty_steps": self.empty_steps,
             "sync_bytes": sync.bytes,
             "sync_version": sync.version,
             "sync_transport": sync.transport,

@@ -12,7 +12,7 @@ so every loss term and clipping branch is exercised), then runs
                shard of every sequence (trainer/parallel.py, trainer/context_parallel.py)
 
 from identical copies and compares loss, gradient norm, every gradient, every updated parameter and
-every reported metric against DESIGN 5's tolerances. Parameters are compared where the gradient
+every reported metric against docs/loss.md's tolerances. Parameters are compared where the gradient
 determines their update (see ``_UNDETERMINED_BAND``). ``plant`` swaps in a deliberate normalization
 mistake so a user can see the check fail.
 """
@@ -34,10 +34,17 @@ from asyncrl.models import build_tiny_model, token_logprobs
 from asyncrl.trainer import PolicyTrainer, StepResult
 from asyncrl.trainer.context_parallel import ContextParallel, Shard
 from asyncrl.trainer.parallel import ParallelContext, init_parallel, launch
+from asyncrl.trainer.worker import split_evenly
 from asyncrl.types import TrainBatch
 
 Plant = Literal[
-    "per-microbatch-mean", "shift-after-shard", "per-shard-mean", "average-without-compensation", "double-count-tokens"
+    "per-microbatch-mean",
+    "shift-after-shard",
+    "per-shard-mean",
+    "average-without-compensation",
+    "double-count-tokens",
+    "whole-step-normalizer",
+    "recompute-proximal",
 ]
 PLANTS: tuple[str, ...] = (
     "per-microbatch-mean",
@@ -45,7 +52,10 @@ PLANTS: tuple[str, ...] = (
     "per-shard-mean",
     "average-without-compensation",
     "double-count-tokens",
+    "whole-step-normalizer",
+    "recompute-proximal",
 )
+UPDATE_PLANTS = ("whole-step-normalizer", "recompute-proximal")  # mistakes that need several updates
 CP_PLANTS = ("shift-after-shard", "double-count-tokens")  # mistakes that only exist across CP ranks
 RANK_PLANTS = (*CP_PLANTS, "per-shard-mean", "average-without-compensation")  # need more than one rank
 DTYPES = {"float64": torch.float64, "float32": torch.float32}
@@ -57,7 +67,7 @@ MAX_RANKS = 4
 
 @dataclass(frozen=True)
 class Tolerance:
-    """DESIGN 5: relative error on the loss; rtol plus atol relative to the tensor's max for tensors."""
+    """docs/loss.md: relative error on the loss; rtol plus atol relative to the tensor's max for tensors."""
 
     loss: float
     rtol: float
@@ -143,6 +153,15 @@ class PerMicrobatchMeanTrainer(PolicyTrainer):
 
     def _step_normalizer(self, state, sums) -> float:
         return float(state.num_microbatches)
+
+
+class WholeStepNormalizerTrainer(PolicyTrainer):
+    """The planted mistake: every mini-batch's update divided by the whole step's D, not its own."""
+
+    step_counts: tuple[int, int] = (0, 0)  # (response tokens, sequences) of the whole step
+
+    def _step_normalizer(self, state, sums) -> float:
+        return grpo.step_normalizer(self.loss_cfg.mode, *self.step_counts)
 
 
 class PerShardMeanTrainer(PolicyTrainer):
@@ -263,8 +282,11 @@ def rank_micro_batches(batch: TrainBatch, *, dp: int, dp_rank: int, micro_batche
     return uneven_split(shares[dp_rank], micro_batches, torch.Generator().manual_seed(seed + 2 + dp_rank))
 
 
-def build_problem(mode: str, dtype: torch.dtype, seed: int, vocab_size: int = 48):
-    """(model, batch, loss config, trainer config) of one check; the same for every process."""
+def build_problem(mode: str, dtype: torch.dtype, seed: int, vocab_size: int = 48, updates: int = 1):
+    """(model, batch, loss config, trainer config) of one check; the same for every process.
+
+    With several updates the learning rate is large enough that the later updates' ratios leave
+    the clip range (about 10% of tokens clipped at 2 updates), so the clip branches are exercised."""
     model = build_tiny_model(vocab_size, seed=seed, dtype=dtype, hidden_size=64, num_layers=2, intermediate_size=128)
     batch = random_batch(model, num_groups=NUM_GROUPS, group_size=GROUP_SIZE, vocab_size=vocab_size, seed=seed)
     loss_cfg = LossConfig(
@@ -273,12 +295,12 @@ def build_problem(mode: str, dtype: torch.dtype, seed: int, vocab_size: int = 48
         kl_coef=0.05,
         entropy_coef=0.01,
     )
-    trainer_cfg = TrainerConfig(lr=1e-3, max_grad_norm=1.0, dtype="float64" if dtype == torch.float64 else "float32")
+    trainer_cfg = TrainerConfig(lr=1e-3 if updates == 1 else 1e-2, max_grad_norm=1.0, dtype="float64" if dtype == torch.float64 else "float32")
     return model, batch, loss_cfg, trainer_cfg
 
 
-def _trainer(cls: type[PolicyTrainer], model, loss_cfg, trainer_cfg, parallel=None) -> PolicyTrainer:
-    return cls(
+def _trainer(cls: type[PolicyTrainer], model, loss_cfg, trainer_cfg, parallel=None, batch=None) -> PolicyTrainer:
+    trainer = cls(
         copy.deepcopy(model),
         trainer_cfg,
         loss_cfg,
@@ -287,13 +309,41 @@ def _trainer(cls: type[PolicyTrainer], model, loss_cfg, trainer_cfg, parallel=No
         reference_model=copy.deepcopy(model),
         parallel=parallel,
     )
+    if batch is not None:
+        trainer.step_counts = (batch.num_response_tokens, batch.num_sequences)
+    return trainer
 
 
-def _train(trainer: PolicyTrainer, micro_batches: list[TrainBatch]) -> StepOutcome:
+def minibatches(batch: TrainBatch, updates: int) -> list[TrainBatch]:
+    """The step's groups (GROUP_SIZE consecutive rows each) cut into ``updates`` consecutive runs."""
+    groups = [list(range(g * GROUP_SIZE, (g + 1) * GROUP_SIZE)) for g in range(len(batch) // GROUP_SIZE)]
+    return [batch.select([row for group in run for row in group]) for run in split_evenly(groups, updates)]
+
+
+def _train(trainer: PolicyTrainer, updates: list[list[TrainBatch]], *, score: str | None = None) -> StepOutcome:
+    """One step of ``len(updates)`` updates, each over its micro-batches. ``score``: where proximal
+    logprobs come from: None, the batch's own; "start", this trainer at step start (every
+    micro-batch scored before the first update, as the trainer worker does); "each", the planted
+    mistake of scoring each mini-batch with the weights its update starts from."""
     trainer.begin_train_step()
-    for micro in micro_batches:
-        trainer.train_microbatch(micro)
+    if score == "start":
+        for micros in updates:
+            for micro in micros:
+                micro.prox_logprobs = trainer.compute_logprobs(micro)
+    for index, micros in enumerate(updates):
+        for micro in micros:
+            if score == "each":
+                micro.prox_logprobs = trainer.compute_logprobs(micro)
+            trainer.train_microbatch(micro)
+        if index < len(updates) - 1:
+            trainer.finish_update()
     return StepOutcome.of(trainer, trainer.finish_train_step())
+
+
+def _scoring(updates: int, plant: str | None) -> str | None:
+    if updates == 1:
+        return None
+    return "each" if plant == "recompute-proximal" else "start"
 
 
 # ---- comparison ------------------------------------------------------------------------------
@@ -323,16 +373,23 @@ def _scalar_error(reference: float, value: float) -> float:
     return abs(value - reference) / max(abs(reference), 1e-30) if value != reference else 0.0
 
 
-def compare(mode: str, reference: StepOutcome, candidate: StepOutcome, dtype: torch.dtype, case: Case | None = None) -> Comparison:
-    """Errors of ``candidate`` against ``reference`` and whether they are within DESIGN 5."""
+def compare(
+    mode: str, reference: StepOutcome, candidate: StepOutcome, dtype: torch.dtype, case: Case | None = None, updates: int = 1
+) -> Comparison:
+    """Errors of ``candidate`` against ``reference`` and whether they are within docs/loss.md.
+
+    After several updates the weights each later update starts from carry the rounding of the ones
+    before, so an element of a gradient or parameter near zero has no meaningful relative error of
+    its own: tensors then also get an absolute tolerance of rtol times the tensor's largest value."""
     tol = TOLERANCES[dtype]
+    tensor_tol = tol if updates == 1 else replace(tol, atol_frac=max(tol.atol_frac, tol.rtol))
     worst_grad, worst_param, tensors_ok = ("", 0.0), ("", 0.0), True
     largest_grad = max(g.abs().max().item() for g in reference.grads.values())
     for name, ref_grad in reference.grads.items():
         grad = candidate.grads[name]
         determined = ref_grad.abs() > _UNDETERMINED_BAND * (tol.rtol + tol.atol_frac) * largest_grad
         ref_updated, updated = reference.params[name][determined], candidate.params[name][determined]
-        tensors_ok &= _within(ref_grad, grad, tol) and _within(ref_updated, updated, tol)
+        tensors_ok &= _within(ref_grad, grad, tensor_tol) and _within(ref_updated, updated, tensor_tol)
         worst_grad = max(worst_grad, (name, _relative(ref_grad, grad)), key=lambda x: x[1])
         worst_param = max(worst_param, (name, _relative(ref_updated, updated)), key=lambda x: x[1])
     worst_metric = ("", 0.0)
@@ -355,9 +412,22 @@ def compare(mode: str, reference: StepOutcome, candidate: StepOutcome, dtype: to
     )
 
 
-def _reference(mode: str, dtype: torch.dtype, seed: int, vocab_size: int = 48) -> StepOutcome:
-    model, batch, loss_cfg, trainer_cfg = build_problem(mode, dtype, seed, vocab_size)
-    return _train(_trainer(PolicyTrainer, model, loss_cfg, trainer_cfg), [batch])
+def _reference(mode: str, dtype: torch.dtype, seed: int, vocab_size: int = 48, updates: int = 1) -> StepOutcome:
+    """The monolithic step: each update is one micro-batch holding its whole mini-batch; with
+    several updates, proximal logprobs are the whole batch's, scored at once at step start."""
+    model, batch, loss_cfg, trainer_cfg = build_problem(mode, dtype, seed, vocab_size, updates)
+    trainer = _trainer(PolicyTrainer, model, loss_cfg, trainer_cfg)
+    if updates > 1:
+        batch.prox_logprobs = trainer.compute_logprobs(batch)
+    return _train(trainer, [[part] for part in minibatches(batch, updates)])
+
+
+def _candidate_class(plant: str | None) -> type[PolicyTrainer]:
+    return {
+        "per-microbatch-mean": PerMicrobatchMeanTrainer,
+        "per-shard-mean": PerShardMeanTrainer,
+        "whole-step-normalizer": WholeStepNormalizerTrainer,
+    }.get(plant, PolicyTrainer)
 
 
 # ---- single process ----------------------------------------------------------------------------
@@ -371,55 +441,64 @@ def verify_mode(
     plant: Plant | None = None,
     seed: int = 0,
     vocab_size: int = 48,
+    updates: int = 1,
 ) -> Comparison:
     """Run reference and split steps for one aggregation mode, in this process, and compare them."""
     torch.manual_seed(seed)
-    model, batch, loss_cfg, trainer_cfg = build_problem(mode, dtype, seed, vocab_size)
-    candidate = _trainer(
-        PerMicrobatchMeanTrainer if plant == "per-microbatch-mean" else PolicyTrainer, model, loss_cfg, trainer_cfg
-    )
-    micro = uneven_split(batch, micro_batches, torch.Generator().manual_seed(seed + 1))
-    return compare(mode, _reference(mode, dtype, seed, vocab_size), _train(candidate, micro), dtype)
+    model, batch, loss_cfg, trainer_cfg = build_problem(mode, dtype, seed, vocab_size, updates)
+    candidate = _trainer(_candidate_class(plant), model, loss_cfg, trainer_cfg, batch=batch)
+    split = [
+        uneven_split(part, min(micro_batches, len(part)), torch.Generator().manual_seed(seed + 1 + k))
+        for k, part in enumerate(minibatches(batch, updates))
+    ]
+    outcome = _train(candidate, split, score=_scoring(updates, plant))
+    return compare(mode, _reference(mode, dtype, seed, vocab_size, updates), outcome, dtype, updates=updates)
 
 
 # ---- dp x cp ranks -----------------------------------------------------------------------------
 
 
-def _rank_check(rank: int, world_size: int, cases: list[Case], dp: int, cp: int, micro_batches: int, seed: int) -> bytes:
+def _rank_check(
+    rank: int, world_size: int, cases: list[Case], dp: int, cp: int, micro_batches: int, seed: int, updates: int
+) -> bytes:
     """One rank of ``verify_parallel``: train every case's step; rank 0 returns the outcomes."""
     parallel = init_parallel(ParallelConfig(dp=dp, cp=cp))
     outcomes = []
     for case in cases:
         torch.manual_seed(seed)
-        model, batch, loss_cfg, trainer_cfg = build_problem(case.mode, DTYPES[case.dtype], seed)
-        cls = {"per-microbatch-mean": PerMicrobatchMeanTrainer, "per-shard-mean": PerShardMeanTrainer}.get(
-            case.plant, PolicyTrainer
-        )
+        model, batch, loss_cfg, trainer_cfg = build_problem(case.mode, DTYPES[case.dtype], seed, updates=updates)
         planted = _planted(replace(parallel, wrap=case.wrap), case.plant)
-        trainer = _trainer(cls, model, loss_cfg, trainer_cfg, planted)
-        micro = rank_micro_batches(batch, dp=dp, dp_rank=parallel.dp_rank, micro_batches=micro_batches, seed=seed)
-        outcomes.append((case, _train(trainer, micro)))
+        trainer = _trainer(_candidate_class(case.plant), model, loss_cfg, trainer_cfg, planted, batch=batch)
+        split = [
+            rank_micro_batches(
+                part, dp=dp, dp_rank=parallel.dp_rank, micro_batches=min(micro_batches, len(part) // dp), seed=seed + k
+            )
+            for k, part in enumerate(minibatches(batch, updates))
+        ]
+        outcomes.append((case, _train(trainer, split, score=_scoring(updates, case.plant))))
     buffer = io.BytesIO()
     torch.save(outcomes if rank == 0 else None, buffer)
     return buffer.getvalue()
 
 
-def verify_parallel(cases: list[Case], *, dp: int, cp: int, micro_batches: int, seed: int = 0) -> list[Comparison]:
+def verify_parallel(
+    cases: list[Case], *, dp: int, cp: int, micro_batches: int, seed: int = 0, updates: int = 1
+) -> list[Comparison]:
     """Check every case on dp·cp local ranks (one launch) against the monolithic step here."""
-    check_layout(dp, cp, micro_batches, [case.plant for case in cases])
+    check_layout(dp, cp, micro_batches, [case.plant for case in cases], updates)
     for case in cases:
         _check_choices(case.mode, case.dtype, case.plant)
         if case.wrap not in WRAPS:
             raise ValueError(f"--wrap: '{case.wrap}' is not one of {', '.join(WRAPS)}")
-    payload = launch(_rank_check, dp * cp, cases, dp, cp, micro_batches, seed)[0]
+    payload = launch(_rank_check, dp * cp, cases, dp, cp, micro_batches, seed, updates)[0]
     outcomes = torch.load(io.BytesIO(payload), weights_only=False)
     references = {}
     comparisons = []
     for case, outcome in outcomes:
         key = (case.mode, case.dtype)
         if key not in references:
-            references[key] = _reference(case.mode, DTYPES[case.dtype], seed)
-        comparisons.append(compare(case.mode, references[key], outcome, DTYPES[case.dtype], case))
+            references[key] = _reference(case.mode, DTYPES[case.dtype], seed, updates=updates)
+        comparisons.append(compare(case.mode, references[key], outcome, DTYPES[case.dtype], case, updates))
     return comparisons
 
 
@@ -435,8 +514,15 @@ def _check_choices(mode: str, dtype: str, plant: str | None) -> None:
         raise ValueError(f"--mode: '{mode}' is not one of {', '.join(grpo.AGG_MODES)}")
 
 
-def check_layout(dp: int, cp: int, micro_batches: int, plants: list[str | None]) -> None:
-    """Reject a launch this check cannot run; the message starts with the option it is about."""
+def check_layout(dp: int, cp: int, micro_batches: int, plants: list[str | None], updates: int = 1) -> None:
+    """Reject a launch this check cannot run; the message starts with the option it is about.
+
+    With several updates each mini-batch is split into at most ``micro_batches`` micro-batches
+    (per DP rank), fewer when it has fewer rows."""
+    if not 1 <= updates <= NUM_GROUPS:
+        raise ValueError(f"--updates: {updates} must be between 1 and the batch's {NUM_GROUPS} groups")
+    if dp > GROUP_SIZE * (NUM_GROUPS // updates):
+        raise ValueError(f"--dp: {dp} ranks cannot share a mini-batch of {GROUP_SIZE * (NUM_GROUPS // updates)} rows")
     if dp < 1 or cp < 1:
         raise ValueError(f"--dp: dp {dp} and cp {cp} must be at least 1")
     if dp * cp > MAX_RANKS:
@@ -448,6 +534,8 @@ def check_layout(dp: int, cp: int, micro_batches: int, plants: list[str | None])
             raise ValueError(f"--plant: {plant} is a context-parallel mistake; it needs --cp 2 or more")
         if plant in RANK_PLANTS and dp * cp == 1:
             raise ValueError(f"--plant: {plant} is a multi-rank mistake; it needs --dp or --cp 2 or more")
+        if plant in UPDATE_PLANTS and updates == 1:
+            raise ValueError(f"--plant: {plant} is a mistake of several updates per step; it needs --updates 2 or more")
 
 
 def verify(
@@ -460,12 +548,17 @@ def verify(
     dp: int = 1,
     cp: int = 1,
     wrap: str = "fsdp",
+    updates: int = 1,
 ) -> list[Comparison]:
-    """Compare split (and, with dp·cp > 1, parallel) steps with the monolithic one for each mode."""
+    """Compare split (and, with dp·cp > 1, parallel) steps with the monolithic one for each mode;
+    with ``updates`` K > 1 a step is K mini-batch updates against logprobs scored at its start."""
     for mode in modes:
         _check_choices(mode, dtype, plant)
     if dp * cp > 1:
         cases = [Case(mode, dtype, plant, wrap) for mode in modes]
-        return verify_parallel(cases, dp=dp, cp=cp, micro_batches=micro_batches, seed=seed)
-    check_layout(dp, cp, micro_batches, [plant])
-    return [verify_mode(mode, micro_batches=micro_batches, dtype=DTYPES[dtype], plant=plant, seed=seed) for mode in modes]
+        return verify_parallel(cases, dp=dp, cp=cp, micro_batches=micro_batches, seed=seed, updates=updates)
+    check_layout(dp, cp, micro_batches, [plant], updates)
+    return [
+        verify_mode(mode, micro_batches=micro_batches, dtype=DTYPES[dtype], plant=plant, seed=seed, updates=updates)
+        for mode in modes
+    ]

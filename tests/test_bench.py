@@ -250,3 +250,12 @@ def test_trl_settings_map_every_shared_setting():
     norm = ["sampler.max_lag=0", "loss.mode=seq-mean-token-sum-norm", "generation.max_new_tokens=16"]
     assert "loss.norm_constant" not in trl_settings(load_config(None, [*norm, "loss.norm_constant=16"]))["unmatched"]
     assert "loss.norm_constant" in trl_settings(load_config(None, [*norm, "loss.norm_constant=8"]))["unmatched"]
+
+
+@pytest.mark.slow
+def test_e2e_variants_add_minibatch_and_dynamic_sampling_rows():
+    result = e2e.run(
+        overrides=e2e.QUICK, seeds=(0,), max_steps=2, eval_every=2, target=0.0, against_trl=False, lags=(), variants=e2e.VARIANTS
+    )
+    assert set(result["runs"]) == set(e2e.VARIANTS)
+    assert all(run["samples"] == 2 * 4 * 4 for run in result["runs"].values())

@@ -206,3 +206,11 @@ def test_shipped_configs_load_and_the_default_one_is_the_embedded_default():
         load_config(path)
     assert load_config(ROOT / "configs" / "default.yaml") == RunConfig()
     assert load_config(ROOT / "configs" / "sync.yaml").sampler.max_lag == 0
+
+
+def test_minibatch_and_behaviour_clip_rules():
+    assert error_of(["grpo.prompts_per_step=2", "grpo.num_minibatches=3"]).startswith("grpo.num_minibatches: 3 > prompts_per_step 2")
+    message = error_of(["loss.clip_against=behaviour", "grpo.num_epochs=2"])
+    assert message.startswith("loss.clip_against: behaviour takes one update per step")
+    assert error_of(["loss.clip_against=behaviour", "loss.importance_sampling=tis"]).startswith("loss.importance_sampling: tis")
+    assert load_config(None, ["loss.clip_against=behaviour", "sampler.max_lag=2"]).importance_sampling == "none"

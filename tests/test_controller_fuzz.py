@@ -6,7 +6,8 @@ worker finishes its next call, whether a generation batch fails (its jobs are th
 on slots cancelled and reserved again, while other batches commit), whether a train step fails
 (it is aborted and rerun), and how many event-loop turns pass before the next decision. One such
 decision is one interleaving; the totals are asserted. Some runs hold prompts that always fail
-to generate, which the controller skips.
+to generate, which the controller skips. Some filter zero-variance groups and refill the step with
+replacement prompts from their own stream, within a per-step budget.
 
 After every run: each prompt the loader handed out was trained exactly once, evicted and counted,
 skipped and counted, or is still ready in the buffer; no trained group breaks its sampler's lag
@@ -23,6 +24,7 @@ import asyncio
 import math
 import os
 import random
+import zlib
 from collections import Counter, deque
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -47,7 +49,7 @@ IDLE_TURNS = 1_000  # turns with no pending worker call before the run counts as
 MAX_DECISIONS = 10_000  # a run is a few hundred at most; one that goes on and on never ends
 RUN_TIMEOUT_S = 60.0  # wall-clock bound on one run, in case the loops spin without deadlocking
 SAMPLERS = (InOrderSampler, WeightFifoSampler, WindowedSampler)
-TOKENS = torch.ones(1, 2, dtype=torch.long)  # every fake group shares these read-only tensors
+TOKENS = torch.ones(2, 2, dtype=torch.long)  # every fake group shares these read-only tensors
 WEIGHTS = {"w": torch.zeros(1)}
 
 
@@ -73,6 +75,7 @@ class Scenario:
     max_step_retries: int
     checkpoint_every: int | None
     eval_every: int | None
+    refill_budget: int | None  # None: no filtering; else grpo.max_refill_groups with filtering on
     schedule_seed: int
 
 
@@ -101,6 +104,7 @@ def scenarios(draw) -> Scenario:
         max_step_retries=draw(st.integers(1, 2)),
         checkpoint_every=draw(st.none() | st.integers(1, 3)),
         eval_every=draw(st.none() | st.integers(1, 3)),
+        refill_budget=draw(st.none() | st.integers(0, 4)),
         schedule_seed=draw(st.integers(0, 2**32 - 1)),
     )
 
@@ -233,7 +237,15 @@ class FakeRolloutWorker:
 
 
 def is_poisoned(uid: str, scenario: Scenario) -> bool:
-    return int(uid.split("/")[0].removeprefix("p")) < scenario.poisoned
+    return int(uid.split("/")[0].removeprefix(REFILL).removeprefix("p")) < scenario.poisoned
+
+
+REFILL = "refill:"  # the uid prefix of the refill stream's prompts
+
+
+def is_flat(uid: str) -> bool:
+    """About a third of the prompts get equal rewards: groups that filtering drops."""
+    return zlib.crc32(uid.encode()) % 3 == 0
 
 
 def fake_group(job, version: int) -> RolloutGroup:
@@ -243,8 +255,8 @@ def fake_group(job, version: int) -> RolloutGroup:
         attention_mask=TOKENS,
         response_mask=TOKENS.float(),
         behaviour_logprobs=TOKENS.float(),
-        rewards=torch.zeros(1),
-        finish_reasons=["stop"],
+        rewards=torch.zeros(2) if is_flat(job.prompt.uid) else torch.tensor([0.0, 1.0]),
+        finish_reasons=["stop", "stop"],
         start_version=job.start_version,
         end_version=version,
         target_step=job.target_step,
@@ -333,6 +345,7 @@ def step_report(version: int, groups: list[RolloutGroup]) -> SimpleNamespace:
         num_microbatches=1,
         metrics={"clip_mean": 0.0, "is_weight_mean": 1.0, "mismatch_kl_mean": 0.0},
         skipped=False,
+        num_updates=1,
     )
     data = SimpleNamespace(
         num_groups=len(groups),
@@ -424,6 +437,8 @@ def run_config(sampler_name: str, scenario: Scenario) -> RunConfig:
             "generations_per_prompt": 2,
             "max_steps": s.max_steps,
             "min_groups_per_chunk": s.min_groups_per_chunk,
+            "filter_zero_variance": s.refill_budget is not None,
+            "max_refill_groups": s.refill_budget or 0,
         },
         generation={"batch_size": 2 * s.groups_per_batch},
         sampler={"name": sampler_name, "max_lag": s.max_lag},
@@ -444,7 +459,7 @@ def fuzz_once(sampler_cls: type, scenario: Scenario, buffer_cls: type = CheckedB
     """Run the controller under one schedule and check every invariant; returns what it exercised."""
     config = run_config(sampler_cls.name, scenario)
     sampler = sampler_cls(scenario.prompts_per_step, scenario.max_lag)
-    capacity = sampler.required_capacity(scenario.prompts_per_step) + scenario.extra_capacity
+    capacity = sampler.required_capacity(scenario.prompts_per_step) + (scenario.refill_budget or 0) + scenario.extra_capacity
     ledger = Ledger()
     scheduler = Scheduler(random.Random(scenario.schedule_seed))
     prompts = [Prompt(uid=f"p{i}", text=f"q{i}", answer="0") for i in range(scenario.num_prompts)]
@@ -461,6 +476,7 @@ def fuzz_once(sampler_cls: type, scenario: Scenario, buffer_cls: type = CheckedB
         progress=Sink(),
         run_dir="fuzz-run",
     )
+    controller.refill_loader = RecordingLoader(controller.refill_loader.prompts, scenario.epochs, ledger)
 
     async def bounded_run() -> int:
         return await asyncio.wait_for(scheduler.drive(controller), RUN_TIMEOUT_S)
@@ -475,6 +491,7 @@ def fuzz_once(sampler_cls: type, scenario: Scenario, buffer_cls: type = CheckedB
         cancelled_slots=controller.buffer.num_cancelled_total,
         evicted=len(ledger.evicted),
         data_exhausted=controller.data_exhausted,
+        refills=controller.refill_groups,
     )
 
 
@@ -513,15 +530,24 @@ def check_run(controller: SingleController, ledger: Ledger, steps: int, scenario
         if isinstance(sampler, InOrderSampler):
             step = group.target_step
             assert step == trained_at, f"lag: {group.prompt_uid} of step {step} trained at {trained_at}"
-            if buffer.num_cancelled_total == 0:
+            if buffer.num_cancelled_total == 0 and not group.prompt_uid.startswith(REFILL):
                 assert group.start_version == max(0, trained_at - sampler.max_lag), f"{group.prompt_uid}: weights"
 
-    # Each finished step trained a full step of groups, but for the last one when the data ran out.
+    # Each finished step trained a full step of groups, but for the last one when the data ran out;
+    # with filtering, a step's refills keep it at prompts_per_step informative groups while its
+    # budget lasts (under in_order; the other samplers may find the buffer full).
     per_step = Counter(trained_at for _, trained_at in ledger.trained)
+    informative = Counter(trained_at for group, trained_at in ledger.trained if not is_flat(group.prompt_uid))
+    refills = {record["step"] - 1: record["refill_groups"] for record in controller.metrics.steps}
+    budget = scenario.refill_budget or 0
     assert sorted(per_step) == list(range(steps))
     for step, count in per_step.items():
-        assert 1 <= count <= scenario.prompts_per_step
-        assert count == scenario.prompts_per_step or controller.data_exhausted, f"step {step} trained {count} groups"
+        assert 1 <= count <= scenario.prompts_per_step + refills[step] and refills[step] <= budget
+        assert count >= scenario.prompts_per_step or controller.data_exhausted, f"step {step} trained {count} groups"
+        if scenario.refill_budget is not None and isinstance(sampler, InOrderSampler) and not controller.data_exhausted:
+            full = informative[step] >= scenario.prompts_per_step or refills[step] == budget
+            assert full, f"refill: step {step} has {informative[step]} informative groups, {refills[step]} refills"
+    assert controller.refill_groups == sum(refills.values())
 
     assert [record["step"] for record in controller.metrics.steps] == list(range(1, steps + 1))
 
@@ -568,7 +594,7 @@ def test_random_interleavings_lose_no_group_and_keep_the_lag_bound(sampler_cls, 
     assert seen["interleavings"] >= math.ceil(target / len(SAMPLERS)), f"seed {FUZZ_SEED}: too few interleavings"
     # The schedules reached what they are meant to stress: failed batches, retries on fresh slots.
     assert seen["failed_batches"] > 0 and seen["cancelled_slots"] > 0 and seen["data_exhausted"] > 0
-    assert seen["failed_steps"] > 0 and seen["skipped_prompts"] > 0
+    assert seen["failed_steps"] > 0 and seen["skipped_prompts"] > 0 and seen["refills"] > 0
     if sampler_cls is WindowedSampler:
         assert seen["evicted"] > 0
 

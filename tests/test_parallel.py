@@ -19,7 +19,15 @@ from asyncrl.config import ConfigError, LossConfig, ParallelConfig, load_config
 from asyncrl.trainer import PolicyTrainer
 from asyncrl.trainer.context_parallel import gather_sequence, head_tail_columns
 from asyncrl.trainer.parallel import init_parallel, launch
-from asyncrl.verify import PLANTS, Case, build_problem, random_batch, rank_micro_batches, verify_parallel
+from asyncrl.verify import (
+    PLANTS,
+    UPDATE_PLANTS,
+    Case,
+    build_problem,
+    random_batch,
+    rank_micro_batches,
+    verify_parallel,
+)
 
 FLOAT64 = 1e-9
 
@@ -46,14 +54,25 @@ def test_cp2_matches_in_every_mode_in_float64_float32_and_under_ddp():
 
 @pytest.mark.slow
 def test_dp2_cp2_matches_in_every_mode_and_every_planted_mistake_fails():
-    cases = [Case(mode) for mode in AGG_MODES] + [Case(mode, plant=plant) for plant in PLANTS for mode in AGG_MODES]
+    plants = [plant for plant in PLANTS if plant not in UPDATE_PLANTS]
+    cases = [Case(mode) for mode in AGG_MODES] + [Case(mode, plant=plant) for plant in plants for mode in AGG_MODES]
     results = verify_parallel(cases, dp=2, cp=2, micro_batches=2)
     assert_float64_parity([r for r in results if r.case.plant is None])
     planted = [r for r in results if r.case.plant is not None]
-    assert {r.case.plant for r in planted} == set(PLANTS)
+    assert {r.case.plant for r in planted} == set(plants)
     for r in planted:
         assert not r.passed, (r.case, r.worst_error)
         assert r.worst_error[0] > 1e-3, (r.case, r.worst_error)
+
+
+@pytest.mark.slow
+def test_dp2_cp2_two_updates_match_in_every_mode_and_their_planted_mistakes_fail():
+    cases = [Case(mode) for mode in AGG_MODES] + [Case(mode, plant=plant) for plant in UPDATE_PLANTS for mode in AGG_MODES]
+    results = verify_parallel(cases, dp=2, cp=2, micro_batches=2, updates=2)
+    assert_float64_parity([r for r in results if r.case.plant is None])
+    for r in results:
+        if r.case.plant is not None:
+            assert not r.passed and r.worst_error[0] > 1e-3, (r.case, r.worst_error)
 
 
 @pytest.mark.slow

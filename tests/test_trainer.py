@@ -328,3 +328,18 @@ def test_bfloat16_policy_trains_with_float32_loss_arithmetic():
     result = trainer.train_step(batch_for(make_trainer(), 0))
     assert result.version == 1 and torch.isfinite(torch.tensor(result.loss)) and result.grad_norm > 0
     assert any(not torch.equal(a, p) for a, p in zip(before, trainer.model.parameters()))
+
+
+def test_behaviour_clip_takes_the_ratio_to_the_generator_and_one_update_alone_never_clips():
+    def step(loss_cfg, importance_sampling, prox):
+        model = build_tiny_model(VOCAB, seed=0, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=64)
+        trainer = PolicyTrainer(model, TrainerConfig(lr=1e-2), loss_cfg, importance_sampling=importance_sampling, total_steps=10)
+        batch = batch_for(trainer, 5)
+        batch.prox_logprobs = batch.behaviour_logprobs.clone() if prox else None
+        return trainer.train_step(batch)
+
+    bypass = step(LossConfig(clip_against="behaviour"), "none", prox=False)
+    as_proximal = step(LossConfig(), "none", prox=True)
+    assert bypass.loss == as_proximal.loss and bypass.grad_norm == as_proximal.grad_norm
+    assert bypass.metrics["clip_mean"] > 0 and bypass.metrics["mismatch_kl_mean"] > 0
+    assert step(LossConfig(), "tis", prox=False).metrics["clip_mean"] == 0  # ratio identically 1

@@ -11,7 +11,8 @@ from asyncrl.config import GRPOConfig, LossConfig, TrainerConfig
 from asyncrl.models import build_char_tokenizer, build_tiny_model
 from asyncrl.trainer import PolicyTrainer
 from asyncrl.trainer.worker import TrainerWorker
-from asyncrl.types import Rollout, RolloutGroup
+from asyncrl.algorithms import grpo
+from asyncrl.types import Rollout, RolloutGroup, TrainBatch
 
 TOKENIZER = build_char_tokenizer()
 
@@ -132,3 +133,69 @@ def test_checkpoint_round_trip_continues_bit_identically(tmp_path):
     assert a.result.loss == b.result.loss
     for p, q in zip(worker.trainer.model.parameters(), resumed.trainer.model.parameters()):
         assert torch.equal(p, q)
+
+
+def test_a_step_whose_groups_are_all_filtered_takes_no_update_and_does_not_raise():
+    worker = make_worker(filter_zero_variance=True)
+    flat = [RolloutGroup(**{**g.__dict__, "rewards": torch.full((4,), float(i % 2))}) for i, g in enumerate(make_groups(4))]
+    before = copy.deepcopy(worker.trainer.model.state_dict())
+    report = run_step(worker, flat, [2, 3])
+    assert report.result.num_updates == 0 and report.result.num_tokens == 0 and not report.result.skipped
+    assert report.data.num_filtered_groups == 5 and worker.version == 1
+    for name, tensor in worker.trainer.model.state_dict().items():
+        assert torch.equal(tensor, before[name]), name
+    assert run_step(worker, make_groups(5, version=1), [5]).result.num_updates == 1
+
+
+@pytest.mark.parametrize("num_minibatches, num_epochs", [(3, 1), (2, 2)])
+def test_minibatch_updates_equal_whole_minibatch_updates_against_step_start_logprobs(num_minibatches, num_epochs):
+    groups = make_groups(3, count=6)
+    worker = make_worker(micro_batch_size=5, num_minibatches=num_minibatches, num_epochs=num_epochs)
+    report = run_step(worker, groups, [2, 4])
+    reference = make_worker(micro_batch_size=100).trainer
+    reference.begin_train_step(0)
+    parts = [groups[i : i + 6 // num_minibatches] for i in range(0, 6, 6 // num_minibatches)]
+    batches = []
+    for part in parts:
+        batch = TrainBatch.from_groups(part, [grpo.group_advantages(g.rewards) for g in part])
+        batch.prox_logprobs = reference.compute_logprobs(batch)  # every one before the first update
+        batches.append(batch)
+    updates = batches * num_epochs
+    for index, batch in enumerate(updates):
+        reference.train_microbatch(batch)
+        if index < len(updates) - 1:
+            reference.finish_update()
+    expected = reference.finish_train_step()
+    assert report.result.num_updates == expected.num_updates == num_minibatches * num_epochs
+    assert report.result.loss == pytest.approx(expected.loss, rel=1e-5)
+    assert report.result.metrics["clip_mean"] == expected.metrics["clip_mean"] > 0  # the clip acts
+    for name, tensor in worker.trainer.model.state_dict().items():
+        torch.testing.assert_close(tensor, reference.model.state_dict()[name], rtol=1e-4, atol=1e-5)
+
+
+def test_aborting_after_an_update_restores_the_step_start_exactly():
+    groups = make_groups(4, count=6)
+    worker, clean = make_worker(num_minibatches=3), make_worker(num_minibatches=3)
+    worker.begin_step(0)
+    worker.train_groups(groups)
+    original = worker.trainer.finish_train_step
+    worker.trainer.finish_train_step = lambda: (_ for _ in ()).throw(RuntimeError("injected after two updates"))
+    with pytest.raises(RuntimeError, match="injected"):
+        worker.finish_step()
+    worker.trainer.finish_train_step = original
+    worker.abort_step()
+    a, b = run_step(worker, groups, [6]), run_step(clean, groups, [6])
+    assert a.result.loss == b.result.loss
+    for name, tensor in worker.trainer.model.state_dict().items():
+        assert torch.equal(tensor, clean.trainer.model.state_dict()[name]), name
+    assert worker.trainer.optimizer.state_dict()["state"][0]["step"] == 3
+
+
+def test_truncated_responses_can_be_left_out_of_the_loss():
+    groups = make_groups(6)
+    cut = [RolloutGroup(**{**g.__dict__, "finish_reasons": ["length", "stop", "stop", "length"]}) for g in groups]
+    kept = run_step(make_worker(), cut, [5]).result
+    masked = run_step(make_worker(mask_truncated=True), cut, [5]).result
+    lengths = [int(g.response_mask[i].sum()) for g in groups for i in (0, 3)]
+    assert kept.num_sequences == 20 and masked.num_sequences == 10
+    assert masked.num_tokens == kept.num_tokens - sum(lengths) and masked.loss != kept.loss

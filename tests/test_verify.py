@@ -1,4 +1,4 @@
-"""Split step == monolithic step (DESIGN 5), with its planted-mistake twin that must fail."""
+"""Split step == monolithic step (docs/loss.md), with its planted-mistake twins that must fail."""
 
 import pytest
 import torch
@@ -34,6 +34,16 @@ def test_planted_per_microbatch_mean_fails_every_mode():
     for r in verify(AGG_MODES, micro_batches=4, dtype="float64", plant="per-microbatch-mean"):
         assert not r.passed, r.mode
         assert r.worst_error[0] > 1e-3
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("updates", [2, 4])
+def test_several_updates_match_the_monolithic_updates_and_their_planted_mistakes_fail(updates):
+    for r in verify(AGG_MODES, micro_batches=2, updates=updates):
+        assert r.passed and r.worst_error[0] <= 1e-9, (updates, r.mode, r.worst_error)
+    for plant in ("whole-step-normalizer", "recompute-proximal") if updates == 2 else ():
+        for r in verify(("token-mean", "seq-mean-token-mean"), micro_batches=2, updates=updates, plant=plant):
+            assert not r.passed and r.worst_error[0] > 1e-3, (plant, r.mode, r.worst_error)
 
 
 def test_batch_exercises_clipping_importance_weights_and_ragged_lengths():

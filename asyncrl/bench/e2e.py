@@ -30,6 +30,11 @@ from asyncrl.metrics import read_jsonl
 from asyncrl.run import train
 
 LAGS = (0, 1, 2)
+# ``--variants``: loss settings of docs/loss.md, each trained at max_lag 1 beside the rows above
+VARIANTS = {
+    "max_lag=1,num_minibatches=4": ["grpo.num_minibatches=4"],
+    "max_lag=1,dynamic_sampling": ["grpo.filter_zero_variance=true", "grpo.max_refill_groups=4"],
+}
 GOAL_FRACTION_OF_SYNC = 0.6  # max_lag 1 reaches sync's final accuracy in this fraction of its time
 GOAL_SPEEDUP_OVER_TRL = 2.0
 QUICK = [
@@ -114,14 +119,18 @@ def run(
     target: float,
     against_trl: bool,
     lags: tuple[int, ...] = LAGS,
+    variants: dict[str, list[str]] | None = None,
 ) -> dict[str, Any]:
+    """``variants``: name -> overrides, each trained at max_lag 1 over the same seeds."""
+    settings = {f"max_lag={lag}": (lag, overrides) for lag in lags}
+    settings.update({name: (1, overrides + extra) for name, extra in (variants or {}).items()})
     runs: dict[str, list[dict]] = {}
     with tempfile.TemporaryDirectory(prefix="asyncrl-bench-e2e-") as tmp:
-        for lag in lags:
-            runs[f"max_lag={lag}"] = [
+        for index, (name, (lag, setting)) in enumerate(settings.items()):
+            runs[name] = [
                 run_asyncrl(
-                    bench_config(overrides, seed=seed, max_lag=lag, max_steps=max_steps, eval_every=eval_every),
-                    Path(tmp) / f"lag{lag}-seed{seed}",
+                    bench_config(setting, seed=seed, max_lag=lag, max_steps=max_steps, eval_every=eval_every),
+                    Path(tmp) / f"setting{index}-seed{seed}",
                 )
                 for seed in seeds
             ]

@@ -59,6 +59,7 @@ class StepResult:
     num_microbatches: int
     metrics: dict[str, float] = field(default_factory=dict)
     skipped: bool = False  # non-finite loss or gradient: no update, but the step (and its data) is used up
+    num_updates: int = 1  # optimizer updates applied (K mini-batches: up to K); skipped and empty ones are not
 
 
 # Step counters accumulate in one float64 vector (summed over micro-batches, later over ranks, in
@@ -92,7 +93,27 @@ class _StepState:
     sums: Tensor
     is_weight_min: Tensor
     is_weight_max: Tensor
-    num_microbatches: int = 0
+    num_microbatches: int = 0  # since the last update
+    updates: list[_Update] = field(default_factory=list)
+    snapshot: dict | None = None  # weights and optimizer state at step start, once an update was taken
+
+
+@dataclass
+class _Update:
+    """One optimizer update of a step, on its own micro-batches."""
+
+    loss: float
+    grad_norm: float
+    lr: float
+    totals: Tensor  # the counters, summed over ranks
+    is_weight_range: tuple[Tensor, Tensor]
+    num_microbatches: int
+    skipped: bool  # non-finite: not applied
+    empty: bool  # no response token: nothing to apply
+
+    @property
+    def taken(self) -> bool:
+        return not (self.skipped or self.empty)
 
 
 class PolicyTrainer:
@@ -222,45 +243,92 @@ class PolicyTrainer:
         state.num_microbatches += 1
         return {"loss_sum": counters[0], "num_tokens": counters[1]}
 
-    def finish_train_step(self) -> StepResult:
-        """Normalize once by the step-global D, clip, take the optimizer step, V += 1.
+    def finish_update(self) -> None:
+        """One optimizer update on the micro-batches trained since the step began or since its last
+        update, normalized by their own D; the step stays open for its next mini-batch (docs/loss.md,
+        "Several updates per step"). The weights and optimizer state at step start are kept until
+        the step finishes, so ``abort_train_step`` still restores them exactly."""
+        state = self._require_step("finish_update")
+        if state.snapshot is None:
+            state.snapshot = self._snapshot()
+        self._update(state)
+        self.optimizer.zero_grad(set_to_none=True)
 
-        A non-finite loss or gradient norm skips the update: weights, optimizer and schedule stay as
-        they were, the result says ``skipped``, and V still advances because the step's data is spent."""
+    def finish_train_step(self) -> StepResult:
+        """The step's last update, then V += 1 and one step of the LR schedule.
+
+        Each update normalizes once by its own D, clips and steps the optimizer. A non-finite loss
+        or gradient norm skips that update (weights and optimizer untouched; the result says
+        ``skipped``), and so does a mini-batch without a response token (every group filtered out):
+        V still advances because the step's data is spent."""
         state = self._require_step("finish_train_step")
-        totals, is_weight_range = self._step_totals(state)
-        sums = dict(zip(_COUNTERS, totals.tolist()))
-        normalizer = self._step_normalizer(state, sums)
-        grads = [p.grad for p in self.params if p.grad is not None]
-        compensation = 1.0 if self.parallel is None else self.parallel.gradient_compensation
-        torch._foreach_mul_(grads, compensation / normalizer)
-        max_norm = self.cfg.max_grad_norm if self.cfg.max_grad_norm is not None else float("inf")
-        grad_norm = float(_full(torch.nn.utils.clip_grad_norm_(self.params, max_norm, foreach=True)))
-        lr = self.optimizer.param_groups[0]["lr"]
-        skipped = not (math.isfinite(grad_norm) and math.isfinite(sums["loss_sum"]))
-        if skipped:
-            self.optimizer.zero_grad(set_to_none=True)
-        else:
-            self.optimizer.step()
+        self._update(state)
+        if any(update.taken for update in state.updates):
             self.scheduler.step()
         self.version += 1
         self._step = None
+        return self._step_result(state.updates)
+
+    def _update(self, state: _StepState) -> None:
+        """Normalize the accumulated gradients once by D, clip, step; then reset the accumulators."""
+        totals, is_weight_range = self._step_totals(state)
+        sums = dict(zip(_COUNTERS, totals.tolist()))
+        lr = self.optimizer.param_groups[0]["lr"]
+        if sums["num_tokens"] == 0:
+            self.optimizer.zero_grad(set_to_none=True)
+            loss, grad_norm, skipped = float("nan"), float("nan"), False
+        else:
+            normalizer = self._step_normalizer(state, sums)
+            grads = [p.grad for p in self.params if p.grad is not None]
+            compensation = 1.0 if self.parallel is None else self.parallel.gradient_compensation
+            torch._foreach_mul_(grads, compensation / normalizer)
+            max_norm = self.cfg.max_grad_norm if self.cfg.max_grad_norm is not None else float("inf")
+            grad_norm = float(_full(torch.nn.utils.clip_grad_norm_(self.params, max_norm, foreach=True)))
+            loss = sums["loss_sum"] / normalizer
+            skipped = not (math.isfinite(grad_norm) and math.isfinite(sums["loss_sum"]))
+            if skipped:
+                self.optimizer.zero_grad(set_to_none=True)
+            else:
+                self.optimizer.step()
+        state.updates.append(
+            _Update(loss, grad_norm, lr, totals, is_weight_range, state.num_microbatches, skipped, sums["num_tokens"] == 0)
+        )
+        state.sums = torch.zeros_like(state.sums)
+        state.is_weight_min = torch.full_like(state.is_weight_min, float("inf"))
+        state.is_weight_max = torch.full_like(state.is_weight_max, float("-inf"))
+        state.num_microbatches = 0
+
+    def _step_result(self, updates: list[_Update]) -> StepResult:
+        """The step's updates in one result: loss and gradient norm are means over the updates that
+        had tokens, counts and metrics are (sum, count) over every update."""
+        totals = updates[0].totals
+        for update in updates[1:]:
+            totals = totals + update.totals
+        sums = dict(zip(_COUNTERS, totals.tolist()))
+        is_weight_range = (
+            min((update.is_weight_range[0] for update in updates), key=float),
+            max((update.is_weight_range[1] for update in updates), key=float),
+        )
+        scored = [update for update in updates if not update.empty]
         return StepResult(
             version=self.version,
-            loss=sums["loss_sum"] / normalizer,
-            grad_norm=grad_norm,
-            lr=lr,
+            loss=sum(u.loss for u in scored) / len(scored) if scored else float("nan"),
+            grad_norm=sum(u.grad_norm for u in scored) / len(scored) if scored else float("nan"),
+            lr=updates[0].lr,
             num_sequences=round(sums["num_sequences"]),
             num_tokens=round(sums["num_tokens"]),
-            num_microbatches=state.num_microbatches,
+            num_microbatches=sum(update.num_microbatches for update in updates),
             metrics=self._reduce_metrics(is_weight_range, sums),
-            skipped=skipped,
+            skipped=any(update.skipped for update in updates),
+            num_updates=sum(update.taken for update in updates),
         )
 
     def abort_train_step(self) -> None:
         """Drop the open step (idempotent): gradients, accumulators and RNG go back to step start."""
         if self._step is not None:
             self._set_rng_state(self._step.rng_state)
+            if self._step.snapshot is not None:
+                self._restore(self._step.snapshot)
         self.optimizer.zero_grad(set_to_none=True)
         self._step = None
 
@@ -284,6 +352,8 @@ class PolicyTrainer:
         """(sum of local_w * mask * loss, this micro-batch's counters, (min, max) response IS weight)."""
         inputs = self._loss_inputs(batch)
         old_logprobs = inputs.old_logprobs if inputs.old_logprobs is not None else inputs.logprobs.detach()
+        if self.loss_cfg.clip_against == "behaviour":
+            old_logprobs = inputs.behaviour_logprobs
         loss, metrics = grpo.token_loss(
             inputs.logprobs,
             old_logprobs,
@@ -293,6 +363,11 @@ class PolicyTrainer:
             ref_logprobs=inputs.ref_logprobs,
             entropy=inputs.entropy,
         )
+        if self.loss_cfg.clip_against == "behaviour":  # the generator's distance from the current policy
+            metrics["mismatch_kl"] = grpo.mismatch_kl(
+                inputs.behaviour_logprobs, inputs.logprobs.detach(),
+                log_ratio_clamp=self.terms.kl_log_ratio_clamp, kl_clamp=self.terms.kl_clamp,
+            )
         mask = inputs.response_mask
         loss_sum = (inputs.weights * loss).sum()
         zero = mask.new_zeros(())
@@ -432,6 +507,16 @@ class PolicyTrainer:
         self.scheduler.load_state_dict(state["scheduler"])
         self.version = int(state["version"])
         self._set_rng_state(state["rng_state"])
+
+    def _snapshot(self) -> dict:
+        """Weights and optimizer state, to undo the updates a step has taken before it finished."""
+        return {"params": [p.detach().clone() for p in self.params], "optimizer": copy.deepcopy(self.optimizer.state_dict())}
+
+    @torch.no_grad()
+    def _restore(self, snapshot: dict) -> None:
+        for param, saved in zip(self.params, snapshot["params"]):
+            param.copy_(saved)
+        self.optimizer.load_state_dict(snapshot["optimizer"])
 
     def _rng_state(self) -> dict[str, Tensor]:
         """The generators a step may draw from (dropout): the CPU one, and the trainer's GPU."""

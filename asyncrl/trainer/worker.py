@@ -6,6 +6,12 @@ order received (a partial micro-batch waits for the next chunk), then runs the s
 micro-batch composition depends only on the order of the groups, never on how the step happened
 to be chunked: the same groups in the same order give a bit-identical step.
 
+With ``grpo.num_minibatches`` K or ``num_epochs`` E above 1 the worker collects the step instead,
+and ``finish_step`` cuts its groups into K mini-batches of consecutive groups, packs each the same
+way, scores every micro-batch once with the weights at step start (the proximal logprobs every
+update's ratio is taken against), then trains the mini-batches E times over, one optimizer update
+each (docs/loss.md, "When the clip acts").
+
 On several trainer ranks (trainer/parallel.py) every rank receives every group, in the same order,
 and packs the same micro-batches; global micro-batch m is trained by DP rank m % dp (its cp ranks
 each take their shard of it). Ranks train in rounds of dp micro-batches: a round runs once all of
@@ -54,6 +60,7 @@ class StepData:
 
     num_groups: int = 0
     num_filtered_groups: int = 0
+    num_refill_groups: int = 0  # of num_groups, replacements for filtered groups (set by the controller)
     num_samples: int = 0
     reward_sum: float = 0.0
     reward_sq_sum: float = 0.0
@@ -122,6 +129,8 @@ class TrainerWorker:
         self.dp = 1 if trainer.parallel is None else trainer.parallel.dp
         self.dp_rank = 0 if trainer.parallel is None else trainer.parallel.dp_rank
         self.micro_batch_size = trainer.cfg.micro_batch_size
+        # K mini-batches or E passes: the step is collected first, then trained update by update
+        self.collect = grpo_cfg.num_minibatches * grpo_cfg.num_epochs > 1
         self._reset_step()
 
     def _reset_step(self) -> None:
@@ -131,6 +140,7 @@ class TrainerWorker:
         self._partial_rows = 0
         self._num_microbatches = 0  # of the whole step, trained on some rank
         self._fetched: dict[int, RolloutGroup] = {}  # id(remote group) -> its tensors, while needed
+        self._collected: list[tuple[Any, Tensor]] = []  # (group, advantages) of a collected step
 
     @property
     def version(self) -> int:
@@ -150,7 +160,10 @@ class TrainerWorker:
             advantages = grpo.group_advantages(
                 group.rewards, baseline=self.grpo.baseline, scale_by_std=self.grpo.scale_by_std
             )
-            self._pack(group, advantages)
+            if self.collect:
+                self._collected.append((group, advantages))
+            else:
+                self._pack(group, advantages)
         while len(self._full) >= self.dp:
             self._train_round(self._full[: self.dp])
             del self._full[: self.dp]
@@ -159,9 +172,12 @@ class TrainerWorker:
     def finish_step(self) -> StepReport:
         """Train the last round (what is left, the partial micro-batch included), then normalize,
         clip and step (V += 1). The result counts the micro-batches of the whole step."""
-        last_round = self._full + ([self._partial] if self._partial else [])
-        if last_round:
-            self._train_round(last_round)
+        if self.collect:
+            self._train_minibatches()
+        else:
+            last_round = self._full + ([self._partial] if self._partial else [])
+            if last_round:
+                self._train_round(last_round)
         result = self.trainer.finish_train_step()
         report = StepReport(result=replace(result, num_microbatches=self._num_microbatches), data=self._data)
         self._reset_step()
@@ -213,6 +229,40 @@ class TrainerWorker:
         # the rest of the trainer state (schedule, version, RNG); weights and moments are in place
         self.trainer.load_state_dict({**trainer_state, "model": model.state_dict(), "optimizer": optimizer.state_dict()})
 
+    # ---- several updates per step ----------------------------------------------------------------
+
+    def _train_minibatches(self) -> None:
+        """K mini-batches of consecutive groups, E passes, one update each (the last is left to
+        ``finish_train_step``). Every micro-batch is scored first, with the weights at step start:
+        those proximal logprobs are what every update's ratio is taken against."""
+        rounds = [self._rounds_of(part) for part in split_evenly(self._collected, self.grpo.num_minibatches)]
+        batches = [[self._scored(self._round_batches(round_)) for round_ in minibatch] for minibatch in rounds]
+        self._fetched.clear()
+        updates = [(rounds[k], batches[k]) for _ in range(self.grpo.num_epochs) for k in range(len(rounds))]
+        for index, (minibatch_rounds, minibatch_batches) in enumerate(updates):
+            for round_, round_batches in zip(minibatch_rounds, minibatch_batches):
+                self._num_microbatches += len(round_)
+                for batch in round_batches:
+                    self.trainer.train_microbatch(batch)
+            if index < len(updates) - 1:
+                self.trainer.finish_update()
+
+    def _rounds_of(self, items: list[tuple[Any, Tensor]]) -> list[list[MicroBatch]]:
+        """The rounds of dp micro-batches that ``items`` pack into, packed as a streamed step would be."""
+        for group, advantages in items:
+            self._pack(group, advantages)
+        packed = self._full + ([self._partial] if self._partial else [])
+        self._full, self._partial, self._partial_rows = [], [], 0
+        return [packed[start : start + self.dp] for start in range(0, len(packed), self.dp)]
+
+    def _scored(self, batches: list[TrainBatch]) -> list[TrainBatch]:
+        """Proximal (and reference) logprobs of this rank's batches, once, before any update."""
+        for batch in batches:
+            batch.prox_logprobs = self.trainer.compute_logprobs(batch)
+            if self.trainer.reference_model is not None:
+                batch.ref_logprobs = self.trainer.compute_logprobs(batch, reference=True)
+        return batches
+
     # ---- packing and rounds -------------------------------------------------------------------
 
     def _pack(self, group: RolloutGroup, advantages: Tensor) -> None:
@@ -246,11 +296,19 @@ class TrainerWorker:
     def _micro_batch(self, micro_batch: MicroBatch) -> TrainBatch:
         groups = [self._fetch(rows.group) for rows in micro_batch]
         batch = TrainBatch.from_groups(groups, [rows.advantages for rows in micro_batch])
-        index, offset = [], 0
+        index, offset, truncated = [], 0, []
         for group, rows in zip(groups, micro_batch):
             index.extend(range(offset + rows.start, offset + rows.stop))
+            truncated.extend(reason == "length" for reason in group.finish_reasons[rows.start : rows.stop])
             offset += group.size
-        return batch.select(index)
+        batch = batch.select(index)
+        if self.grpo.mask_truncated and any(truncated):
+            # out of the loss and out of its counts: a row with n_i = 0 is padding (docs/loss.md)
+            keep = ~torch.tensor(truncated)
+            batch = replace(
+                batch, response_mask=batch.response_mask * keep[:, None], response_lengths=batch.response_lengths * keep
+            )
+        return batch
 
     def _fetch(self, group: Any) -> RolloutGroup:
         """The group with its tensors: itself, or a held group's, fetched once."""
@@ -277,6 +335,18 @@ class TrainerWorker:
         if self.trainer.reference_model is not None:
             batch.ref_logprobs = self.trainer.compute_logprobs(batch, reference=True)
         self.trainer.train_microbatch(batch)
+
+
+def split_evenly(items: list, parts: int) -> list[list]:
+    """``items`` cut into at most ``parts`` consecutive non-empty runs, sizes differing by at most one."""
+    parts = min(parts, len(items))
+    size, extra = divmod(len(items), max(parts, 1))
+    runs, start = [], 0
+    for index in range(parts):
+        stop = start + size + (index < extra)
+        runs.append(items[start:stop])
+        start = stop
+    return runs
 
 
 def _check_weight_names(model: nn.Module, names, checkpoint_dir: Path) -> None:
