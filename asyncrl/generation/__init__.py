@@ -10,14 +10,18 @@ from asyncrl.generation.hf import HFGenerator
 
 
 def build_generator(config: RunConfig, model: PreTrainedModel, tokenizer) -> Generator:
-    """The backend ``generation.backend`` names (only "hf" today), batch size from ``generation``.
+    """The backend ``generation.backend`` names ("hf" or "vllm"), batch size from ``generation``.
 
     The generator owns ``model``: pass a copy if the trainer keeps training its own.
     """
-    if config.generation.backend != "hf":
-        raise ValueError(f"generation.backend: unknown backend {config.generation.backend!r}; known: ['hf']")
+    if config.generation.backend not in ("hf", "vllm"):
+        raise ValueError(f"generation.backend: unknown backend {config.generation.backend!r}; known: ['hf', 'vllm']")
     if tokenizer.eos_token_id is None:
         raise ValueError("tokenizer.path: the tokenizer has no eos token, so generation could never stop early")
+    if config.generation.backend == "vllm":
+        from asyncrl.generation.vllm import build_vllm_generator  # imported only when used
+
+        return build_vllm_generator(config, model, tokenizer.eos_token_id)
     pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     return HFGenerator(
         model,

@@ -1,0 +1,73 @@
+"""Runs inside the vLLM environment: registers asyncrl's file weight-transfer engine, then serves.
+
+Started by the vLLM venv's interpreter as a script (``python vllm_server.py <api_server args>``),
+so it imports only vLLM, torch, safetensors and the standard library, never asyncrl's own
+environment. The registration runs at import: the engine-core process, forked or spawned from
+this one, finds it in vLLM's registry too.
+
+The engine ("asyncrl_file") is the CPU path of vLLM's weight-transfer API: the trainer writes its
+state dict to a safetensors file (in /dev/shm when there is one) and sends its path with
+``update_weights``. vLLM's built-in engines (nccl, ipc) need CUDA. A weight update must redo the
+weight post-processing that loading did: on CPU, linear weights are repacked for oneDNN and the
+original parameter emptied, so the update runs vLLM's layerwise reload around ``load_weights``.
+A tied ``lm_head`` shares the embedding's parameter but keeps its own packed copy, which the
+reload does not revisit (it processes a tied parameter through one parent only), so every
+output head is repacked afterwards, or logits would stay on the old weights.
+"""
+
+from __future__ import annotations
+
+import runpy
+from dataclasses import dataclass
+
+from safetensors.torch import load_file
+from vllm.distributed.weight_transfer.base import (
+    WeightTransferEngine,
+    WeightTransferInitInfo,
+    WeightTransferUpdateInfo,
+)
+from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
+from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
+
+ENGINE_NAME = "asyncrl_file"
+
+
+@dataclass
+class FileInitInfo(WeightTransferInitInfo):
+    """Nothing to connect: every update names its own file."""
+
+
+@dataclass
+class FileUpdateInfo(WeightTransferUpdateInfo):
+    path: str  # a safetensors file holding every weight, named as in the HF checkpoint
+
+
+class FileWeightTransferEngine(WeightTransferEngine[FileInitInfo, FileUpdateInfo]):
+    init_info_cls = FileInitInfo
+    update_info_cls = FileUpdateInfo
+    supports_draft_weight_update = False
+
+    def init_transfer_engine(self, init_info: FileInitInfo) -> None:
+        """Nothing to set up; the call exists so a client checks the engine is registered."""
+
+    def start_weight_update(self) -> None:
+        initialize_layerwise_reload(self.model)
+
+    def receive_weights(self, update_info: FileUpdateInfo) -> None:
+        self.model.load_weights(load_file(update_info.path).items())
+
+    def finish_weight_update(self) -> None:
+        finalize_layerwise_reload(self.model, self.model_config)
+        for module in self.model.modules():
+            if isinstance(module, ParallelLMHead):
+                module.quant_method.process_weights_after_loading(module)
+
+    def shutdown(self) -> None:
+        """No connection to release."""
+
+
+WeightTransferEngineFactory.register_engine(ENGINE_NAME, FileWeightTransferEngine)
+
+if __name__ == "__main__":
+    runpy.run_module("vllm.entrypoints.openai.api_server", run_name="__main__")
