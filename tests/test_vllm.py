@@ -6,6 +6,8 @@ Every logprob the server returns is checked against the trainer's own scoring
 
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -17,6 +19,7 @@ from transformers import AutoModelForCausalLM
 from asyncrl.generation import HFGenerator, SampleRequest, SamplingParams, build_generator, sample_seed
 from asyncrl.generation.vllm import VLLMGenerator
 from asyncrl.generation.vllm_process import http_json
+from asyncrl.metrics import read_jsonl
 from asyncrl.models import build_char_tokenizer, build_tiny_model, token_logprobs
 from asyncrl.models.tiny import tiny_config
 
@@ -138,4 +141,27 @@ def test_an_untied_head_follows_updates_and_a_killed_server_is_restarted_and_res
         assert http_json(f"{generator.url}/weight_info", timeout=10)["weight_version"] == "2"
     finally:
         generator.close()
+    assert not wait_for_exit(lambda: vllm_processes() - before)
+
+
+def test_a_run_starts_its_server_updates_it_in_flight_and_stops_it_on_sigterm(tmp_path, vllm_python):
+    """``asyncrl train`` on the vLLM backend: groups span weight versions (sync.mode inflight, the
+    default), the server's log is in the run directory, and SIGTERM leaves no vLLM process."""
+    before = vllm_processes()
+    run_dir = tmp_path / "run"
+    args = [sys.executable, "-m", "asyncrl.cli", "train", "--output-dir", str(run_dir), "generation.backend=vllm",
+            "grpo.max_steps=100000", "checkpoint.every_steps=null", "warm_start.steps=0", "logging.progress=false"]  # fmt: skip
+    process = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.monotonic() + 400
+    while not (metrics.exists() and len(read_jsonl(metrics)) >= 6):
+        assert process.poll() is None and time.monotonic() < deadline, process.communicate()
+        time.sleep(0.5)
+    process.send_signal(signal.SIGTERM)
+    _, err = process.communicate(timeout=120)
+    assert process.returncode == 128 + signal.SIGTERM, err
+    groups = read_jsonl(run_dir / "groups.jsonl")
+    assert any(g["end_version"] > g["start_version"] for g in groups)
+    assert all(g["end_version"] >= g["start_version"] for g in groups)
+    assert [p.name.startswith("server-") for p in (run_dir / "vllm").iterdir()] == [True]
     assert not wait_for_exit(lambda: vllm_processes() - before)

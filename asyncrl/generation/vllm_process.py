@@ -2,15 +2,14 @@
 
 The server runs ``vllm_server.py`` (this directory) with the vLLM environment's interpreter, so
 vLLM's own torch and transformers never enter this process. It gets its own process group, so
-stopping it ends its engine-core child too, and the kernel sends it SIGKILL if the process that
-started it dies (``PR_SET_PDEATHSIG``): a crashed or killed run leaves no server behind. A
-normal exit stops it through ``atexit``. Its output goes to ``log_path``.
+stopping it ends its engine and worker processes too, and it kills that group itself once the
+process that started it is gone: a crashed or killed run leaves no server behind. A normal exit
+stops it through ``atexit``. Its output goes to ``log_path``.
 """
 
 from __future__ import annotations
 
 import atexit
-import ctypes
 import json
 import os
 import signal
@@ -24,7 +23,6 @@ from pathlib import Path
 SERVER_SCRIPT = Path(__file__).with_name("vllm_server.py")
 WEIGHT_ENGINE = "asyncrl_file"  # the engine vllm_server.py registers
 SERVED_NAME = "policy"
-PR_SET_PDEATHSIG = 1
 
 
 class ServerError(RuntimeError):
@@ -98,7 +96,6 @@ class VLLMServer:
                 stdin=subprocess.DEVNULL,
                 env=env,
                 start_new_session=True,
-                preexec_fn=_die_with_parent,
             )
         deadline = time.monotonic() + self.startup_timeout_s
         while not self.healthy():
@@ -141,10 +138,6 @@ def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
-
-
-def _die_with_parent() -> None:
-    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 def _signal_group(pid: int, sig: signal.Signals) -> None:

@@ -3,7 +3,8 @@
 Started by the vLLM venv's interpreter as a script (``python vllm_server.py <api_server args>``),
 so it imports only vLLM, torch, safetensors and the standard library, never asyncrl's own
 environment. The registration runs at import: the engine-core process, forked or spawned from
-this one, finds it in vLLM's registry too.
+this one, finds it in vLLM's registry too. The server leads its own process group and ends it
+when the process that started it is gone.
 
 The engine ("asyncrl_file") is the CPU path of vLLM's weight-transfer API: the trainer writes its
 state dict to a safetensors file (in /dev/shm when there is one) and sends its path with
@@ -17,7 +18,11 @@ output head is repacked afterwards, or logits would stay on the old weights.
 
 from __future__ import annotations
 
+import os
 import runpy
+import signal
+import threading
+import time
 from dataclasses import dataclass
 
 from safetensors.torch import load_file
@@ -69,5 +74,15 @@ class FileWeightTransferEngine(WeightTransferEngine[FileInitInfo, FileUpdateInfo
 
 WeightTransferEngineFactory.register_engine(ENGINE_NAME, FileWeightTransferEngine)
 
+def exit_with_parent() -> None:
+    """Kill the server's whole process group (it leads its own) once the process that started it
+    is gone, however that process ended: no engine process is left behind, even after SIGKILL."""
+    parent = os.getppid()
+    while os.getppid() == parent:
+        time.sleep(0.5)
+    os.killpg(0, signal.SIGKILL)
+
+
 if __name__ == "__main__":
+    threading.Thread(target=exit_with_parent, name="exit-with-parent", daemon=True).start()
     runpy.run_module("vllm.entrypoints.openai.api_server", run_name="__main__")
