@@ -286,6 +286,25 @@ def bench_weight_sync(
     common.write_result("weight-sync", settings, rows, output)
 
 
+@bench_app.command("backends")
+def bench_backends(
+    quick: bool = typer.Option(False, "--quick", help="a smoke run: fewer requests, updates and steps"),
+    output: Optional[Path] = typer.Option(None, "--output", help=OUTPUT_HELP),
+) -> None:
+    """The transformers and vLLM backends on one model: tokens/s (short and long responses), sync s, step s."""
+    common = _benchmarks()
+    from benchmarks import backends
+
+    settings = {
+        "requests": 16 if quick else 128,
+        "updates": 3 if quick else 10,
+        "train_steps": 5 if quick else 30,
+        "max_new_tokens": backends.SETTINGS,
+    }
+    rows = backends.run(requests=settings["requests"], updates=settings["updates"], train_steps=settings["train_steps"])
+    common.write_result("backends", settings, rows, output)
+
+
 @bench_app.command("e2e")
 def bench_e2e(
     quick: bool = typer.Option(False, "--quick", help="a smoke run: a tiny model, a few steps, one seed"),
