@@ -16,18 +16,40 @@ import torch
 from conftest import vllm_processes, wait_for_exit
 from transformers import AutoModelForCausalLM
 
+from asyncrl.cli import main
 from asyncrl.generation import HFGenerator, SampleRequest, SamplingParams, build_generator, sample_seed
 from asyncrl.generation.vllm import VLLMGenerator
 from asyncrl.generation.vllm_process import http_json
 from asyncrl.metrics import read_jsonl
 from asyncrl.models import build_char_tokenizer, build_tiny_model, token_logprobs
 from asyncrl.models.tiny import tiny_config
-
-pytestmark = pytest.mark.slow
+from test_train import SMALL
 
 TOKENIZER = build_char_tokenizer()
 DEFAULT = dict(hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=512)  # model: defaults
 PROMPTS = ["1+1=", "12+30=", "7*8=", "(3+4)*2=", "9-5="]
+
+
+def one_line_error(capsys, *argv) -> str:
+    assert main(list(argv)) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1 and "Traceback" not in err, err
+    return err
+
+
+def test_a_head_size_vllms_cpu_attention_lacks_is_a_one_line_error(capsys, tmp_path):
+    err = one_line_error(capsys, "train", "--output-dir", str(tmp_path / "run"), *SMALL, "generation.backend=vllm")
+    assert "model.num_heads: head size 8" in err
+
+
+def test_a_missing_vllm_environment_is_a_one_line_error_naming_the_fix(capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    args = [*SMALL, "model.hidden_size=128", "generation.backend=vllm"]
+    err = one_line_error(capsys, "train", "--output-dir", str(tmp_path / "a"), *args)
+    assert f"no vLLM environment at {tmp_path / 'cache'}" in err and "run `asyncrl vllm-env`" in err
+    python = f"generation.vllm.python={tmp_path / 'nowhere' / 'python'}"
+    err = one_line_error(capsys, "train", "--output-dir", str(tmp_path / "b"), *args, python)
+    assert "generation.vllm.python: no interpreter at" in err
 
 
 def tiny(seed: int, **overrides):
@@ -51,6 +73,7 @@ def assert_trainer_logprobs(model, rollouts, atol=1e-5):
         torch.testing.assert_close(torch.tensor(rollout.logprobs), expected, rtol=0, atol=atol)
 
 
+@pytest.mark.slow
 def test_logprobs_equal_the_trainers_before_and_after_weight_updates(vllm_generator):
     params = SamplingParams(max_new_tokens=24)
     for version, seed in enumerate((0, 11, 12, 13)):
@@ -63,6 +86,7 @@ def test_logprobs_equal_the_trainers_before_and_after_weight_updates(vllm_genera
         assert http_json(f"{vllm_generator.url}/weight_info", timeout=10)["weight_version"] == str(version)
 
 
+@pytest.mark.slow
 def test_samples_depend_on_their_seed_alone(vllm_generator):
     vllm_generator.load_weights(tiny(0).state_dict(), 0)
     params = SamplingParams(max_new_tokens=16)
@@ -72,6 +96,7 @@ def test_samples_depend_on_their_seed_alone(vllm_generator):
     assert len({tuple(r.response_ids) for r in together}) > 1
 
 
+@pytest.mark.slow
 def test_greedy_evaluation_equals_the_hf_backend(vllm_generator):
     model = tiny(21)
     vllm_generator.load_weights(model.state_dict(), 1)
@@ -84,6 +109,7 @@ def test_greedy_evaluation_equals_the_hf_backend(vllm_generator):
         torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), rtol=0, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_an_inflight_update_gives_responses_spanning_two_versions(vllm_generator):
     """Long responses (no stop token, through a second client of the same server), weights swapped mid-generation:
     every token's logprob is the trainer's under the version that sampled it."""
@@ -113,6 +139,7 @@ def test_an_inflight_update_gives_responses_spanning_two_versions(vllm_generator
         torch.testing.assert_close(torch.tensor(rollout.logprobs), expected, rtol=0, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_an_untied_head_follows_updates_and_a_killed_server_is_restarted_and_resynced(vllm_config):
     """A server of its own (an untied lm_head), killed outright: the next call restarts it and
     reloads the last weights, with their version; closing it leaves no process behind."""
@@ -144,6 +171,7 @@ def test_an_untied_head_follows_updates_and_a_killed_server_is_restarted_and_res
     assert not wait_for_exit(lambda: vllm_processes() - before)
 
 
+@pytest.mark.slow
 def test_a_run_starts_its_server_updates_it_in_flight_and_stops_it_on_sigterm(tmp_path, vllm_python):
     """``asyncrl train`` on the vLLM backend: groups span weight versions (sync.mode inflight, the
     default), the server's log is in the run directory, and SIGTERM leaves no vLLM process."""
