@@ -25,6 +25,9 @@ from asyncrl.models import build_char_tokenizer, build_tiny_model, token_logprob
 from asyncrl.models.tiny import tiny_config
 from test_train import SMALL
 
+# The first test to use the server may also create the vLLM environment (3 to 5 minutes).
+pytestmark = pytest.mark.timeout(1200)
+
 TOKENIZER = build_char_tokenizer()
 DEFAULT = dict(hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=512)  # model: defaults
 PROMPTS = ["1+1=", "12+30=", "7*8=", "(3+4)*2=", "9-5="]
