@@ -10,6 +10,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 
 import pytest
 import torch
@@ -70,6 +71,13 @@ def trainer_logprobs(model, rollout) -> torch.Tensor:
     return logprobs[0, len(rollout.prompt_ids) :]
 
 
+def running_requests(url: str) -> float:
+    """The server's count of requests being decoded, from its Prometheus metrics."""
+    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as response:
+        lines = response.read().decode().splitlines()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith("vllm:num_requests_running{"))
+
+
 def assert_trainer_logprobs(model, rollouts, atol=1e-5):
     for rollout in rollouts:
         expected = trainer_logprobs(model, rollout)
@@ -126,13 +134,15 @@ def test_an_inflight_update_gives_responses_spanning_two_versions(vllm_generator
     )
     endless.version = 4
     result = {}
-    worker = threading.Thread(target=lambda: result.update(r=endless.generate(requests(), SamplingParams(300))))
+    worker = threading.Thread(target=lambda: result.update(r=endless.generate(requests(), SamplingParams(600))))
     worker.start()
-    time.sleep(3.0)
+    while running_requests(vllm_generator.url) == 0:  # 600 decoding steps take seconds; a load 0.1 s
+        assert worker.is_alive()
+        time.sleep(0.05)
     vllm_generator.load_weights(new.state_dict(), 5)
     worker.join()
     rollouts = result["r"]
-    assert all(r.finish_reason == "length" and len(r.response_ids) == 300 for r in rollouts)
+    assert all(r.finish_reason == "length" and len(r.response_ids) == 600 for r in rollouts)
     spanning = [r for r in rollouts if r.versions[0] == 4 and r.versions[-1] == 5]
     assert spanning, [sorted(set(r.versions)) for r in rollouts]
     for rollout in rollouts:

@@ -48,7 +48,8 @@ def build_vllm_generator(config: RunConfig, model: PreTrainedModel, eos_token_id
     """A generator on ``generation.vllm.url``, or on a server started from ``model``'s weights.
 
     The model is saved (float32) to a temporary directory the server loads at start; the server's
-    log goes to ``<run dir>/vllm/``.
+    log goes to ``<run dir>/vllm/``. A server that does not start (an incompatible environment) is
+    a ValueError naming ``generation.vllm.python`` and the log's last line.
     """
     cfg = config.generation.vllm
     shapes = {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}
@@ -76,7 +77,11 @@ def build_vllm_generator(config: RunConfig, model: PreTrainedModel, eos_token_id
         startup_timeout_s=cfg.startup_timeout_s,
         extra_args=cfg.extra_args,
     )
-    generator = VLLMGenerator(shapes=shapes, eos_token_id=eos_token_id, vocab_size=vocab_size, server=server, **options)
+    try:
+        generator = VLLMGenerator(shapes=shapes, eos_token_id=eos_token_id, vocab_size=vocab_size, server=server, **options)
+    except ServerError as err:
+        shutil.rmtree(model_dir, ignore_errors=True)
+        raise ValueError(f"generation.vllm.python: {python} could not serve the model: {err}") from None
     generator.model_dir = model_dir
     return generator
 
