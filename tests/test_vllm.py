@@ -46,7 +46,7 @@ def test_a_head_size_vllms_cpu_attention_lacks_is_a_one_line_error(capsys, tmp_p
     assert "model.num_heads: head size 8" in err
 
 
-def test_a_missing_vllm_environment_is_a_one_line_error_naming_the_fix(capsys, tmp_path, monkeypatch):
+def test_a_missing_or_unusable_vllm_environment_is_a_one_line_error_naming_the_fix(capsys, tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     args = [*SMALL, "model.hidden_size=128", "generation.backend=vllm"]
     err = one_line_error(capsys, "train", "--output-dir", str(tmp_path / "a"), *args)
@@ -54,6 +54,10 @@ def test_a_missing_vllm_environment_is_a_one_line_error_naming_the_fix(capsys, t
     python = f"generation.vllm.python={tmp_path / 'nowhere' / 'python'}"
     err = one_line_error(capsys, "train", "--output-dir", str(tmp_path / "b"), *args, python)
     assert "generation.vllm.python: no interpreter at" in err
+    without_vllm = f"generation.vllm.python={sys.executable}"
+    err = one_line_error(capsys, "train", "--output-dir", str(tmp_path / "c"), *args, without_vllm)
+    assert f"generation.vllm.python: {sys.executable} could not serve the model" in err
+    assert "No module named 'vllm'" in err
 
 
 def tiny(seed: int, **overrides):
