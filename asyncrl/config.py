@@ -95,7 +95,7 @@ class DataConfig(Section):
 
 
 class VLLMConfig(Section):
-    """The vLLM server behind ``generation.backend: vllm`` (docs/generation.md)."""
+    """The vLLM servers behind generation.backend vllm, one per rollout worker (docs/generation.md)."""
 
     url: str | None = Field(None, description="an OpenAI-compatible vLLM server to use; null starts one per rollout worker")
     python: str | None = Field(
@@ -111,8 +111,7 @@ class VLLMConfig(Section):
 class GenerationConfig(Section):
     """How rollouts are sampled."""
 
-    backend: Literal["hf", "vllm"] = Field("hf", description="generation backend: transformers in process, or vLLM servers")
-    vllm: VLLMConfig = Field(default_factory=VLLMConfig)
+    backend: Literal["hf", "vllm"] = Field("hf", description="generation backend: transformers in process, or vLLM servers (section vllm)")
     max_new_tokens: int = Field(16, ge=1, description="response length limit")
     temperature: float = Field(1.0, ge=0.0, description="sampling temperature; 0 is greedy")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="nucleus sampling mass; 1 disables it")
@@ -395,6 +394,7 @@ class RunConfig(Section):
     tokenizer: TokenizerConfig = Field(default_factory=TokenizerConfig)
     data: DataConfig = Field(default_factory=DataConfig)
     generation: GenerationConfig = Field(default_factory=GenerationConfig)
+    vllm: VLLMConfig = Field(default_factory=VLLMConfig)
     rewards: RewardConfig = Field(default_factory=RewardConfig)
     grpo: GRPOConfig = Field(default_factory=GRPOConfig)
     loss: LossConfig = Field(default_factory=LossConfig)

@@ -3,7 +3,7 @@
 Per backend: generation tokens/s for short responses (the default task's 16 tokens) and long ones
 (256 tokens), seconds per weight update, and the mean step time of a short ``asyncrl train`` run.
 Both backends get the same requests (same prompts and seeds) and the same weights; the vLLM
-server is started once and the training runs use it through ``generation.vllm.url``.
+server is started once and the training runs use it through ``vllm.url``.
 """
 
 from __future__ import annotations
@@ -72,6 +72,6 @@ def _train_step_s(backend: str, url: str | None, steps: int) -> float:
             f"logging.output_dir={run_dir}",
         ]
         if url is not None:
-            overrides.append(f"generation.vllm.url={url}")
+            overrides.append(f"vllm.url={url}")
         train(load_config(None, overrides))
         return statistics.mean(m["time/step_s"] for m in read_jsonl(Path(run_dir) / "metrics.jsonl")[1:])

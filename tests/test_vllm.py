@@ -51,12 +51,12 @@ def test_a_missing_or_unusable_vllm_environment_is_a_one_line_error_naming_the_f
     args = [*SMALL, "model.hidden_size=128", "generation.backend=vllm"]
     err = one_line_error(capsys, "train", "--output-dir", str(tmp_path / "a"), *args)
     assert f"no vLLM environment at {tmp_path / 'cache'}" in err and "run `asyncrl vllm-env`" in err
-    python = f"generation.vllm.python={tmp_path / 'nowhere' / 'python'}"
+    python = f"vllm.python={tmp_path / 'nowhere' / 'python'}"
     err = one_line_error(capsys, "train", "--output-dir", str(tmp_path / "b"), *args, python)
-    assert "generation.vllm.python: no interpreter at" in err
-    without_vllm = f"generation.vllm.python={sys.executable}"
+    assert "vllm.python: no interpreter at" in err
+    without_vllm = f"vllm.python={sys.executable}"
     err = one_line_error(capsys, "train", "--output-dir", str(tmp_path / "c"), *args, without_vllm)
-    assert f"generation.vllm.python: {sys.executable} could not serve the model" in err
+    assert f"vllm.python: {sys.executable} could not serve the model" in err
     assert "No module named 'vllm'" in err
 
 

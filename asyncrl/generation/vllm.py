@@ -45,13 +45,13 @@ CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256)  # what vLLM's C
 
 
 def build_vllm_generator(config: RunConfig, model: PreTrainedModel, eos_token_id: int) -> VLLMGenerator:
-    """A generator on ``generation.vllm.url``, or on a server started from ``model``'s weights.
+    """A generator on ``vllm.url``, or on a server started from ``model``'s weights.
 
     The model is saved (float32) to a temporary directory the server loads at start; the server's
     log goes to ``<run dir>/vllm/``. A server that does not start (an incompatible environment) is
-    a ValueError naming ``generation.vllm.python`` and the log's last line.
+    a ValueError naming ``vllm.python`` and the log's last line.
     """
-    cfg = config.generation.vllm
+    cfg = config.vllm
     shapes = {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}
     vocab_size = model.get_input_embeddings().num_embeddings
     options = dict(request_timeout_s=cfg.request_timeout_s, max_restarts=cfg.max_restarts)
@@ -81,7 +81,7 @@ def build_vllm_generator(config: RunConfig, model: PreTrainedModel, eos_token_id
         generator = VLLMGenerator(shapes=shapes, eos_token_id=eos_token_id, vocab_size=vocab_size, server=server, **options)
     except ServerError as err:
         shutil.rmtree(model_dir, ignore_errors=True)
-        raise ValueError(f"generation.vllm.python: {python} could not serve the model: {err}") from None
+        raise ValueError(f"vllm.python: {python} could not serve the model: {err}") from None
     generator.model_dir = model_dir
     return generator
 
@@ -214,7 +214,7 @@ class VLLMGenerator:
             return
         if self.restarts >= self.max_restarts:
             raise ServerError(
-                f"the vLLM server died and generation.vllm.max_restarts={self.max_restarts} restarts are used up; "
+                f"the vLLM server died and vllm.max_restarts={self.max_restarts} restarts are used up; "
                 f"see {self.server.log_path}"
             )
         self.restarts += 1
