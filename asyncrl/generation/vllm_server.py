@@ -4,7 +4,7 @@ Started by the vLLM venv's interpreter as a script (``python vllm_server.py <api
 so it imports only vLLM, torch, safetensors and the standard library, never asyncrl's own
 environment. The registration runs at import: the engine-core process, forked or spawned from
 this one, finds it in vLLM's registry too. The server leads its own process group and ends it
-when the process that started it is gone.
+when the process that started it is gone (``exit_with_parent``).
 
 The engine ("asyncrl_file") is the CPU path of vLLM's weight-transfer API: the trainer writes its
 state dict to a safetensors file (in /dev/shm when there is one) and sends its path with
@@ -74,15 +74,24 @@ class FileWeightTransferEngine(WeightTransferEngine[FileInitInfo, FileUpdateInfo
 
 WeightTransferEngineFactory.register_engine(ENGINE_NAME, FileWeightTransferEngine)
 
-def exit_with_parent() -> None:
-    """Kill the server's whole process group (it leads its own) once the process that started it
-    is gone, however that process ended: no engine process is left behind, even after SIGKILL."""
-    parent = os.getppid()
-    while os.getppid() == parent:
-        time.sleep(0.5)
-    os.killpg(0, signal.SIGKILL)
 
+def exit_with_parent() -> None:
+    """Kill the server's whole process group (it leads its own) once this process's parent is
+    gone. Every process of the server watches its own parent (the engine and worker processes
+    start watching when forked): whichever link dies first, and however it died (a SIGKILL from
+    the runtime included), the rest follow, and no engine process is left behind."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os.killpg(0, signal.SIGKILL)
+
+    threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
+
+
+exit_with_parent()
+os.register_at_fork(after_in_child=exit_with_parent)
 
 if __name__ == "__main__":
-    threading.Thread(target=exit_with_parent, name="exit-with-parent", daemon=True).start()
     runpy.run_module("vllm.entrypoints.openai.api_server", run_name="__main__")
