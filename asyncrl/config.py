@@ -7,6 +7,7 @@ run never starts with a configuration that would deadlock or silently mean somet
 from __future__ import annotations
 
 import difflib
+import json
 import math
 import re
 from pathlib import Path
@@ -333,10 +334,19 @@ class SyncConfig(Section):
     )
 
 
+TINY_WARM_START_STEPS = 300
+CONTEXT_PARALLEL_MODEL_TYPES = ("gemma2", "gemma3_text", "gpt2", "llama", "mistral", "phi3", "qwen2", "qwen3")
+
+
 class WarmStartConfig(Section):
     """A short supervised warm start on the train split, cached on disk, before GRPO begins."""
 
-    steps: int = Field(300, ge=0, description="supervised steps; 0 skips the warm start")
+    steps: int | None = Field(
+        None,
+        ge=0,
+        description="supervised steps; 0 skips the warm start; null: 300 for the built-in tiny model, 0 with model.path "
+        "(a pretrained model would lose its own skills to it), so a checkpoint warm-starts only when this is set",
+    )
     lr: float = Field(3e-3, gt=0.0, description="warm start learning rate")
     batch_size: int = Field(64, ge=1, description="examples per warm start step")
     cache_dir: str = Field("~/.cache/asyncrl/warm_start", description="where warm-started weights are cached")
@@ -409,6 +419,12 @@ class RunConfig(Section):
     faults: FaultsConfig = Field(default_factory=FaultsConfig)
 
     @model_validator(mode="after")
+    def _warm_start_steps(self) -> RunConfig:
+        if self.warm_start.steps is None:
+            self.warm_start.steps = 0 if self.model.path is not None else TINY_WARM_START_STEPS
+        return self
+
+    @model_validator(mode="after")
     def _sampler_capacity(self) -> RunConfig:
         sampler = self._sampler()
         required = sampler.required_capacity(self.grpo.prompts_per_step)
@@ -440,6 +456,21 @@ class RunConfig(Section):
         sequences = self.grpo.prompts_per_step * self.grpo.generations_per_prompt
         if parallel.dp > sequences:
             raise ValueError(f"parallel.dp: {parallel.dp} data-parallel ranks but only {sequences} sequences per step")
+        return self
+
+    @model_validator(mode="after")
+    def _context_parallel_architecture(self) -> RunConfig:
+        """Context parallelism reimplements attention across ranks; an architecture it was not
+        checked on could silently attend to something else, so it is refused."""
+        config_file = None if self.model.path is None else Path(self.model.path).expanduser() / "config.json"
+        if self.parallel.cp == 1 or config_file is None or not config_file.is_file():
+            return self
+        model_type = json.loads(config_file.read_text()).get("model_type")
+        if model_type not in CONTEXT_PARALLEL_MODEL_TYPES:
+            raise ValueError(
+                f"parallel.cp: model.path holds a '{model_type}' model; context parallelism is verified for "
+                f"{', '.join(CONTEXT_PARALLEL_MODEL_TYPES)} (docs/parallelism.md), so use parallel.cp=1"
+            )
         return self
 
     @model_validator(mode="after")

@@ -14,7 +14,7 @@ from typing import Mapping, Sequence
 import torch
 from torch import Tensor
 
-from asyncrl.data import Prompt
+from asyncrl.data import Prompt, encode_prompts
 from asyncrl.generation import Generator, SampleRequest, SamplingParams, sample_seed
 from asyncrl.rewards import RewardResult, RewardRunner
 from asyncrl.types import Rollout, RolloutGroup, RolloutJob
@@ -135,7 +135,7 @@ class RolloutWorker:
         )
 
     def _encode(self, prompt: Prompt) -> list[int]:
-        ids = self.tokenizer(prompt.text, add_special_tokens=False)["input_ids"]
+        ids = encode_prompts([prompt.text], self.tokenizer)[0]
         if not ids:
             raise ValueError(f"prompt {prompt.uid}: tokenizes to no tokens")
         return ids

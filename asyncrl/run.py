@@ -67,6 +67,7 @@ def train(config: RunConfig, *, resume: str | Path | None = None, console: Any =
                 task.train,
                 config.warm_start,
                 seed=config.seed,
+                model_path=config.model.path,
                 on_progress=lambda step, total, loss: progress.status(f"warm start {step}/{total}, loss {loss:.3f}"),
             )
             trainer, rollout_workers = _start_workers(runtime, config, model, tokenizer, rewards, checkpoint_dir, state)
@@ -257,7 +258,7 @@ def evaluate(config: RunConfig, *, checkpoint: str | Path | None = None) -> dict
     if checkpoint is not None:
         load_weights(model, _input(resolve_checkpoint, checkpoint))
     else:
-        warm_start(model, tokenizer, task.train, config.warm_start, seed=config.seed)
+        warm_start(model, tokenizer, task.train, config.warm_start, seed=config.seed, model_path=config.model.path)
     rewards = _input(RewardRunner.from_config, config.rewards, task)
     worker = None
     try:

@@ -5,6 +5,11 @@ answers correctly, so every group scores the same and there is nothing to learn 
 hundred supervised steps make the policy partly competent; RL takes it from there. The result is
 cached under a hash of everything that determines it (initial weights, tokenizer, data, settings),
 so only the first run pays for it.
+
+The initial weights enter the key without a host copy of the model: a checkpoint by its files'
+names, sizes and modification times (the weights were just loaded from them) plus the dtype and
+shape of every parameter; the built-in tiny model by its bytes, hashed one tensor at a time.
+It runs by default only on the tiny model (``warm_start.steps`` in docs/configuration.md).
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ from safetensors.torch import load_model, save_model
 from torch import nn
 
 from asyncrl.config import WarmStartConfig
-from asyncrl.data import Prompt
+from asyncrl.data import Prompt, encode_prompts
 from asyncrl.models.logprobs import token_logprobs
 
 
@@ -31,14 +36,18 @@ def warm_start(
     cfg: WarmStartConfig,
     *,
     seed: int,
+    model_path: str | None = None,
     on_progress: Callable[[int, int, float], None] | None = None,
 ) -> Path | None:
-    """Train ``model`` in place for ``cfg.steps`` steps, or load the cached result. Returns the cache file."""
+    """Train ``model`` in place for ``cfg.steps`` steps, or load the cached result. Returns the cache file.
+
+    ``model_path``: the checkpoint directory ``model`` was just loaded from (None: the tiny model).
+    """
     if cfg.steps == 0:
         return None
     if not prompts:
         raise ValueError("warm_start.steps: the train split is empty")
-    path = Path(cfg.cache_dir).expanduser() / f"{_cache_key(model, tokenizer, prompts, cfg, seed)}.safetensors"
+    path = Path(cfg.cache_dir).expanduser() / f"{_cache_key(model, model_path, tokenizer, prompts, cfg, seed)}.safetensors"
     if path.is_file():
         load_model(model, path)
         return path
@@ -69,7 +78,7 @@ def warm_start(
 
 def _encode(tokenizer, prompt: Prompt) -> tuple[list[int], int]:
     """(prompt + answer + eos token ids, number of prompt tokens)."""
-    prompt_ids = tokenizer(prompt.text, add_special_tokens=False)["input_ids"]
+    prompt_ids = encode_prompts([prompt.text], tokenizer)[0]
     answer_ids = tokenizer(prompt.answer, add_special_tokens=False)["input_ids"]
     return prompt_ids + answer_ids + [tokenizer.eos_token_id], len(prompt_ids)
 
@@ -87,7 +96,9 @@ def _batch(examples: list[tuple[list[int], int]], pad_id: int) -> tuple[torch.Te
     return input_ids, attention_mask, target_mask
 
 
-def _cache_key(model: nn.Module, tokenizer, prompts: Sequence[Prompt], cfg: WarmStartConfig, seed: int) -> str:
+def _cache_key(
+    model: nn.Module, model_path: str | None, tokenizer, prompts: Sequence[Prompt], cfg: WarmStartConfig, seed: int
+) -> str:
     digest = hashlib.sha256()
     settings = {"steps": cfg.steps, "lr": cfg.lr, "batch_size": cfg.batch_size, "seed": seed, "torch": torch.__version__}
     digest.update(json.dumps(settings, sort_keys=True).encode())
@@ -95,6 +106,13 @@ def _cache_key(model: nn.Module, tokenizer, prompts: Sequence[Prompt], cfg: Warm
     for prompt in prompts:
         digest.update(f"{prompt.text}\0{prompt.answer}\0".encode())
     for name, tensor in sorted(model.state_dict().items()):
-        digest.update(name.encode())
-        digest.update(tensor.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+        digest.update(f"{name}:{tensor.dtype}:{tuple(tensor.shape)}".encode())
+        if model_path is None:
+            digest.update(tensor.detach().cpu().contiguous().view(torch.uint8).numpy().data)
+    if model_path is not None:
+        directory = Path(model_path).expanduser().resolve()
+        digest.update(str(directory).encode())
+        for file in sorted(p for p in directory.rglob("*") if p.is_file()):
+            stat = file.stat()
+            digest.update(f"{file.relative_to(directory)}:{stat.st_size}:{stat.st_mtime_ns}".encode())
     return digest.hexdigest()[:24]

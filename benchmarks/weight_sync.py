@@ -56,7 +56,7 @@ def build_trainer(model_name: str) -> TrainerWorker:
 
 def build_generator(model_name: str) -> HFGenerator:
     model = build_tiny_model(VOCAB, seed=1, **MODELS[model_name])
-    return HFGenerator(model, eos_token_id=1, pad_token_id=0, batch_size=1)
+    return HFGenerator(model, stop_token_ids=[1], pad_token_id=0, batch_size=1)
 
 
 def sync_bandwidth(model_name: str, runtime_name: str, transport: str, repeats: int) -> tuple[int, float]:

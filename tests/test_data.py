@@ -7,7 +7,9 @@ import socket
 import pytest
 
 from asyncrl.config import ConfigError, DataConfig, load_config
-from asyncrl.data import ARITHMETIC_LEVELS, Prompt, PromptLoader, build_task
+from asyncrl.data import ARITHMETIC_LEVELS, Prompt, PromptLoader, build_task, encode_prompts
+from asyncrl.data.prompts import apply_chat_template
+from asyncrl.models.example import build_tokenizer as example_tokenizer
 from asyncrl.data.synthetic import evaluate
 from asyncrl.models.tokenizer import DEFAULT_ALPHABET, build_char_tokenizer
 
@@ -213,6 +215,18 @@ def test_chat_template_wraps_every_prompt_of_both_splits(tmp_path):
 def test_chat_template_without_one_on_the_tokenizer_is_a_config_error(tokenizer):
     with pytest.raises(ValueError, match=r"^data.chat_template: the tokenizer has no chat template"):
         build_task(config(chat_template=True), tokenizer)
+
+
+def test_prompts_start_with_one_bos_exactly_when_the_tokenizer_adds_one(tmp_path):
+    tokenizer = example_tokenizer()
+    bos = tokenizer.bos_token_id
+    plain, templated = "12+30=", apply_chat_template(["12+30="], tokenizer)[0]
+    assert templated.startswith(tokenizer.bos_token)
+    plain_ids, templated_ids = encode_prompts([plain, templated], tokenizer)
+    assert plain_ids == tokenizer(plain)["input_ids"] == [bos, *tokenizer(plain, add_special_tokens=False)["input_ids"]]
+    assert templated_ids[0] == bos and bos not in templated_ids[1:]
+    char = build_char_tokenizer()
+    assert encode_prompts([plain], char) == [char.encode(plain)]  # no BOS: unchanged
 
 
 # --- the loader

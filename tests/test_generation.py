@@ -1,4 +1,5 @@
 import hashlib
+import json
 import math
 
 import pytest
@@ -7,7 +8,8 @@ import torch
 from asyncrl.config import GenerationConfig, load_config
 from asyncrl.generation import Generator, HFGenerator, SampleRequest, SamplingParams, build_generator, sample_seed
 from asyncrl.generation.hf import sample_next
-from asyncrl.models import build_char_tokenizer, build_tiny_model, token_logprobs
+from asyncrl.models import build_char_tokenizer, build_tiny_model, load_model, load_tokenizer, stop_token_ids, token_logprobs
+from asyncrl.models.example import END_OF_TURN, write_example_checkpoint
 
 TOKENIZER = build_char_tokenizer()
 SMALL = dict(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=64)
@@ -21,7 +23,7 @@ def small_model(seed: int = 0, dtype: torch.dtype = torch.float32):
 def generator(seed: int = 0, *, dtype: torch.dtype = torch.float32, batch_size: int = 64, eos: int | None = None):
     eos = TOKENIZER.eos_token_id if eos is None else eos
     model = small_model(seed, dtype)
-    return HFGenerator(model, eos_token_id=eos, pad_token_id=TOKENIZER.pad_token_id, batch_size=batch_size)
+    return HFGenerator(model, stop_token_ids=[eos], pad_token_id=TOKENIZER.pad_token_id, batch_size=batch_size)
 
 
 def requests(prompts=PROMPTS, samples: int = 2, run_seed: int = 0) -> list[SampleRequest]:
@@ -258,6 +260,29 @@ def test_a_row_stops_at_eos_while_the_others_continue():
     assert any(r.finish_reason == "length" for r in stopped)
 
 
+def test_a_row_stops_at_whichever_of_two_stop_tokens_comes_first():
+    params = SamplingParams(max_new_tokens=8)
+    reqs = requests(samples=1)
+    free = generator(eos=TOKENIZER.unk_token_id).generate(reqs, params)
+    free = generator(eos=unused_token(free)).generate(reqs, params)
+    first = free[0].response_ids[1]
+    second = next(  # a token that ends another row before ``first`` appears in it, and not in row 0's first two
+        t
+        for r in free[1:]
+        for j, t in enumerate(r.response_ids)
+        if t not in free[0].response_ids[:2] and first not in r.response_ids[: j + 1]
+    )
+    model = small_model()
+    gen = HFGenerator(model, stop_token_ids=[first, second], pad_token_id=TOKENIZER.pad_token_id, batch_size=64)
+    stopped = gen.generate(reqs, params)
+    for before, after in zip(free, stopped):
+        ends = [j for j, t in enumerate(before.response_ids) if t in (first, second)]
+        cut = ends[0] + 1 if ends else len(before.response_ids)
+        assert after.response_ids == before.response_ids[:cut]
+        assert after.finish_reason == ("stop" if ends else "length")
+    assert {r.response_ids[-1] for r in stopped if r.finish_reason == "stop"} == {first, second}
+
+
 def test_the_decode_loop_ends_once_every_row_has_stopped():
     params = SamplingParams(max_new_tokens=8)
     req = requests(["1+1="], samples=1)
@@ -327,7 +352,21 @@ def test_build_generator_uses_the_config_and_the_tokenizers_special_tokens():
     config = load_config(None, ["generation.batch_size=5"])
     gen = build_generator(config, small_model(), TOKENIZER)
     assert isinstance(gen, HFGenerator)
-    assert (gen.batch_size, gen.eos_token_id, gen.pad_token_id) == (5, TOKENIZER.eos_token_id, TOKENIZER.pad_token_id)
+    assert (gen.batch_size, gen.pad_token_id) == (5, TOKENIZER.pad_token_id)
+    assert gen.stop_token_ids.tolist() == [TOKENIZER.eos_token_id]
+
+
+def test_build_generator_stops_on_every_end_token_the_checkpoint_declares(tmp_path):
+    write_example_checkpoint(tmp_path)
+    tokenizer = load_tokenizer(tmp_path)
+    end_of_turn = tokenizer.convert_tokens_to_ids(END_OF_TURN)
+    assert stop_token_ids(tokenizer) == [tokenizer.eos_token_id]
+    assert stop_token_ids(tokenizer, tmp_path) == [tokenizer.eos_token_id, end_of_turn]
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": 7}))
+    assert stop_token_ids(tokenizer, tmp_path) == [tokenizer.eos_token_id, 7]
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [end_of_turn, 9]}))
+    gen = build_generator(load_config(None, [f"model.path={tmp_path}"]), load_model(tmp_path), tokenizer)
+    assert gen.stop_token_ids.tolist() == sorted([tokenizer.eos_token_id, end_of_turn, 9])
 
 
 def test_build_generator_rejects_an_unknown_backend():
@@ -347,9 +386,10 @@ def test_build_generator_needs_an_eos_token():
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        (dict(eos_token_id=500, pad_token_id=0, batch_size=4), r"^HFGenerator\.eos_token_id: 500 is outside"),
-        (dict(eos_token_id=1, pad_token_id=-1, batch_size=4), r"^HFGenerator\.pad_token_id: -1 is outside"),
-        (dict(eos_token_id=1, pad_token_id=0, batch_size=0), r"^HFGenerator\.batch_size: must be >= 1"),
+        (dict(stop_token_ids=[1, 500], pad_token_id=0, batch_size=4), r"^HFGenerator\.stop_token_ids: 500 is outside"),
+        (dict(stop_token_ids=[], pad_token_id=0, batch_size=4), r"^HFGenerator\.stop_token_ids: at least one"),
+        (dict(stop_token_ids=[1], pad_token_id=-1, batch_size=4), r"^HFGenerator\.pad_token_id: -1 is outside"),
+        (dict(stop_token_ids=[1], pad_token_id=0, batch_size=0), r"^HFGenerator\.batch_size: must be >= 1"),
     ],
 )
 def test_hf_generator_rejects_bad_arguments(kwargs, message):

@@ -1,5 +1,8 @@
+import json
+
 import pytest
 import torch
+from safetensors import safe_open
 from transformers import AutoTokenizer
 
 from asyncrl.models import (
@@ -176,3 +179,23 @@ def test_token_logprobs_are_float32_for_a_float32_model_and_differentiable():
     assert logprobs.dtype == torch.float32 and entropy is None
     logprobs.sum().backward()
     assert model.model.embed_tokens.weight.grad.abs().sum() > 0
+
+
+def test_the_example_checkpoint_has_a_released_checkpoints_files(tmp_path, capsys):
+    from asyncrl.models.example import END_OF_TURN, main
+
+    main([str(tmp_path)])
+    assert json.loads(capsys.readouterr().out)["directory"] == str(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert (config["model_type"], config["dtype"]) == ("llama", "bfloat16")
+    with safe_open(tmp_path / "model.safetensors", "pt") as weights:
+        assert {weights.get_tensor(name).dtype for name in weights.keys()} == {torch.bfloat16}
+    tokenizer = load_tokenizer(tmp_path)
+    end_ids = [tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids(END_OF_TURN)]
+    assert json.loads((tmp_path / "generation_config.json").read_text())["eos_token_id"] == end_ids
+    assert tokenizer("12+30=")["input_ids"][0] == tokenizer.bos_token_id
+    assert tokenizer.convert_ids_to_tokens(tokenizer("12+30=", add_special_tokens=False)["input_ids"]) == list("12+30=")
+    assert tokenizer.apply_chat_template([{"role": "user", "content": "1+1="}], add_generation_prompt=True, tokenize=False) == (
+        "<|begin_of_text|><|user|>1+1=<|end_of_turn|><|assistant|>"
+    )
+    assert len(tokenizer) == load_model(tmp_path).get_input_embeddings().num_embeddings

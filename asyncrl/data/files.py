@@ -20,7 +20,7 @@ import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from asyncrl.data.prompts import Prompt, Task
+from asyncrl.data.prompts import Prompt, Task, encode_prompts
 
 if TYPE_CHECKING:
     from asyncrl.config import DataConfig, RunConfig
@@ -183,7 +183,7 @@ def check_prompt_lengths(task: Task, config: RunConfig, tokenizer, max_positions
     for split in (task.train, task.heldout):
         for start in range(0, len(split), TOKENIZE_BATCH):
             chunk = split[start : start + TOKENIZE_BATCH]
-            ids = tokenizer([p.text for p in chunk], add_special_tokens=False)["input_ids"]
+            ids = encode_prompts([p.text for p in chunk], tokenizer)
             for prompt, prompt_ids in zip(chunk, ids):
                 if not prompt_ids:
                     raise ValueError(f"{_where(prompt, data)}: the prompt tokenizes to no tokens")

@@ -35,3 +35,14 @@ def apply_chat_template(texts: Sequence[str], tokenizer) -> list[str]:
         tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False)
         for text in texts
     ]
+
+
+def encode_prompts(texts: Sequence[str], tokenizer) -> list[list[int]]:
+    """Each prompt's token ids, starting with BOS exactly when the tokenizer puts one before plain
+    text (Llama, Gemma; not Qwen or the char tokenizer). A chat template that writes BOS into the
+    text already starts with it, so it is not doubled; no EOS is appended."""
+    ids = tokenizer(list(texts), add_special_tokens=False)["input_ids"]
+    bos = tokenizer.bos_token_id
+    if bos is None or tokenizer("a")["input_ids"][:1] != [bos]:
+        return ids
+    return [row if row[:1] == [bos] else [bos, *row] for row in ids]

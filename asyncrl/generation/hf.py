@@ -3,8 +3,9 @@
 Requests run in consecutive chunks of at most ``batch_size``, in the order given. A chunk is
 left-padded, with position ids derived from the attention mask, so a padded row computes what the
 row would compute alone. One prefill forward fills the cache, then one forward per new token; a
-row stops at ``eos_token_id`` (kept in the response, finish reason "stop") or at
-``max_new_tokens`` ("length"), and the loop stops once every row has.
+row stops at any of ``stop_token_ids`` (kept in the response, finish reason "stop") or at
+``max_new_tokens`` ("length"), and the loop stops once every row has. A checkpoint may declare
+several end tokens (a chat model's end of turn beside the tokenizer's EOS): each one stops a row.
 
 Randomness: a request draws from its own ``torch.Generator`` seeded with ``request.seed``, one
 uniform per step, and picks the token by inverse CDF over the sampling distribution. Neither the
@@ -35,16 +36,20 @@ from asyncrl.types import Rollout
 class HFGenerator:
     """Owns ``model`` (the caller passes its own copy) and runs on the model's device and dtype."""
 
-    def __init__(self, model: PreTrainedModel, *, eos_token_id: int, pad_token_id: int, batch_size: int) -> None:
+    def __init__(
+        self, model: PreTrainedModel, *, stop_token_ids: Sequence[int], pad_token_id: int, batch_size: int
+    ) -> None:
         vocab_size = model.get_input_embeddings().num_embeddings
-        for name, token_id in (("eos_token_id", eos_token_id), ("pad_token_id", pad_token_id)):
+        if not stop_token_ids:
+            raise ValueError("HFGenerator.stop_token_ids: at least one stop token is needed")
+        for name, token_id in [*(("stop_token_ids", t) for t in stop_token_ids), ("pad_token_id", pad_token_id)]:
             if not 0 <= token_id < vocab_size:
                 raise ValueError(f"HFGenerator.{name}: {token_id} is outside the model's vocabulary of {vocab_size}")
         if batch_size < 1:
             raise ValueError(f"HFGenerator.batch_size: must be >= 1, got {batch_size}")
         self.model = model.eval()
         self.vocab_size = vocab_size
-        self.eos_token_id = eos_token_id
+        self.stop_token_ids = torch.tensor(sorted(set(stop_token_ids)), device=model.device)
         self.pad_token_id = pad_token_id
         self.batch_size = batch_size
         self.version = 0
@@ -116,7 +121,7 @@ class HFGenerator:
             tokens[active, steps] = token
             logprobs[active, steps] = logprob.to(logprobs.dtype)
             steps += 1
-            running = token != self.eos_token_id
+            running = ~torch.isin(token, self.stop_token_ids)
             if not bool(running.all()):
                 keep = running.nonzero().squeeze(1)
                 cache.batch_select_indices(keep)
@@ -137,10 +142,10 @@ class HFGenerator:
         return input_ids.to(device), attention_mask.to(device)
 
     def _rollouts(self, requests: Sequence[SampleRequest], tokens: Tensor, logprobs: Tensor) -> list[Rollout]:
-        """Cut each row after its first EOS; one host transfer for the whole chunk."""
-        is_eos = tokens == self.eos_token_id
-        stopped = is_eos.any(dim=1)
-        lengths = torch.where(stopped, is_eos.long().argmax(dim=1) + 1, tokens.shape[1])
+        """Cut each row after its first stop token; one host transfer for the whole chunk."""
+        is_stop = torch.isin(tokens, self.stop_token_ids)
+        stopped = is_stop.any(dim=1)
+        lengths = torch.where(stopped, is_stop.long().argmax(dim=1) + 1, tokens.shape[1])
         token_rows, logprob_rows = tokens.tolist(), logprobs.tolist()
         return [
             Rollout(

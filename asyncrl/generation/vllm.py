@@ -44,7 +44,7 @@ SHM = Path("/dev/shm")
 CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256)  # what vLLM's CPU attention implements
 
 
-def build_vllm_generator(config: RunConfig, model: PreTrainedModel, eos_token_id: int) -> VLLMGenerator:
+def build_vllm_generator(config: RunConfig, model: PreTrainedModel, stop_token_ids: Sequence[int]) -> VLLMGenerator:
     """A generator on ``vllm.url``, or on a server started from ``model``'s weights.
 
     The model is saved (float32) to a temporary directory the server loads at start; the server's
@@ -56,7 +56,7 @@ def build_vllm_generator(config: RunConfig, model: PreTrainedModel, eos_token_id
     vocab_size = model.get_input_embeddings().num_embeddings
     options = dict(request_timeout_s=cfg.request_timeout_s, max_restarts=cfg.max_restarts)
     if cfg.url is not None:
-        return VLLMGenerator(shapes=shapes, eos_token_id=eos_token_id, vocab_size=vocab_size, url=cfg.url, **options)
+        return VLLMGenerator(shapes=shapes, stop_token_ids=stop_token_ids, vocab_size=vocab_size, url=cfg.url, **options)
     gpu = torch.cuda.is_available()
     head_size = getattr(model.config, "head_dim", None) or model.config.hidden_size // model.config.num_attention_heads
     if not gpu and head_size not in CPU_HEAD_SIZES:
@@ -78,7 +78,7 @@ def build_vllm_generator(config: RunConfig, model: PreTrainedModel, eos_token_id
         extra_args=cfg.extra_args,
     )
     try:
-        generator = VLLMGenerator(shapes=shapes, eos_token_id=eos_token_id, vocab_size=vocab_size, server=server, **options)
+        generator = VLLMGenerator(shapes=shapes, stop_token_ids=stop_token_ids, vocab_size=vocab_size, server=server, **options)
     except ServerError as err:
         shutil.rmtree(model_dir, ignore_errors=True)
         raise ValueError(f"vllm.python: {python} could not serve the model: {err}") from None
@@ -89,14 +89,15 @@ def build_vllm_generator(config: RunConfig, model: PreTrainedModel, eos_token_id
 class VLLMGenerator:
     """Drives one server: ``server`` (started here) or the one at ``url`` (someone else's).
 
-    ``eos_token_id`` None: responses end only at ``max_new_tokens``.
+    A response ends with one of ``stop_token_ids`` (kept, finish reason "stop") or at
+    ``max_new_tokens`` ("length"); with no stop ids, only at ``max_new_tokens``.
     """
 
     def __init__(
         self,
         *,
         shapes: Mapping[str, tuple[int, ...]],
-        eos_token_id: int | None,
+        stop_token_ids: Sequence[int],
         vocab_size: int,
         server: VLLMServer | None = None,
         url: str | None = None,
@@ -107,7 +108,7 @@ class VLLMGenerator:
         if (server is None) == (url is None):
             raise ValueError("VLLMGenerator: give exactly one of server (to start) and url (to use)")
         self.shapes = {name: tuple(shape) for name, shape in shapes.items()}
-        self.eos_token_id = eos_token_id
+        self.stop_token_ids = list(stop_token_ids)
         self.vocab_size = vocab_size
         self.server = server
         self.url = url.rstrip("/") if url is not None else None
@@ -174,7 +175,7 @@ class VLLMGenerator:
             "top_k": params.top_k if params.top_k > 0 else -1,
             "seed": request.seed,
             "logprobs": 0,
-            "stop_token_ids": [] if self.eos_token_id is None else [self.eos_token_id],
+            "stop_token_ids": self.stop_token_ids,
             "detokenize": False,
         }
         body = {"token_ids": list(request.prompt_ids), "sampling_params": sampling, "model": None}
@@ -185,7 +186,7 @@ class VLLMGenerator:
             prompt_ids=list(request.prompt_ids),
             response_ids=tokens,
             logprobs=logprobs,
-            finish_reason="stop" if tokens and tokens[-1] == self.eos_token_id else "length",
+            finish_reason="stop" if tokens and tokens[-1] in self.stop_token_ids else "length",
             versions=_token_versions(choice.get("weight_versions"), len(tokens), version),
         )
 

@@ -6,6 +6,7 @@ of transformers falling back to treating it as a hub repository id.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -53,3 +54,15 @@ def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
         tokenizer.pad_token = tokenizer.eos_token
     tokenizer.padding_side = "left"
     return tokenizer
+
+
+def stop_token_ids(tokenizer: PreTrainedTokenizerBase, model_path: str | Path | None = None) -> list[int]:
+    """Every token that ends a response: the tokenizer's EOS and each ``eos_token_id`` (one id or a
+    list) in ``model_path``'s generation_config.json. Chat models list their end of turn there, and
+    a generator stopping only on EOS would run every such answer to its length limit."""
+    ids = [] if tokenizer.eos_token_id is None else [tokenizer.eos_token_id]
+    config_file = None if model_path is None else Path(model_path).expanduser() / "generation_config.json"
+    if config_file is not None and config_file.is_file():
+        declared = json.loads(config_file.read_text()).get("eos_token_id")
+        ids += [declared] if isinstance(declared, int) else list(declared or [])
+    return list(dict.fromkeys(ids))

@@ -19,8 +19,10 @@ to the plain one.
 Attention. Each rank projects Q, K, V for its own columns, applying RoPE at the global positions;
 K and V are all-gathered over the CP group (backward: all-reduce the gradient, then keep this
 rank's slice), and a boolean mask over global columns (key column <= query column, key is a real
-token) makes attention causal across the gathered keys. Only collectives that gloo and NCCL both
-have are used, so it runs on CPU and GPU alike; the kernel is transformers' sdpa.
+token) makes attention causal across the gathered keys. A sliding-window layer also drops keys a
+window or more columns back, measured on the same global columns; a layer with attention logit
+softcapping (Gemma 2) computes its softcapped scores itself, as sdpa cannot. Only collectives that
+gloo and NCCL both have are used, so it runs on CPU and GPU alike; the kernel is transformers' sdpa.
 
 Reductions. Logprobs and entropies are computed from local logits. Token counts and metric sums
 are counted on shards and summed over DP × CP; sequence counts are counted on unsharded rows, so
@@ -97,15 +99,62 @@ def context_parallel_attention(
     value: Tensor,
     attention_mask: Tensor | None,
     context_parallel_group: dist.ProcessGroup | None = None,
+    context_parallel_columns: tuple[Tensor, Tensor] | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
     **kwargs,
-) -> tuple[Tensor, None]:
+) -> tuple[Tensor, Tensor | None]:
     """sdpa over the keys and values of the whole CP group; the mask is over global columns.
 
-    Called without a group (generation, export, a single rank) it is plain sdpa.
+    ``context_parallel_columns`` (the shard's query columns, the gathered keys' columns) place a
+    layer's sliding window (Mistral, Gemma, Phi-3) on the global columns; a layer with attention
+    logit softcapping (Gemma 2) runs the softcapped attention that sdpa lacks. Called without a
+    group (generation, export, a single rank) it is plain sdpa, or softcapped attention.
     """
     key = gather_sequence(key, context_parallel_group, dim=2)
     value = gather_sequence(value, context_parallel_group, dim=2)
+    if sliding_window is not None:
+        if context_parallel_columns is None:
+            raise ValueError("context-parallel attention: a sliding-window layer needs the shard's columns")
+        attention_mask = _windowed(attention_mask, *context_parallel_columns, sliding_window)
+    if softcap is not None:
+        return _softcapped_attention(module, query, key, value, attention_mask, softcap=softcap, **kwargs)
     return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+
+def _windowed(mask: Tensor | None, query_columns: Tensor, key_columns: Tensor, window: int) -> Tensor:
+    """``mask`` (None: plain causal) restricted to keys fewer than ``window`` columns back, as
+    transformers' sliding-window mask is: the padding and causality stay those of ``mask``."""
+    distance = query_columns[:, None] - key_columns[None, :]
+    near = ((distance >= 0) & (distance < window))[None, None]
+    return near if mask is None else mask & near
+
+
+def _softcapped_attention(
+    module: nn.Module,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attention_mask: Tensor | None,
+    *,
+    softcap: float,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs,
+) -> tuple[Tensor, Tensor]:
+    """Attention with scores squashed to (-softcap, softcap) by tanh before the mask and softmax,
+    computed as Gemma 2's own eager attention computes it (softmax in float32)."""
+    groups = query.shape[1] // key.shape[1]
+    key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+    scores = query @ key.transpose(2, 3) * (query.shape[-1] ** -0.5 if scaling is None else scaling)
+    scores = softcap * torch.tanh(scores / softcap)
+    if attention_mask is None:  # causal, the queries being the last columns
+        queries, keys = query.shape[2], key.shape[2]
+        attention_mask = torch.ones(queries, keys, dtype=torch.bool, device=query.device).tril(keys - queries)[None, None]
+    scores = scores.masked_fill(~attention_mask, torch.finfo(scores.dtype).min)
+    weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+    weights = F.dropout(weights, p=dropout, training=module.training)
+    return (weights @ value).transpose(1, 2).contiguous(), weights
 
 
 AttentionInterface.register(ATTN_IMPLEMENTATION, context_parallel_attention)
@@ -193,6 +242,7 @@ class ContextParallel:
             position_ids=shard.position_ids,
             use_cache=False,
             context_parallel_group=self._collective_group,
+            context_parallel_columns=(shard.columns, shard.key_columns),
         ).logits
         logits = logits.to(torch.float64 if logits.dtype == torch.float64 else torch.float32)
         log_normalizer = torch.logsumexp(logits, dim=-1)

@@ -1,0 +1,69 @@
+"""The warm start runs by default only on the built-in tiny model, and its cache key never copies a
+checkpoint's weights to host memory."""
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from asyncrl.cli import main
+from asyncrl.config import load_config
+from asyncrl.data import Prompt
+from asyncrl.models import build_char_tokenizer, build_tiny_model, load_model, load_tokenizer
+from asyncrl.models.example import write_example_checkpoint
+from asyncrl.warm_start import _cache_key
+from test_train import SMALL
+
+PROMPTS = [Prompt("a", "1+1=", "2")]
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return write_example_checkpoint(tmp_path_factory.mktemp("example"))
+
+
+def test_warm_start_steps_default_to_300_on_the_tiny_model_and_to_none_with_a_checkpoint():
+    assert load_config(None, []).warm_start.steps == 300
+    assert load_config(None, ["model.path=/models/x"]).warm_start.steps == 0
+    assert load_config(None, ["model.path=/models/x", "warm_start.steps=7"]).warm_start.steps == 7
+    assert load_config(None, ["warm_start.steps=0"]).warm_start.steps == 0
+
+
+def test_a_checkpoint_is_keyed_by_its_files_and_the_tiny_model_by_its_weights(checkpoint):
+    cfg = load_config(None, ["warm_start.steps=5"]).warm_start
+    tokenizer = load_tokenizer(checkpoint)
+    model, other = load_model(checkpoint), load_model(checkpoint)
+    with torch.no_grad():
+        other.model.norm.weight.add_(1.0)
+    key = _cache_key(model, str(checkpoint), tokenizer, PROMPTS, cfg, seed=0)
+    assert _cache_key(other, str(checkpoint), tokenizer, PROMPTS, cfg, seed=0) == key  # weights' bytes are not read
+    assert _cache_key(load_model(checkpoint, dtype=torch.float32), str(checkpoint), tokenizer, PROMPTS, cfg, seed=0) != key
+    stat = (checkpoint / "model.safetensors").stat()
+    os.utime(checkpoint / "model.safetensors", ns=(stat.st_atime_ns, stat.st_mtime_ns + 1))
+    assert _cache_key(model, str(checkpoint), tokenizer, PROMPTS, cfg, seed=0) != key
+
+    char = build_char_tokenizer()
+    tiny = build_tiny_model(len(char), seed=0, hidden_size=32, num_layers=1, num_heads=4, num_kv_heads=2)
+    tiny_key = _cache_key(tiny, None, char, PROMPTS, cfg, seed=0)
+    with torch.no_grad():
+        tiny.model.norm.weight.add_(1.0)
+    assert _cache_key(tiny, None, char, PROMPTS, cfg, seed=0) != tiny_key
+
+
+@pytest.mark.slow
+def test_the_example_checkpoint_trains_through_model_path_and_warm_starts_only_when_asked(checkpoint, tmp_path, capsys):
+    quick = [*SMALL[5:], f"model.path={checkpoint}", "grpo.max_steps=2", "data.chat_template=true"]
+    plain = ["train", "--output-dir", str(tmp_path / "plain"), *quick, f"warm_start.cache_dir={tmp_path / 'warm'}"]
+    plain.remove("warm_start.steps=0")
+    assert main(plain) == 0
+    assert not (tmp_path / "warm").exists()
+
+    example = ["train", "--config", str(ROOT / "configs" / "example-checkpoint.yaml"), "--output-dir", str(tmp_path / "example"), *quick]
+    example += ["warm_start.steps=3", "warm_start.batch_size=4", f"warm_start.cache_dir={tmp_path / 'warm'}"]
+    assert main(example) == 0
+    assert "after 2 steps" in capsys.readouterr().out
+    assert len(list((tmp_path / "warm").glob("*.safetensors"))) == 1
+    config = load_config(tmp_path / "example" / "config.yaml")
+    assert (config.generation.temperature, config.generation.top_p, config.rewards.functions) == (0.7, 0.95, ["math"])
