@@ -68,6 +68,7 @@ def build_vllm_generator(config: RunConfig, model: PreTrainedModel, stop_token_i
     model_dir = Path(tempfile.mkdtemp(prefix="asyncrl-vllm-model-"))
     model.to(torch.float32).save_pretrained(model_dir)
     run_dir = Path(config.logging.output_dir) if config.logging.output_dir else model_dir
+    weights_path = new_weights_path()
     server = VLLMServer(
         python=python,
         model_dir=model_dir,
@@ -76,9 +77,12 @@ def build_vllm_generator(config: RunConfig, model: PreTrainedModel, stop_token_i
         kv_cache_mib=cfg.kv_cache_mib,
         startup_timeout_s=cfg.startup_timeout_s,
         extra_args=cfg.extra_args,
+        remove_on_exit=(model_dir, weights_path),
     )
     try:
-        generator = VLLMGenerator(shapes=shapes, stop_token_ids=stop_token_ids, vocab_size=vocab_size, server=server, **options)
+        generator = VLLMGenerator(
+            shapes=shapes, stop_token_ids=stop_token_ids, vocab_size=vocab_size, server=server, weights_path=weights_path, **options
+        )
     except ServerError as err:
         shutil.rmtree(model_dir, ignore_errors=True)
         raise ValueError(f"vllm.python: {python} could not serve the model: {err}") from None
@@ -104,6 +108,7 @@ class VLLMGenerator:
         request_timeout_s: float = 600.0,
         max_restarts: int = 3,
         max_concurrency: int = 256,
+        weights_path: Path | None = None,
     ) -> None:
         if (server is None) == (url is None):
             raise ValueError("VLLMGenerator: give exactly one of server (to start) and url (to use)")
@@ -117,7 +122,7 @@ class VLLMGenerator:
         self.restarts = 0
         self.version = 0
         self.model_dir: Path | None = None  # the server's initial checkpoint, removed by close()
-        self.weights_path = (SHM if SHM.is_dir() else Path(tempfile.gettempdir())) / f"asyncrl-{uuid.uuid4().hex}.safetensors"
+        self.weights_path = weights_path or new_weights_path()
         self._pool = ThreadPoolExecutor(max_workers=max_concurrency, thread_name_prefix="vllm-request")
         self._lock = threading.Lock()  # one weight update at a time; a restart waits for it
         if server is not None:
@@ -231,6 +236,11 @@ class VLLMGenerator:
             return http_json(f"{self.url}{route}", body, timeout=self.timeout)
         except OSError as err:
             raise ServerError(f"{self.url}{route}: {err}") from None
+
+
+def new_weights_path() -> Path:
+    """Where a generator writes the weights it sends: /dev/shm (memory) when there is one."""
+    return (SHM if SHM.is_dir() else Path(tempfile.gettempdir())) / f"asyncrl-{uuid.uuid4().hex}.safetensors"
 
 
 def _write_weights(state_dict: Mapping[str, Tensor], path: Path) -> None:

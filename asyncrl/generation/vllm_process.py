@@ -54,8 +54,11 @@ class VLLMServer:
         kv_cache_mib: int,
         startup_timeout_s: float,
         extra_args: list[str],
+        remove_on_exit: tuple[Path, ...] = (),
     ) -> None:
+        """``remove_on_exit``: files the server removes if the process that started it dies first."""
         self.python = Path(python)
+        self.remove_on_exit = remove_on_exit
         self.model_dir = Path(model_dir)
         self.log_path = Path(log_path)
         self.max_model_len = max_model_len
@@ -88,6 +91,7 @@ class VLLMServer:
         self.port = _free_port()
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", VLLM_CONFIGURE_LOGGING="1")
+        env["ASYNCRL_VLLM_REMOVE_ON_EXIT"] = os.pathsep.join(map(str, self.remove_on_exit))  # vllm_server.py
         with open(self.log_path, "ab") as log:
             self.process = subprocess.Popen(
                 self.command(),

@@ -20,10 +20,12 @@ from __future__ import annotations
 
 import os
 import runpy
+import shutil
 import signal
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 from safetensors.torch import load_file
 from vllm.distributed.weight_transfer.base import (
@@ -36,6 +38,7 @@ from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
 from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
 
 ENGINE_NAME = "asyncrl_file"
+REMOVE_ON_EXIT = "ASYNCRL_VLLM_REMOVE_ON_EXIT"  # paths, os.pathsep-separated
 
 
 @dataclass
@@ -76,8 +79,9 @@ WeightTransferEngineFactory.register_engine(ENGINE_NAME, FileWeightTransferEngin
 
 
 def exit_with_parent() -> None:
-    """Kill the server's whole process group (it leads its own) once this process's parent is
-    gone. Every process of the server watches its own parent (the engine and worker processes
+    """Remove the files the client left for the server (``REMOVE_ON_EXIT``: its initial checkpoint
+    and weights file) and kill the server's whole process group (it leads its own) once this
+    process's parent is gone. Every process of the server watches its own parent (the engine and worker processes
     start watching when forked): whichever link dies first, and however it died (a SIGKILL from
     the runtime included), the rest follow, and no engine process is left behind."""
     parent = os.getppid()
@@ -85,6 +89,8 @@ def exit_with_parent() -> None:
     def watch() -> None:
         while os.getppid() == parent:
             time.sleep(0.5)
+        for path in filter(None, os.environ.get(REMOVE_ON_EXIT, "").split(os.pathsep)):
+            shutil.rmtree(path, ignore_errors=True) if os.path.isdir(path) else Path(path).unlink(missing_ok=True)
         os.killpg(0, signal.SIGKILL)
 
     threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
