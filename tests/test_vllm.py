@@ -191,11 +191,14 @@ def test_an_untied_head_follows_updates_and_a_killed_server_is_restarted_and_res
 @pytest.mark.slow
 def test_a_run_starts_its_server_updates_it_in_flight_and_stops_it_on_sigterm(tmp_path, vllm_python):
     """``asyncrl train`` on the vLLM backend: groups span weight versions (sync.mode inflight, the
-    default), the server's log is in the run directory, and SIGTERM leaves no vLLM process."""
+    default; a server that decodes 4 sequences at a time keeps a generation batch running when the
+    trainer finishes its step), the server's log is in the run directory, and SIGTERM leaves no
+    vLLM process."""
     before = vllm_processes()
     run_dir = tmp_path / "run"
     args = [sys.executable, "-m", "asyncrl.cli", "train", "--output-dir", str(run_dir), "generation.backend=vllm",
-            "grpo.max_steps=100000", "checkpoint.every_steps=null", "warm_start.steps=0", "logging.progress=false"]  # fmt: skip
+            "grpo.max_steps=100000", "checkpoint.every_steps=null", "warm_start.steps=0", "logging.progress=false",
+            "generation.max_new_tokens=32", 'vllm.extra_args=["--max-num-seqs", "4"]']  # fmt: skip
     process = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     metrics = run_dir / "metrics.jsonl"
     deadline = time.monotonic() + 400
