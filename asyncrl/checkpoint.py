@@ -1,4 +1,4 @@
-"""Checkpoints: atomic on disk, exact on resume.
+"""Checkpoints: atomic on disk, checked on load, exact on resume.
 
 A checkpoint is a directory ``<run>/checkpoints/step-<V>/`` holding
 
@@ -6,26 +6,46 @@ A checkpoint is a directory ``<run>/checkpoints/step-<V>/`` holding
   ``AutoModelForCausalLM.from_pretrained`` works on it directly;
 - ``state.pt``: optimizer, scheduler, RNG and version of the trainer, the sampler, the prompt
   loader, the ready buffer groups and any prompt still waiting for its rollout, all tensors and
-  plain Python so it loads with ``torch.load(weights_only=True)``.
+  plain Python so it loads with ``torch.load(weights_only=True)``;
+- ``run.yaml``: the run config the state was saved under (the run state's ``config``), which
+  ``--resume`` continues with;
+- ``manifest.json``: the size and SHA-256 of every other file, written last. A file that was cut
+  short, emptied or altered after the save no longer matches, so it is refused by name before
+  anything is parsed (docs/reliability.md).
 
-It is written into a temporary directory and renamed into place, and ``latest`` is rewritten the
-same way afterwards, so a crash at any moment leaves the previous checkpoint intact.
+It is written into a temporary directory and renamed into place, and ``latest`` (its name, for
+other tools) is rewritten the same way afterwards, so a crash at any moment leaves the previous
+checkpoint intact. Saving a step that already has a checkpoint writes a new directory
+(``step-<V>-1``, ...) and removes the old one only after that, so a whole checkpoint of the step
+exists at every instant. A run resumes from its newest ``step-*`` directory.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
+import pickle
 import shutil
 from pathlib import Path
 from typing import Callable
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file
 from torch import nn
 
+from asyncrl.config import ConfigError
+
 STATE_FILE = "state.pt"
 WEIGHTS_FILE = "model.safetensors"
+MANIFEST_FILE = "manifest.json"
+RUN_CONFIG_FILE = "run.yaml"
 LATEST_FILE = "latest"
+
+
+class CheckpointError(ConfigError):
+    """A checkpoint that is missing, damaged or does not fit the run: one line naming the file."""
 
 
 def checkpoint_root(run_dir: str | Path) -> Path:
@@ -41,10 +61,9 @@ def save_checkpoint(
     state: dict,
     keep_last: int,
 ) -> Path:
-    """Write checkpoint ``step`` atomically, point ``latest`` at it, keep the newest ``keep_last``."""
+    """Write checkpoint ``step`` atomically, point ``latest`` at it, keep the newest ``keep_last`` steps."""
     root = checkpoint_root(run_dir)
     root.mkdir(parents=True, exist_ok=True)
-    final = root / f"step-{step:06d}"
     for stale in root.glob(".tmp-step-*"):  # left by a writer that died mid-write; one run, one writer
         shutil.rmtree(stale, ignore_errors=True)
     tmp = root / f".tmp-step-{step:06d}-{os.getpid()}"
@@ -52,43 +71,193 @@ def save_checkpoint(
     write_model(tmp)
     tokenizer.save_pretrained(tmp)
     torch.save(state, tmp / STATE_FILE)
-    if final.exists():
-        shutil.rmtree(final)
+    run_state = state.get("run")
+    if isinstance(run_state, dict) and "config" in run_state:
+        (tmp / RUN_CONFIG_FILE).write_text(run_state["config"])
+    _write_manifest(tmp)
+    final = _free_name(root, step)
     os.replace(tmp, final)
     _write_text_atomic(root / LATEST_FILE, final.name)
-    for old in sorted(p for p in root.glob("step-*") if p.is_dir())[:-keep_last]:
+    superseded = [p for p in _step_dirs(root) if _step_of(p) == step and p != final]
+    for old in superseded:
         shutil.rmtree(old)
+    steps = sorted({_step_of(p) for p in _step_dirs(root)})
+    for old in _step_dirs(root):
+        if _step_of(old) in steps[:-keep_last]:
+            shutil.rmtree(old)
     return final
 
 
-def resolve_checkpoint(path: str | Path) -> Path:
-    """A checkpoint directory from itself, its run directory, or the run's checkpoints folder."""
+def _free_name(root: Path, step: int) -> Path:
+    """``step-<V>``, or ``step-<V>-<k>`` with the first unused k when step V was saved before."""
+    final, k = root / f"step-{step:06d}", 0
+    while final.exists():
+        k += 1
+        final = root / f"step-{step:06d}-{k}"
+    return final
+
+
+def _step_dirs(root: Path) -> list[Path]:
+    """The checkpoint directories under ``root``, in the order they were written."""
+    return sorted((p for p in root.glob("step-*") if p.is_dir() and _save_order(p) is not None), key=_save_order)
+
+
+def _save_order(path: Path) -> tuple[int, int] | None:
+    """(step, re-save number) of ``step-<V>`` or ``step-<V>-<k>``; None for any other name."""
+    parts = path.name.removeprefix("step-").split("-")
+    if len(parts) > 2 or not all(part.isdigit() for part in parts):
+        return None
+    return int(parts[0]), int(parts[1]) if len(parts) == 2 else 0
+
+
+def _step_of(path: Path) -> int:
+    return _save_order(path)[0]
+
+
+def _write_manifest(directory: Path) -> None:
+    files = {
+        p.name: {"bytes": p.stat().st_size, "sha256": _sha256(p)}
+        for p in sorted(directory.iterdir())
+        if p.is_file() and p.name != MANIFEST_FILE
+    }
+    (directory / MANIFEST_FILE).write_text(_manifest_text(files))
+
+
+def _manifest_text(files: dict) -> str:
+    """The one way a manifest is written, so a changed byte that still parses is caught too."""
+    return json.dumps({"files": files}, indent=1) + "\n"
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def verify_checkpoint(directory: Path) -> None:
+    """Raise ``CheckpointError`` naming the first file that is missing or differs from what was saved."""
+    manifest = directory / MANIFEST_FILE
+    if not manifest.is_file():
+        raise CheckpointError(f"{MANIFEST_FILE} is missing, so the checkpoint's files cannot be checked")
+    text = manifest.read_bytes()
+    try:
+        files = json.loads(text)["files"]
+        entries = [(name, int(entry["bytes"]), str(entry["sha256"])) for name, entry in files.items()]
+        written = _manifest_text(files).encode() == text
+    except (ValueError, TypeError, KeyError, AttributeError):
+        written = False
+    if not written:
+        raise CheckpointError(f"{MANIFEST_FILE} is damaged (not a manifest of file sizes and checksums as asyncrl writes it)")
+    if not any(name == STATE_FILE for name, _, _ in entries) or not any(name == WEIGHTS_FILE for name, _, _ in entries):
+        raise CheckpointError(f"{MANIFEST_FILE} is damaged (it does not list {STATE_FILE} and {WEIGHTS_FILE})")
+    for name, size, sha256 in entries:
+        path = directory / name
+        if Path(name).name != name or not path.is_file():
+            raise CheckpointError(f"{name[:80]} is missing ({MANIFEST_FILE} lists it)")
+        if path.stat().st_size != size:
+            raise CheckpointError(f"{name} is damaged ({path.stat().st_size} bytes; {MANIFEST_FILE} says {size} were saved)")
+        if _sha256(path) != sha256:
+            raise CheckpointError(f"{name} is damaged (its SHA-256 differs from the one {MANIFEST_FILE} holds)")
+
+
+def resolve_checkpoint(path: str | Path, option: str = "--resume") -> Path:
+    """A checked checkpoint directory: ``path`` itself, or the newest ``step-*`` directory of
+    ``path`` or ``path/checkpoints``. The newest directory is whole (each one is renamed into place
+    complete), so a crash before ``latest`` was rewritten, or a damaged ``latest``, loses nothing.
+    ``option`` names the command-line option in errors; a damaged checkpoint's error names the
+    newest intact one of the same run, which ``option`` can then name directly."""
     path = Path(path).expanduser()
-    candidates = [path, path / "checkpoints"]
-    for candidate in candidates:
-        if (candidate / STATE_FILE).is_file():
+    for candidate in (path, path / "checkpoints"):
+        if (candidate / STATE_FILE).is_file() or (candidate / MANIFEST_FILE).is_file():
+            _checked(candidate, option, named=True)
             return candidate
-        latest = candidate / LATEST_FILE
-        if latest.is_file():
-            target = candidate / latest.read_text().strip()
-            if (target / STATE_FILE).is_file():
-                return target
-    raise FileNotFoundError(f"--resume: no checkpoint found in '{path}' (expected {STATE_FILE} or checkpoints/{LATEST_FILE})")
+        saved = _step_dirs(candidate)
+        if saved:
+            _checked(saved[-1], option, named=False)
+            return saved[-1]
+    raise CheckpointError(f"{option}: no checkpoint found in '{path}' (expected {STATE_FILE} or checkpoints/step-*)")
+
+
+def _checked(directory: Path, option: str, *, named: bool) -> None:
+    try:
+        verify_checkpoint(directory)
+    except CheckpointError as err:
+        hint = "" if named else _intact_hint(directory.parent, option, skip=directory)
+        raise CheckpointError(f"{option}: checkpoint {directory}: {err}{hint}") from None
+
+
+def _intact_hint(root: Path, option: str, skip: Path | None = None) -> str:
+    """'; the newest intact one is ...' for the other checkpoints of the run, newest first."""
+    for other in reversed(_step_dirs(root)):
+        if other == skip:
+            continue
+        try:
+            verify_checkpoint(other)
+        except CheckpointError:
+            continue
+        return f"; the newest intact checkpoint is {other.name}: continue from it with {option} {other}"
+    return "; no other checkpoint of this run is intact"
 
 
 def load_state(checkpoint_dir: Path) -> dict:
-    return torch.load(checkpoint_dir / STATE_FILE, weights_only=True)
+    """``state.pt`` as tensors and plain values; anything else is refused unexecuted, by name."""
+    path = Path(checkpoint_dir) / STATE_FILE
+    try:
+        state = torch.load(path, weights_only=True)
+    except pickle.UnpicklingError:
+        raise CheckpointError(
+            f"{path}: holds objects other than tensors and plain values; refused, and nothing in it was run"
+        ) from None
+    except Exception as err:
+        raise CheckpointError(f"{path}: cannot be read ({type(err).__name__})") from None
+    if not isinstance(state, dict):
+        raise CheckpointError(f"{path}: holds a {type(state).__name__}, not a checkpoint state")
+    return state
+
+
+def load_run_state(checkpoint_dir: Path) -> dict:
+    """The state of a training run: ``load_state`` with its two parts present."""
+    state = load_state(checkpoint_dir)
+    if not all(isinstance(state.get(part), dict) for part in ("trainer", "run")) or not isinstance(
+        state["run"].get("version"), int
+    ):
+        raise CheckpointError(
+            f"{Path(checkpoint_dir) / STATE_FILE}: not an asyncrl run state (no 'trainer' and 'run' parts with a version)"
+        )
+    return state
+
+
+def read_weights(model: nn.Module, checkpoint_dir: Path, device: str = "cpu") -> dict[str, torch.Tensor]:
+    """``model.safetensors`` as tensors, after checking each one's shape against ``model``."""
+    path = Path(checkpoint_dir) / WEIGHTS_FILE
+    expected = {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}
+    try:
+        with safe_open(path, framework="pt") as f:
+            shapes = {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}
+        for name, shape in shapes.items():
+            if name in expected and shape != expected[name]:
+                raise CheckpointError(
+                    f"{path}: does not fit the configured model: {name} is {list(shape)} there and "
+                    f"{list(expected[name])} here; set model.* as in the run that saved it"
+                )
+        return load_file(path, device=device)
+    except CheckpointError:
+        raise
+    except Exception as err:
+        raise CheckpointError(f"{path}: cannot be read as safetensors ({type(err).__name__})") from None
 
 
 def load_weights(model: nn.Module, checkpoint_dir: Path) -> None:
     """Load ``model.safetensors`` into ``model``; tied weights that HF leaves out stay tied."""
-    weights = load_file(checkpoint_dir / WEIGHTS_FILE, device=str(next(model.parameters()).device))
+    weights = read_weights(model, checkpoint_dir, device=str(next(model.parameters()).device))
     missing, unexpected = model.load_state_dict(weights, strict=False)
     params = model.state_dict()
     loaded_storage = {params[name].data_ptr() for name in weights if name in params}
     untied = [name for name in missing if params[name].data_ptr() not in loaded_storage]
     if unexpected or untied:
-        raise ValueError(
+        raise CheckpointError(
             f"checkpoint {checkpoint_dir}: weights do not match the model "
             f"(missing {untied[:5]}, unexpected {unexpected[:5]})"
         )

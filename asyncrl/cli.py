@@ -136,10 +136,12 @@ def train(
     overrides: Optional[list[str]] = typer.Argument(None, help="dotted overrides, e.g. grpo.max_steps=50"),
 ) -> None:
     """Train with asynchronous GRPO. With no arguments: a tiny model learns arithmetic on the CPU."""
-    from asyncrl.run import resumed_config_path, train as run_train
+    from asyncrl.run import resumed_checkpoint, resumed_config_path, train as run_train
 
-    if resume is not None and config is None:
-        config = resumed_config_path(resume)
+    if resume is not None:  # continue with the checkpoint's config, in its run directory
+        checkpoint = resumed_checkpoint(resume)
+        config = config or resumed_config_path(checkpoint)
+        output_dir = output_dir or checkpoint.parent.parent
     settings = list(overrides or ())
     if output_dir is not None:
         settings.append(f"logging.output_dir={output_dir}")
@@ -366,8 +368,12 @@ def bench_report(
     typer.echo(str(write))
 
 
+MAX_MESSAGE_CHARS = 2000  # a message that echoes input back is cut here, whatever the input
+
+
 def _one_line(message: str) -> str:
-    return " ".join(message.split())
+    line = " ".join(message.split())
+    return line if len(line) <= MAX_MESSAGE_CHARS else line[:MAX_MESSAGE_CHARS] + " ..."
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -402,10 +408,7 @@ def _run_failure(err: Exception) -> tuple[str, int] | None:
 
     Imported here, on the error path only, so ``asyncrl config`` never loads the training stack."""
     from asyncrl.controller import RunStopped
-    from asyncrl.weights import SyncTimeoutError
 
-    if isinstance(err, SyncTimeoutError):
-        return f"{_one_line(str(err))}; the last periodic checkpoint is intact", 1
     if not isinstance(err, RunStopped):
         return None
     notes = "; ".join(getattr(err, "__notes__", []))

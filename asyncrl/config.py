@@ -95,6 +95,9 @@ class DataConfig(Section):
         return self
 
 
+MIN_TEMPERATURE = 1e-6  # logits / T stays finite in float32 for any logit below 3.4e32
+
+
 class VLLMConfig(Section):
     """The vLLM servers behind generation.backend vllm, one per rollout worker (docs/generation.md)."""
 
@@ -114,13 +117,31 @@ class GenerationConfig(Section):
 
     backend: Literal["hf", "vllm"] = Field("hf", description="generation backend: transformers in process, or vLLM servers (section vllm)")
     max_new_tokens: int = Field(16, ge=1, description="response length limit")
-    temperature: float = Field(1.0, ge=0.0, description="sampling temperature; 0 is greedy")
+    temperature: float = Field(
+        1.0, ge=0.0, description="sampling temperature of rollouts, at least 1e-6 (evaluation is always greedy)"
+    )
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="nucleus sampling mass; 1 disables it")
-    top_k: int = Field(0, ge=0, description="top-k sampling; 0 disables it")
+    top_k: int = Field(0, ge=0, description="top-k sampling, at least 2; 0 disables it")
     batch_size: int = Field(128, ge=1, description="sequences per generation forward (the tiny default model takes a whole step at once)")
     num_workers: int = Field(
         1, ge=1, description="rollout workers, each with its own generator: Ray actors; the local runtime runs one"
     )
+
+    @model_validator(mode="after")
+    def _samples_can_differ(self) -> GenerationConfig:
+        """Rollouts must be sampled: identical samples of a prompt give every advantage 0."""
+        if self.temperature == 0 or self.top_k == 1:
+            setting = "temperature 0 (greedy)" if self.temperature == 0 else "top_k 1"
+            raise ValueError(
+                f"generation.{'temperature' if self.temperature == 0 else 'top_k'}: {setting} makes the samples of a "
+                "prompt identical, so every advantage is 0; evaluation is greedy already"
+            )
+        if self.temperature < MIN_TEMPERATURE:
+            raise ValueError(
+                f"generation.temperature: {self.temperature:g} is so small that logits / temperature can overflow "
+                f"float32, the sampler's dtype; use at least {MIN_TEMPERATURE:g}"
+            )
+        return self
 
 
 class RewardConfig(Section):
@@ -156,6 +177,8 @@ class RewardConfig(Section):
                 raise ValueError(f"rewards.functions: '{name}' is listed twice")
         if self.weights is not None and len(self.weights) != len(self.functions):
             raise ValueError(f"rewards.weights: {len(self.weights)} weights for {len(self.functions)} functions")
+        if self.weights is not None and not any(self.weights):
+            raise ValueError("rewards.weights: all 0, so every reward and every advantage is 0")
         if self.format_pattern is not None:
             try:
                 re.compile(self.format_pattern)
@@ -186,6 +209,11 @@ class GRPOConfig(Section):
             )
         if self.baseline == "leave_one_out" and self.generations_per_prompt < 2:
             raise ValueError("grpo.baseline: leave_one_out needs generations_per_prompt >= 2")
+        if self.generations_per_prompt < 2:
+            raise ValueError(
+                "grpo.generations_per_prompt: 1 sample per prompt makes every advantage 0 (a group's baseline is "
+                "its own reward); use at least 2"
+            )
         if self.min_groups_per_chunk > self.prompts_per_step:
             raise ValueError(
                 f"grpo.min_groups_per_chunk: {self.min_groups_per_chunk} > prompts_per_step {self.prompts_per_step}"
@@ -202,7 +230,9 @@ class LossConfig(Section):
     clip_high: float = Field(0.28, ge=0.0, description="ratio clip above: 1 + clip_high")
     dual_clip: float | None = Field(3.0, gt=1.0, description="cap the loss of a negative advantage A at dual_clip times -A; null disables")
     importance_sampling: Literal["auto", "none", "tis", "icepop"] = Field(
-        "auto", description="off-policy correction; auto: tis when sampler.max_lag > 0, else none"
+        "auto",
+        description="off-policy correction; auto: tis whenever the generator's distribution can differ from the "
+        "trainer's (sampler.max_lag > 0, generation.top_p < 1, generation.top_k > 0, or trainer.dtype bfloat16), else none",
     )
     is_cap: float = Field(2.0, gt=0.0, description="tis: importance weights are clamped at this cap")
     is_low: float = Field(0.5, ge=0.0, description="icepop: weights below this are zeroed")
@@ -252,7 +282,14 @@ class TrainerConfig(Section):
         description="consecutive steps with a non-finite loss or gradient that are skipped (weights untouched) "
         "before the run stops; 0 stops at the first",
     )
-    dtype: Literal["float32", "bfloat16", "float64"] = Field("float32", description="parameter dtype")
+    dtype: Literal["float32", "bfloat16", "float64"] = Field(
+        "float32",
+        description="compute dtype; bfloat16 runs forward and backward in bfloat16 over float32 master parameters and "
+        "optimizer state, and the generators get bfloat16 weights",
+    )
+    activation_checkpointing: bool = Field(
+        False, description="recompute each transformer block's activations in the backward pass instead of keeping them"
+    )
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: cuda when available")
 
     @model_validator(mode="after")
@@ -325,7 +362,12 @@ class SyncConfig(Section):
     mode: Literal["drain", "inflight"] = Field(
         "inflight", description="drain: wait for in-flight rollouts first; inflight: they finish on old weights"
     )
-    timeout_s: float = Field(600.0, gt=0.0, description="a sync slower than this fails the run")
+    timeout_s: float = Field(
+        600.0,
+        gt=0.0,
+        description="closing the rollout gate, exporting the weights or loading them into the generators taking "
+        "longer than this fails the run; waiting for running generation does not count",
+    )
     transport: Literal["auto", "object_store", "broadcast"] = Field(
         "auto",
         description="ray: how weights reach the generators; object_store: rank 0 exports to Ray's object store; "
@@ -379,6 +421,9 @@ class FaultsConfig(Section):
     )
     failing_prompts: list[str] = Field(
         default_factory=list, description="prompt uids whose generation raises on every attempt"
+    )
+    eval_errors: list[int] = Field(
+        default_factory=list, description="evaluation calls of a rollout worker (0-based, in call order) that raise"
     )
     hang_generate_calls: list[int] = Field(
         default_factory=list, description="generation calls of a rollout worker that hang for hang_s first"
@@ -512,10 +557,21 @@ class RunConfig(Section):
 
     @property
     def importance_sampling(self) -> str:
-        """The effective importance-sampling mode (``auto`` resolved against the sampler's lag)."""
+        """The effective importance-sampling mode: ``auto`` is tis whenever the behaviour and the
+        trainer's distributions can differ: lagged weights, top-p / top-k truncation (the trainer
+        scores the untruncated distribution), or bfloat16, where the generator's cached decoding
+        and the trainer's forward round differently."""
         if self.loss.importance_sampling != "auto":
             return self.loss.importance_sampling
-        return "tis" if self.sampler.max_lag > 0 else "none"
+        g = self.generation
+        differ = self.sampler.max_lag > 0 or g.top_p < 1.0 or g.top_k > 0 or self.trainer.dtype == "bfloat16"
+        return "tis" if differ else "none"
+
+    @property
+    def scoring_temperature(self) -> float:
+        """The temperature the trainer divides logits by: the sampling temperature, or 1 for greedy
+        sampling, whose logprobs are those of the unmodified distribution."""
+        return self.generation.temperature if self.generation.temperature > 0 else 1.0
 
 
 def _unknown_key_error(path: tuple[str, ...], key: str, valid: list[str]) -> ConfigError:
@@ -577,6 +633,8 @@ def _check_finite(config: BaseModel, path: tuple[str, ...] = ()) -> None:
             raise ConfigError(f"{'.'.join(dotted)}: must be a finite number (got {_shown(value)})")
 
 
+SHOWN_CHARS = 200  # an input value echoed in an error is cut to this many characters
+MAX_YAML_VALUES = 100_000  # values a YAML document may expand to through aliases; a run config has a few hundred
 _NAMES_ITS_FIELD = re.compile(r"^[a-z_]+(\.[a-z_]+)+: ")
 
 
@@ -592,13 +650,20 @@ def _format_validation_error(err: ValidationError) -> ConfigError:
     if first["input"] is None:
         default = _shown(_default(first["loc"]))
         return ConfigError(f"{loc}: cannot be null (an empty value is null); give a value, e.g. the default {default}")
-    got = "" if isinstance(first["input"], dict) else f" (got {first['input']!r})"
+    got = "" if isinstance(first["input"], dict) else f" (got {_clipped(repr(first['input']))})"
     return ConfigError(f"{loc or 'config'}: {message}{got}")
 
 
 def _shown(value: Any) -> str:
-    """A value as it is written in YAML or an override: true, null, [0.9, 0.99], .inf."""
-    return yaml.safe_dump(value, default_flow_style=True, width=float("inf")).strip().removesuffix("...").strip()
+    """A value as it is written in YAML or an override: true, null, [0.9, 0.99], .inf; cut short
+    past ``SHOWN_CHARS`` so an error message stays one readable line."""
+    if isinstance(value, (list, tuple, dict)) and len(value) > SHOWN_CHARS:
+        value = list(value)[:SHOWN_CHARS]  # enough to show; dumping all of a huge value is not
+    return _clipped(yaml.safe_dump(value, default_flow_style=True, width=float("inf")).strip().removesuffix("...").strip())
+
+
+def _clipped(text: str) -> str:
+    return text if len(text) <= SHOWN_CHARS else text[:SHOWN_CHARS] + "..."
 
 
 def _default(loc: tuple) -> Any:
@@ -623,6 +688,45 @@ class _YamlLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep=deep)
 
 
+class _TooLarge(Exception):
+    """A YAML document that would expand past ``MAX_YAML_VALUES`` values, or into itself."""
+
+
+def _load_yaml(text: str) -> Any:
+    """``yaml.load`` with ``_YamlLoader``, refusing (``_TooLarge``) a document whose aliases would
+    expand it past ``MAX_YAML_VALUES`` values, before anything is built from it."""
+    loader = _YamlLoader(text)
+    try:
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        _count_values(node, {}, set())
+        return loader.construct_document(node)
+    finally:
+        loader.dispose()
+
+
+def _count_values(node: yaml.Node, counted: dict[int, int], open_nodes: set[int]) -> int:
+    """Values in ``node`` once every alias is expanded; an alias reuses the node it names, so a
+    node is counted once and ``counted`` keeps the work linear in the document's size."""
+    key = id(node)
+    if key in counted:
+        return counted[key]
+    if key in open_nodes:
+        raise _TooLarge("an alias refers to a value that contains it")
+    open_nodes.add(key)
+    children = node.value if isinstance(node.value, list) else []
+    total = 1
+    for child in children:
+        for item in child if isinstance(child, tuple) else (child,):
+            total += _count_values(item, counted, open_nodes)
+            if total > MAX_YAML_VALUES:
+                raise _TooLarge(f"its aliases expand it past {MAX_YAML_VALUES} values")
+    open_nodes.discard(key)
+    counted[key] = total
+    return total
+
+
 def _set_dotted(data: dict, override: str) -> None:
     if "=" not in override:
         raise ConfigError(f"override '{override}': expected key=value, e.g. loss.mode=token-mean")
@@ -638,8 +742,10 @@ def _set_dotted(data: dict, override: str) -> None:
             raise _unknown_key_error(tuple(keys[:depth]), key, list(fields))
         if depth == len(keys) - 1:
             try:
-                value = yaml.load(raw, Loader=_YamlLoader) if raw.strip() else None
-            except yaml.YAMLError:
+                value = _load_yaml(raw) if raw.strip() else None
+            except _TooLarge as err:
+                raise ConfigError(f"{dotted.strip()}: the value is refused: {err}") from None
+            except (yaml.YAMLError, RecursionError):
                 value = raw
             if _textual(fields[key].annotation) and isinstance(value, (int, float)):
                 value = raw.strip()  # data.path=2024 names a file, not a number
@@ -678,7 +784,11 @@ def _read_yaml(path: Path) -> dict[str, Any]:
     except OSError as err:
         raise ConfigError(f"--config: cannot read '{path}' ({err.strerror or err})") from None
     try:
-        data = yaml.load(raw.decode("utf-8"), Loader=_YamlLoader)
+        data = _load_yaml(raw.decode("utf-8"))
+    except _TooLarge as err:
+        raise ConfigError(f"--config: '{path}' is refused: {err}") from None
+    except RecursionError:
+        raise ConfigError(f"--config: '{path}' is nested too deeply to be a run config") from None
     except UnicodeDecodeError as err:
         line = raw.count(b"\n", 0, err.start) + 1
         raise ConfigError(f"--config: '{path}' line {line}: not UTF-8 text; save the file as UTF-8") from None

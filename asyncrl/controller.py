@@ -16,7 +16,8 @@ every decision above is a function of the version alone, never of timing: that i
 run reproducible, and a resumed run identical to an uninterrupted one.
 
 Faults end in one of two ways (docs/reliability.md). What can be retried is retried within a
-budget: a generation batch, a train step (aborted first, then rerun on the groups it had taken).
+budget: a generation batch, an evaluation, a train step (aborted first, then rerun on the groups
+it had taken).
 Otherwise the run stops with a ``RunStopped`` error; when the trainer is known to be healthy it
 first writes a checkpoint that holds everything committed, including the groups of the aborted
 step, so nothing is lost and ``--resume`` continues. A watchdog stops a run that makes no progress.
@@ -35,11 +36,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
 from asyncrl.buffer import ReplayBuffer
-from asyncrl.config import RunConfig
+from asyncrl.config import RunConfig, dump_config
 from asyncrl.data import Prompt, PromptLoader, Task
 from asyncrl.sampler import Sampler
 from asyncrl.types import RolloutGroup, RolloutJob
-from asyncrl.weights import Changes, RolloutGate, SyncReport, WeightSync
+from asyncrl.weights import Changes, RolloutGate, SyncReport, SyncTimeoutError, WeightSync
 
 if TYPE_CHECKING:  # worker-side types; the controller never imports model code
     from asyncrl.rollout import RolloutBatch
@@ -80,6 +81,19 @@ class RunInterrupted(RunStopped):
         self.exit_code = 128 + signum
 
 
+class SyncTimedOut(RunStopped, SyncTimeoutError):
+    """A weight sync phase took longer than ``sync.timeout_s``; the step before it is complete, so
+    the run checkpoints it, unless the trainer's export was what hung."""
+
+    def __init__(self, err: SyncTimeoutError) -> None:
+        super().__init__(str(err))
+        self.trainer_healthy = self.saves_checkpoint = err.trainer_healthy
+
+
+class EvaluationFailedError(RunStopped):
+    """An evaluation failed more often than ``runtime.max_rollout_retries`` allows."""
+
+
 class StallError(RunStopped):
     """No loop made progress for ``runtime.watchdog_s``; the message says what each waited on."""
 
@@ -114,6 +128,7 @@ class SingleController:
         if not rollout_workers:
             raise ValueError("SingleController: at least one rollout worker is needed")
         self.config = config
+        self.config_text = dump_config(config)  # saved with every checkpoint as its run.yaml
         self.trainer = trainer
         self.rollout_workers = list(rollout_workers)
         self.task = task
@@ -153,6 +168,7 @@ class SingleController:
         self.clock = _Clock()
         self.start_time = time.perf_counter()
         self.evals: list[dict] = []
+        self.eval_due = False  # an evaluation of this version was started and has not finished
         self._tasks: asyncio.TaskGroup | None = None
 
     # ---- the run --------------------------------------------------------------------------
@@ -162,18 +178,21 @@ class SingleController:
 
         Raises ``RunStopped`` (checkpoint saved where possible) or the error that stopped it."""
         with self._signals_handled():
-            if self.version == 0:
-                await self.evaluate()
-            self.last_progress = time.monotonic()
             try:
-                async with asyncio.TaskGroup() as tasks:
-                    self._tasks = tasks
-                    loops = [tasks.create_task(self.rollout_loop()), tasks.create_task(self.train_loop())]
-                    tasks.create_task(self.watchdog(loops))
-            except BaseExceptionGroup as group:
-                raise await self._stopped(_first_error(group)) from None
-        if not self.evals or self.evals[-1]["step"] != self.version:
-            await self.evaluate()
+                if self.version == 0 or self.eval_due:
+                    await self.evaluate()
+                self.last_progress = time.monotonic()
+                try:
+                    async with asyncio.TaskGroup() as tasks:
+                        self._tasks = tasks
+                        loops = [tasks.create_task(self.rollout_loop()), tasks.create_task(self.train_loop())]
+                        tasks.create_task(self.watchdog(loops))
+                except BaseExceptionGroup as group:
+                    raise _first_error(group) from None
+                if not self.evals or self.evals[-1]["step"] != self.version:
+                    await self.evaluate()
+            except RunStopped as err:
+                raise await self._stopped(err) from err.__cause__
         await self.checkpoint()
         return self.version
 
@@ -181,8 +200,8 @@ class SingleController:
         """Save what the run holds before it stops, when the trainer can be trusted to save it."""
         if isinstance(err, RunStopped) and err.saves_checkpoint:
             self.progress.status(f"stopping: checkpointing step {self.version}")
-            try:
-                async with asyncio.timeout(self.config.sync.timeout_s):
+            try:  # bounded like any other wait for progress, not by the weight sync's own limit
+                async with asyncio.timeout(self.config.runtime.watchdog_s):
                     err.checkpoint = await self.trainer.save_checkpoint(
                         str(self.run_dir), self.version, self.state_dict(), self.config.checkpoint.keep_last
                     )
@@ -252,14 +271,17 @@ class SingleController:
             self.gate.add_in_flight(len(batch))
         # Submitted now, not when the task first runs: a later weight load queues behind it.
         future = worker.generate(batch)
+        self.gate.add_running(1)
         self._tasks.create_task(self._collect(batch, future))
 
     async def _collect(self, batch: list[RolloutJob], future: asyncio.Future) -> None:
         try:
             result: RolloutBatch = await future
         except Exception as err:
+            self.gate.add_running(-1)
             self._schedule_retry(batch, err)
             return
+        self.gate.add_running(-1)
         for job, group in zip(batch, result.groups):
             self.buffer.commit(job.slot_id, group)
             del self.jobs[job.slot_id]
@@ -327,9 +349,12 @@ class SingleController:
                 report = await self.train_step()
                 if report is None:
                     break
+                self.version = report.result.version  # the trainer's: a checkpoint from here on holds the step
                 self.waiting["train loop"] = f"the weight sync after step {self.version}"
-                sync = await self.weight_sync.sync()
-                self.version = sync.version
+                try:
+                    sync = await self.weight_sync.sync()
+                except SyncTimeoutError as err:
+                    raise SyncTimedOut(err) from None
                 self.last_progress = time.monotonic()
                 self._count_nonfinite(report)
                 self._log_step(report, sync, time.perf_counter() - step_start)
@@ -504,9 +529,25 @@ class SingleController:
     # ---- evaluation, checkpoints, metrics ---------------------------------------------------
 
     async def evaluate(self) -> None:
+        """Greedy held-out evaluation, retried on the next worker like a generation batch; past the
+        budget the run stops, and ``eval_due`` makes the resumed run evaluate this version first."""
         self.progress.status(f"evaluating at step {self.version}")
+        self.eval_due = True
         prompts: list[Prompt] = list(self.task.heldout[: self.config.data.eval_size])
-        result = await self.rollout_workers[0].evaluate(prompts)
+        for attempt in range(self.max_retries + 1):
+            worker = self.rollout_workers[attempt % len(self.rollout_workers)]
+            try:
+                result = await worker.evaluate(prompts)
+                break
+            except Exception as err:
+                self.last_progress = time.monotonic()
+                if attempt == self.max_retries:
+                    raise EvaluationFailedError(
+                        f"evaluation at step {self.version} failed {attempt + 1} times "
+                        f"(runtime.max_rollout_retries={self.max_retries}); last error: {type(err).__name__}: {err}"
+                    ) from err
+                self.progress.status(f"evaluation at step {self.version} failed ({type(err).__name__}); retrying")
+        self.eval_due = False
         record = {
             "step": self.version,
             "accuracy": result.accuracy,
@@ -549,6 +590,8 @@ class SingleController:
             "step_retries": self.step_retries,
             "nonfinite_steps": self.nonfinite_steps,
             "nonfinite_streak": self.nonfinite_streak,
+            "eval_due": self.eval_due,
+            "config": self.config_text,
             "sampler": self.sampler.state_dict(),
             "loader": self.loader.state_dict(),
             "buffer": buffer_state,
@@ -565,6 +608,7 @@ class SingleController:
         self.num_evicted = state["num_evicted"]
         for name in ("skipped_prompts", "step_retries", "nonfinite_steps", "nonfinite_streak"):
             setattr(self, name, state.get(name, 0))
+        self.eval_due = bool(state.get("eval_due", False))
         self.step_groups = [RolloutGroup.from_state_dict(group) for group in state.get("step_groups", [])]
         self.sampler.load_state_dict(state["sampler"])
         self.loader.load_state_dict(state["loader"])

@@ -22,7 +22,7 @@ class InjectedFault(RuntimeError):
 
 def inject_rollout_faults(worker: Any, faults: FaultsConfig) -> Any:
     """``worker`` itself, or a wrapper that applies the section's generation and sync faults."""
-    if faults.generate_errors or faults.failing_prompts or faults.hang_generate_calls or faults.slow_sync_s:
+    if faults.generate_errors or faults.failing_prompts or faults.hang_generate_calls or faults.slow_sync_s or faults.eval_errors:
         return FaultyRolloutWorker(worker, faults)
     return worker
 
@@ -44,11 +44,12 @@ class _Wrapper:
 
 
 class FaultyRolloutWorker(_Wrapper):
-    """Counts generation calls; raises, hangs or slows a weight load where the section says."""
+    """Counts generation and evaluation calls; raises, hangs or slows a weight load where the section says."""
 
     def __init__(self, worker: Any, faults: FaultsConfig) -> None:
         super().__init__(worker, faults)
         self.calls = 0
+        self.eval_calls = 0
 
     def generate(self, jobs: Sequence[Any]) -> Any:
         call, self.calls = self.calls, self.calls + 1
@@ -60,6 +61,12 @@ class FaultyRolloutWorker(_Wrapper):
         if failing:
             raise InjectedFault(f"prompt {failing[0]} cannot be generated (faults.failing_prompts)")
         return self.worker.generate(jobs)
+
+    def evaluate(self, prompts: Sequence[Any]) -> Any:
+        call, self.eval_calls = self.eval_calls, self.eval_calls + 1
+        if call in self.faults.eval_errors:
+            raise InjectedFault(f"evaluation call {call} failed (faults.eval_errors)")
+        return self.worker.evaluate(prompts)
 
     def load_weights(self, weights: Any, version: int) -> None:
         time.sleep(self.faults.slow_sync_s)

@@ -39,17 +39,23 @@ def read_jsonl(path: str | Path) -> list[dict]:
     """All records of a jsonl file. A last line cut short by a crash mid-write is dropped; a
     broken line anywhere else is real corruption and raises."""
     path = Path(path)
-    lines = path.read_text().splitlines()
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError as err:
+        raise ValueError(f"{path}: byte {err.start} is not UTF-8; the file is damaged") from None
     records = []
     for number, line in enumerate(lines, start=1):
         if not line.strip():
             continue
         try:
-            records.append(json.loads(line))
+            record = json.loads(line)
         except json.JSONDecodeError as err:
             if number == len(lines):
                 break
             raise ValueError(f"{path}: line {number} is not valid JSON ({err.msg})") from None
+        if not isinstance(record, dict) or not isinstance(record.get("step", 0), int):
+            raise ValueError(f"{path}: line {number} is not a record (a JSON object with an integer step)")
+        records.append(record)
     return records
 
 

@@ -18,14 +18,15 @@ import torch
 import transformers
 
 from asyncrl.buffer import ReplayBuffer
-from asyncrl.checkpoint import load_state, load_weights, resolve_checkpoint
+from asyncrl.checkpoint import RUN_CONFIG_FILE, STATE_FILE, CheckpointError, load_run_state, load_weights, resolve_checkpoint
 from asyncrl.config import ConfigError, RunConfig, dump_config
 from asyncrl.controller import SingleController
-from asyncrl.data import PromptLoader, build_task, check_prompt_lengths
+from asyncrl.data import PromptLoader, build_task, check_encodable, check_prompt_lengths
 from asyncrl.faults import inject_rollout_faults, inject_trainer_faults
 from asyncrl.generation import SamplingParams, build_generator
 from asyncrl.metrics import MetricsWriter, ProgressDisplay, read_jsonl, write_json_atomic
 from asyncrl.models.factory import build_model, build_tokenizer
+from asyncrl.models.hf import stop_token_ids
 from asyncrl.plots import write_report
 from asyncrl.rewards import RewardRunner
 from asyncrl.rollout import RolloutWorker
@@ -42,21 +43,21 @@ T = TypeVar("T")
 def train(config: RunConfig, *, resume: str | Path | None = None, console: Any = None) -> dict:
     """Run GRPO to the end; returns the summary that is also written to ``summary.json``."""
     start = time.perf_counter()
+    transformers.utils.logging.disable_progress_bar()  # loads and saves would print bars over the display and errors
     checkpoint_dir = _input(resolve_checkpoint, resume) if resume is not None else None
+    state = _input(load_run_state, checkpoint_dir) if checkpoint_dir is not None else None
     run_dir = run_directory(config, resuming=checkpoint_dir is not None)
     config = config.model_copy(update={"logging": config.logging.model_copy(update={"output_dir": str(run_dir)})})
     tokenizer = _input(build_tokenizer, config)
     model = _input(build_model, config, tokenizer)
     task = _checked_task(config, tokenizer, model)
     rewards = _input(RewardRunner.from_config, config.rewards, task)
-    state = load_state(checkpoint_dir) if checkpoint_dir is not None else None
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(dump_config(config))
     torch.manual_seed(config.seed)
     torch.set_num_threads(local_torch_threads(config))
-    transformers.utils.logging.disable_progress_bar()  # checkpoint saves would print bars over the display
     progress = ProgressDisplay(config.grpo.max_steps, enabled=config.logging.progress, console=console)
-    metrics = None if config.runtime.controller_actor else _metrics_writer(config, state)
+    metrics = None if config.runtime.controller_actor else _input(_metrics_writer, config, state)
     runtime = _input(build_runtime, config)
     try:
         with progress:
@@ -108,7 +109,7 @@ def _start_workers(
         return TrainerGroup(ranks), generators
     trainer_worker = TrainerWorker(PolicyTrainer.from_config(config, model), config.grpo, tokenizer)
     if checkpoint_dir is not None:
-        _input(trainer_worker.load_checkpoint, checkpoint_dir, state["trainer"])
+        _from_checkpoint(str(checkpoint_dir / STATE_FILE), trainer_worker.load_checkpoint, checkpoint_dir, state["trainer"])
     rollout_worker = _rollout_worker(config, _input(build_generator, config, copy.deepcopy(model), tokenizer), rewards, tokenizer)
     trainer = runtime.spawn(lambda: inject_trainer_faults(trainer_worker, config.faults), "trainer")
     return trainer, [runtime.spawn(lambda: rollout_worker, "rollout")]
@@ -121,8 +122,11 @@ def local_torch_threads(config: RunConfig) -> int:
 
 
 def _checked_task(config: RunConfig, tokenizer: Any, model: Any) -> Any:
-    """The run's prompts, each checked to leave room for its response in the model's context."""
+    """The run's prompts, each checked to survive the tokenizer unchanged and to leave room for its
+    response in the model's context; the end tokens the checkpoint declares, checked once here."""
+    _input(stop_token_ids, tokenizer, config.model.path)
     task = _input(build_task, config.data, tokenizer)
+    _input(check_encodable, task, config.data, tokenizer)
     _input(check_prompt_lengths, task, config, tokenizer, getattr(model.config, "max_position_embeddings", None))
     return task
 
@@ -166,7 +170,7 @@ def drive(
         run_dir=Path(config.logging.output_dir),
     )
     if state is not None:
-        _input(controller.load_state_dict, state["run"])
+        _from_checkpoint(f"the resumed checkpoint's {STATE_FILE}", controller.load_state_dict, state["run"])
     return asyncio.run(_load_weights_then_run(controller, trainer, rollout_workers))
 
 
@@ -199,15 +203,22 @@ def _metrics_writer(config: RunConfig, state: dict | None) -> MetricsWriter:
 
 
 def run_directory(config: RunConfig, *, resuming: bool) -> Path:
-    """``logging.output_dir``, or a new ``runs/<date>-<time>``; a fresh run never reuses another's."""
+    """``logging.output_dir``, or a new ``runs/<date>-<time>``; a fresh run never reuses another's,
+    and a path that cannot become a writable directory is refused before anything is built."""
     if config.logging.output_dir is None:
-        return Path("runs") / time.strftime("%Y%m%d-%H%M%S")
-    run_dir = Path(config.logging.output_dir).expanduser()
+        run_dir = Path("runs") / time.strftime("%Y%m%d-%H%M%S")
+    else:
+        run_dir = Path(config.logging.output_dir).expanduser()
     if not resuming and any((run_dir / name).exists() for name in ("metrics.jsonl", "checkpoints")):
         raise ConfigError(
             f"logging.output_dir: '{run_dir}' already holds a run; resume it with --resume {run_dir} "
             "or choose another --output-dir"
         )
+    existing = next(p for p in (run_dir.absolute(), *run_dir.absolute().parents) if p.exists())
+    if not existing.is_dir():
+        raise ConfigError(f"logging.output_dir: '{existing}' is a file, not a directory")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError(f"logging.output_dir: cannot write into '{existing}' (permission denied)")
     return run_dir
 
 
@@ -219,12 +230,29 @@ def _input(build: Callable[..., T], *args: Any) -> T:
         raise ConfigError(" ".join(str(err).split())) from None
 
 
-def resumed_config_path(resume: str | Path) -> Path:
-    """The config a run saved beside its checkpoints: a resumed run continues with it."""
-    checkpoint_dir = _input(resolve_checkpoint, resume)
-    path = checkpoint_dir.parent.parent / "config.yaml"
+def _from_checkpoint(where: str, load: Callable[..., T], *args: Any) -> T:
+    """Load checkpoint contents that passed the manifest check: contents of another shape (a
+    foreign or older file vouched for by its manifest) are a one-line error, not a traceback."""
+    try:
+        return load(*args)
+    except ConfigError:
+        raise
+    except (KeyError, TypeError, ValueError, IndexError, RuntimeError) as err:
+        detail = " ".join(f"{type(err).__name__}: {err}".split())[:200]
+        raise CheckpointError(f"{where}: holds a state this version of asyncrl cannot load ({detail})") from None
+
+
+def resumed_checkpoint(resume: str | Path) -> Path:
+    """The checked checkpoint directory ``--resume`` names."""
+    return _input(resolve_checkpoint, resume)
+
+
+def resumed_config_path(checkpoint_dir: Path) -> Path:
+    """The config the checkpoint was saved under, checked with its other files: a resumed run
+    continues with it."""
+    path = checkpoint_dir / RUN_CONFIG_FILE
     if not path.is_file():
-        raise ConfigError(f"--resume: no config.yaml in the run directory {path.parent}; pass --config")
+        raise ConfigError(f"--resume: checkpoint {checkpoint_dir} holds no {RUN_CONFIG_FILE}; pass --config")
     return path
 
 
@@ -252,11 +280,13 @@ def _summary(run_dir: Path, steps_done: int, wall_seconds: float) -> dict:
 
 def evaluate(config: RunConfig, *, checkpoint: str | Path | None = None) -> dict:
     """Greedy held-out accuracy of the config's policy (warm start included) or of a checkpoint."""
+    transformers.utils.logging.disable_progress_bar()
+    checkpoint_dir = _input(resolve_checkpoint, checkpoint, "--checkpoint") if checkpoint is not None else None
     tokenizer = _input(build_tokenizer, config)
     model = _input(build_model, config, tokenizer)
     task = _checked_task(config, tokenizer, model)
-    if checkpoint is not None:
-        load_weights(model, _input(resolve_checkpoint, checkpoint))
+    if checkpoint_dir is not None:
+        _input(load_weights, model, checkpoint_dir)
     else:
         warm_start(model, tokenizer, task.train, config.warm_start, seed=config.seed, model_path=config.model.path)
     rewards = _input(RewardRunner.from_config, config.rewards, task)

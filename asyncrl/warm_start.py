@@ -24,7 +24,7 @@ import torch
 from safetensors.torch import load_model, save_model
 from torch import nn
 
-from asyncrl.config import WarmStartConfig
+from asyncrl.config import ConfigError, WarmStartConfig
 from asyncrl.data import Prompt, encode_prompts
 from asyncrl.models.logprobs import token_logprobs
 
@@ -49,7 +49,13 @@ def warm_start(
         raise ValueError("warm_start.steps: the train split is empty")
     path = Path(cfg.cache_dir).expanduser() / f"{_cache_key(model, model_path, tokenizer, prompts, cfg, seed)}.safetensors"
     if path.is_file():
-        load_model(model, path)
+        try:
+            load_model(model, path)
+        except Exception as err:
+            raise ConfigError(
+                f"warm_start.cache_dir: the cached weights {path} cannot be loaded ({type(err).__name__}); "
+                "delete the file to warm-start again"
+            ) from None
         return path
     examples = [_encode(tokenizer, p) for p in prompts]
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)

@@ -7,12 +7,16 @@ never drift apart. A sync then:
 1. closes the gate. With a gated sampler (``in_order``, ``weight_fifo``) it first lets the rollout
    loop admit everything the sampler still allows under the old version: that is what makes a
    group with target step t use weights max(0, t - max_lag) exactly, however the loops are timed;
-2. ``drain``: waits until no dispatched group is still generating; ``inflight``: does not, the
-   weight load is queued behind them on each worker, so they finish on the old weights;
-3. exports the trainer's weights once and loads them into every generator with their version;
+2. ``drain``: waits until no dispatched group is still generating (failed batches are retried
+   meanwhile); ``inflight``: does not, the trainer exports while the running batches finish on the
+   old weights;
+3. exports the trainer's weights once and, once no generation batch is running, loads them into
+   every generator with their version (a load would queue behind a running batch anyway);
 4. reopens the gate at the new version.
 
-Every phase runs under one timeout: a stuck worker fails the run loudly instead of hanging it.
+``sync.timeout_s`` bounds the sync's own phases, each on its own: closing the gate, the export and
+the loads. Waiting for running generation is not the sync: a long batch does not fail it, and a
+generation that hangs is the watchdog's to stop (``runtime.watchdog_s``).
 """
 
 from __future__ import annotations
@@ -24,7 +28,12 @@ from typing import Any, Callable, Literal, Sequence
 
 
 class SyncTimeoutError(RuntimeError):
-    """A weight sync did not finish within ``sync.timeout_s``."""
+    """A phase of a weight sync did not finish within ``sync.timeout_s``. ``trainer_healthy``:
+    False when the trainer's export was what hung, so nothing more should be asked of it."""
+
+    def __init__(self, message: str, *, trainer_healthy: bool = True) -> None:
+        super().__init__(message)
+        self.trainer_healthy = trainer_healthy
 
 
 @dataclass(frozen=True)
@@ -72,6 +81,7 @@ class RolloutGate:
         self.changes = changes
         self.wait_for_admissions = wait_for_admissions
         self.in_flight = 0
+        self.running_batches = 0  # generation calls submitted to a worker and not yet returned
         self.loading = False  # weights are being loaded: nothing may be dispatched until open()
         self._state: Literal["open", "closing", "closed"] = "open"
 
@@ -94,6 +104,10 @@ class RolloutGate:
     async def drained(self) -> None:
         await self.changes.wait_for(lambda: self.in_flight == 0)
 
+    async def generators_idle(self) -> None:
+        """No generation call is running. Once ``loading`` holds back retries, none starts."""
+        await self.changes.wait_for(lambda: self.running_batches == 0)
+
     def open(self, version: int) -> None:
         self.version = version
         self.loading = False
@@ -102,6 +116,10 @@ class RolloutGate:
 
     def add_in_flight(self, delta: int) -> None:
         self.in_flight += delta
+        self.changes.notify()
+
+    def add_running(self, delta: int) -> None:
+        self.running_batches += delta
         self.changes.notify()
 
 
@@ -132,30 +150,42 @@ class WeightSync:
 
     async def sync(self) -> SyncReport:
         """Bring every generator to the trainer's current version; see the module docstring."""
-        phase = "closing the rollout gate"
+        start = time.perf_counter()
+        await self._phase("closing the rollout gate", self.gate.close())
+        if self.mode == "drain":
+            await self.gate.drained()
+        self.gate.loading = True
+        export = asyncio.ensure_future(self._export())
+        try:
+            await self.gate.generators_idle()
+        except BaseException:
+            export.cancel()
+            raise
+        version, weights, export_s = await export
+        load_start = time.perf_counter()
+        loads = asyncio.gather(*(g.load_weights(weights, version) for g in self.generators))
+        await self._phase(f"loading weights version {version} into the generators", loads)
+        transfer_s = export_s + time.perf_counter() - load_start
+        self.gate.open(version)
+        return SyncReport(
+            version=version,
+            pause_s=time.perf_counter() - start,
+            transfer_s=transfer_s,
+            bytes=state_dict_bytes(weights),
+            transport=getattr(weights, "transport", "in_process"),
+        )
+
+    async def _export(self) -> tuple[int, Any, float]:
+        start = time.perf_counter()
+        version, weights = await self._phase("exporting trainer weights", self.trainer.export_weights(), trainer=True)
+        return version, weights, time.perf_counter() - start
+
+    async def _phase(self, phase: str, awaitable: Any, *, trainer: bool = False) -> Any:
+        """``awaitable`` within ``sync.timeout_s``; past it, a ``SyncTimeoutError`` naming the phase."""
         try:
             async with asyncio.timeout(self.timeout_s):
-                start = time.perf_counter()
-                await self.gate.close()
-                if self.mode == "drain":
-                    phase = "draining in-flight rollouts"
-                    await self.gate.drained()
-                phase = "exporting trainer weights"
-                transfer_start = time.perf_counter()
-                self.gate.loading = True
-                version, weights = await self.trainer.export_weights()
-                phase = f"loading weights version {version} into the generators"
-                await asyncio.gather(*(g.load_weights(weights, version) for g in self.generators))
-                transfer_s = time.perf_counter() - transfer_start
-                self.gate.open(version)
-                return SyncReport(
-                    version=version,
-                    pause_s=time.perf_counter() - start,
-                    transfer_s=transfer_s,
-                    bytes=state_dict_bytes(weights),
-                    transport=getattr(weights, "transport", "in_process"),
-                )
+                return await awaitable
         except TimeoutError:
             raise SyncTimeoutError(
-                f"weight sync exceeded sync.timeout_s={self.timeout_s:g}s while {phase}"
+                f"weight sync exceeded sync.timeout_s={self.timeout_s:g}s while {phase}", trainer_healthy=not trainer
             ) from None

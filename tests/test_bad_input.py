@@ -1,18 +1,28 @@
-"""Bad input never gives a traceback: each case exits with code 2 and one line naming the field or row.
+"""Bad input never gives a traceback: each case exits with code 2 and one line naming the field, row or file.
 
-Config files, dataset files (jsonl and parquet), command-line overrides and options, and custom
-``module:attr`` rewards and samplers, all through the command line's entry point.
+Config files, dataset files (jsonl and parquet), command-line overrides and options, custom
+``module:attr`` rewards and samplers, damaged and hostile checkpoints and run files, output paths,
+YAML that expands, values that cannot train and text the tokenizer cannot encode, all through the
+command line's entry point, and each class once through the installed console script.
 """
 
+import hashlib
 import json
+import os
+import shutil
 import subprocess
 import sys
+import tracemalloc
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import torch
+from tokenizers import normalizers
 
+from asyncrl.checkpoint import resolve_checkpoint
 from asyncrl.cli import main
+from asyncrl.metrics import read_jsonl
 from test_train import SMALL
 
 
@@ -352,3 +362,293 @@ def test_a_good_custom_reward_loads(plugins):
 )
 def test_bad_custom_samplers_are_rejected_when_the_config_loads(capsys, plugins, sampler, message):
     assert error(capsys, "config", f"sampler.name={sampler}") == f"sampler.name: {message}"
+
+
+# --- files read back: checkpoints, the run directory
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A finished small run with checkpoints at steps 1 and 2 (latest)."""
+    from test_train import run
+
+    root = tmp_path_factory.mktemp("trained")
+    run(root, "run", "grpo.max_steps=2", "checkpoint.every_steps=1", "logging.eval_every_steps=null", "data.eval_size=2")
+    return root / "run"
+
+
+@pytest.fixture
+def run_dir(trained, tmp_path):
+    """A copy of the trained run to damage."""
+    copy = tmp_path / "run"
+    shutil.copytree(trained, copy)
+    return copy
+
+
+def resume_error(capsys, run_dir, *overrides) -> str:
+    return error(capsys, "train", "--resume", str(run_dir), *overrides)
+
+
+def eval_error(capsys, checkpoint, *overrides) -> str:
+    return error(capsys, "eval", "--checkpoint", str(checkpoint), *SMALL, "data.eval_size=2", *overrides)
+
+
+def intact_hint(run_dir, option="--resume") -> str:
+    older = run_dir / "checkpoints" / "step-000001"
+    return f"; the newest intact checkpoint is step-000001: continue from it with {option} {older}"
+
+
+@pytest.mark.slow
+def test_a_damaged_newest_checkpoint_names_the_file_and_the_intact_one_resumes(run_dir, capsys):
+    newest = run_dir / "checkpoints" / "step-000002"
+    state = newest / "state.pt"
+    saved = state.stat().st_size
+    state.write_bytes(b"")
+    damaged = f"checkpoint {newest}: state.pt is damaged (0 bytes; manifest.json says {saved} were saved)"
+    assert resume_error(capsys, run_dir) == f"--resume: {damaged}{intact_hint(run_dir)}"
+    assert eval_error(capsys, run_dir) == f"--checkpoint: {damaged}{intact_hint(run_dir, '--checkpoint')}"
+    assert main(["train", "--resume", str(run_dir / "checkpoints" / "step-000001")]) == 0  # on request
+    assert read_jsonl(run_dir / "metrics.jsonl")[-1]["step"] == 2
+    assert resolve_checkpoint(run_dir).name == "step-000002-1"  # step 2 again; the damaged one is gone
+    assert not newest.exists()
+
+
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        (lambda d: (d / "model.safetensors").write_bytes((d / "model.safetensors").read_bytes()[:-100]), "model.safetensors is damaged ("),
+        (lambda d: (d / "model.safetensors").unlink(), "model.safetensors is missing (manifest.json lists it)"),
+        (lambda d: (d / "tokenizer.json").write_text("{}"), "tokenizer.json is damaged (2 bytes; manifest.json says "),
+        (lambda d: (d / "config.json").write_bytes(bytes([(d / "config.json").read_bytes()[0] ^ 1]) + (d / "config.json").read_bytes()[1:]), "config.json is damaged (its SHA-256 differs from the one manifest.json holds)"),
+        (lambda d: (d / "manifest.json").write_text("not json"), "manifest.json is damaged (not a manifest of file sizes and checksums as asyncrl writes it)"),
+        (lambda d: (d / "manifest.json").unlink(), "manifest.json is missing, so the checkpoint's files cannot be checked"),
+    ],
+)
+def test_damaged_checkpoint_files_are_named(run_dir, capsys, damage, message):
+    newest = run_dir / "checkpoints" / "step-000002"
+    damage(newest)
+    assert resume_error(capsys, run_dir).startswith(f"--resume: checkpoint {newest}: {message}")
+    assert eval_error(capsys, newest).startswith(f"--checkpoint: checkpoint {newest}: {message}")
+
+
+def test_checkpoint_paths_that_hold_none_name_the_option(tmp_path, capsys):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert eval_error(capsys, empty) == f"--checkpoint: no checkpoint found in '{empty}' (expected state.pt or checkpoints/step-*)"
+    assert resume_error(capsys, empty) == f"--resume: no checkpoint found in '{empty}' (expected state.pt or checkpoints/step-*)"
+
+
+def test_a_checkpoint_of_another_model_shape_names_the_tensor(run_dir, capsys):
+    weights = run_dir / "checkpoints" / "step-000002" / "model.safetensors"
+    message = resume_error(capsys, run_dir, "model.hidden_size=64")
+    assert message.startswith(f"{weights}: does not fit the configured model: model.embed_tokens.weight is [")
+    assert message.endswith("set model.* as in the run that saved it")
+    assert eval_error(capsys, run_dir, "model.hidden_size=64").startswith(f"{weights}: does not fit the configured model")
+
+
+class RunsCode:
+    """Unpickling this would create ``marker``: torch.load(weights_only=True) must refuse it unrun."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.makedirs, (str(self.marker),)
+
+
+def plant_hostile_state(checkpoint, marker) -> None:
+    """A state.pt that runs code when unpickled, with a manifest that vouches for it."""
+    torch.save({"trainer": {}, "run": {"payload": RunsCode(marker)}}, checkpoint / "state.pt")
+    manifest = json.loads((checkpoint / "manifest.json").read_text())
+    data = (checkpoint / "state.pt").read_bytes()
+    manifest["files"]["state.pt"] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    (checkpoint / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
+
+
+def test_a_state_file_that_would_run_code_is_refused_unrun(run_dir, tmp_path, capsys):
+    newest = run_dir / "checkpoints" / "step-000002"
+    marker = tmp_path / "code-ran"
+    plant_hostile_state(newest, marker)
+    message = resume_error(capsys, run_dir)
+    assert message == (
+        f"{newest / 'state.pt'}: holds objects other than tensors and plain values; refused, and nothing in it was run"
+    )
+    assert "weights_only" not in message and not marker.exists()
+
+
+def test_an_output_dir_that_is_a_file_is_refused_before_anything_is_built(tmp_path, capsys):
+    file = tmp_path / "taken"
+    file.write_text("x")
+    for output_dir in (file, file / "run"):
+        assert error(capsys, "train", "--output-dir", str(output_dir), *SMALL) == (
+            f"logging.output_dir: '{file}' is a file, not a directory"
+        )
+
+
+def test_damaged_run_files_read_back_on_resume_are_named(run_dir, capsys):
+    metrics = run_dir / "metrics.jsonl"
+    metrics.write_text('{"step": 1}\n[1, 2]\n{"step": 2}\n')
+    assert resume_error(capsys, run_dir) == f"{metrics}: line 2 is not a record (a JSON object with an integer step)"
+    metrics.write_bytes(b'{"step": 1}\n\xff\n')
+    assert resume_error(capsys, run_dir) == f"{metrics}: byte 12 is not UTF-8; the file is damaged"
+
+
+# --- inputs that expand, values that cannot run, text the tokenizer cannot encode
+
+
+def alias_bomb(levels: int) -> str:
+    """A few hundred bytes of YAML whose aliases expand to 9**levels strings."""
+    lines = ["a0: &a0 [lol, lol, lol, lol, lol, lol, lol, lol, lol]"]
+    lines += [f"a{i}: &a{i} [{','.join([f'*a{i - 1}'] * 9)}]" for i in range(1, levels)]
+    return "\n".join(lines) + f"\nseed: *a{levels - 1}\n"
+
+
+@pytest.mark.parametrize("levels", [6, 9])
+def test_yaml_aliases_that_expand_are_refused_with_bounded_output_and_memory(tmp_path, capsys, levels):
+    path = tmp_path / "bomb.yaml"
+    path.write_text(alias_bomb(levels))
+    assert path.stat().st_size < 500
+    tracemalloc.start()
+    try:
+        message = error(capsys, "config", "--config", str(path))
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert message == f"--config: '{path}' is refused: its aliases expand it past 100000 values"
+    assert peak < 20 * 2**20
+    assert error(capsys, "config", "seed=[&a [1, 1, 1, 1], [*a, *a, *a, *a], [*a, *a]]").startswith("seed: ")
+    self_nested = tmp_path / "self.yaml"
+    self_nested.write_text("seed: &a [1, *a]\n")
+    assert error(capsys, "config", "--config", str(self_nested)).endswith("an alias refers to a value that contains it")
+
+
+def test_a_long_value_is_cut_short_in_the_message(capsys):
+    message = error(capsys, "config", f"seed={'x' * 5000}")
+    assert message == f"seed: Input should be a valid integer, unable to parse string as an integer (got '{'x' * 199}...)"
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("generation.temperature=1e-40", "generation.temperature: 1e-40 is so small that logits / temperature can overflow float32"),
+        ("generation.temperature=0", "generation.temperature: temperature 0 (greedy) makes the samples of a prompt identical, so every advantage is 0"),
+        ("generation.top_k=1", "generation.top_k: top_k 1 makes the samples of a prompt identical, so every advantage is 0"),
+        ("grpo.generations_per_prompt=1", "grpo.generations_per_prompt: 1 sample per prompt makes every advantage 0"),
+        ("rewards.weights=[0.0]", "rewards.weights: all 0, so every reward and every advantage is 0"),
+    ],
+)
+def test_values_that_cannot_train_are_rejected(tmp_path, capsys, override, message):
+    assert error(capsys, "config", override).startswith(message)
+    assert train_error(capsys, tmp_path, override).startswith(message)
+
+
+def test_text_the_tokenizer_cannot_encode_is_rejected_by_row_and_character(tmp_path, capsys):
+    path = write_jsonl(tmp_path / "train.jsonl", [*rows(2), {"prompt": "caf+1=", "answer": "café"}, *rows(2)])
+    assert jsonl_error(capsys, tmp_path, [*rows(2), {"prompt": "caf+1=", "answer": "café"}, *rows(2)])[0] == (
+        f"data.answer_field: row 3 of {path}: 'é' (U+00E9) at character 4 is not in the tokenizer's vocabulary; "
+        "remove it, or set tokenizer.path to a tokenizer that has it"
+    )
+    assert jsonl_error(capsys, tmp_path, [*rows(3), {"prompt": "hi \U0001f600 1+1=", "answer": "2"}, *rows(1)])[0] == (
+        f"data.prompt_field: row 4 of {path}: '\U0001f600' (U+1F600) at character 4 is not in the tokenizer's vocabulary; "
+        "remove it, or set tokenizer.path to a tokenizer that has it"
+    )
+
+
+def test_a_tokenizer_that_changes_the_text_is_named_by_row_and_character():
+    from asyncrl.config import DataConfig
+    from asyncrl.data import Prompt, Task, check_encodable
+    from asyncrl.models.tokenizer import build_char_tokenizer
+
+    lowering = build_char_tokenizer()
+    lowering.backend_tokenizer.normalizer = normalizers.Lowercase()
+    task = Task("t", train=[Prompt("train/1", "1+1=", "2"), Prompt("train/2", "Ab=", "1")], heldout=[Prompt("heldout/3", "x", "1")])
+    data = DataConfig(task="jsonl", path="rows.jsonl")
+    with pytest.raises(ValueError) as err:
+        check_encodable(task, data, lowering)
+    assert str(err.value) == (
+        "data.prompt_field: row 2 of rows.jsonl: the tokenizer does not reproduce the text: it changes 'A' (U+0041) "
+        "at character 1; the model would see other text than the row's"
+    )
+    check_encodable(task, data, build_char_tokenizer())
+
+
+# --- each class once more, through the installed `asyncrl` console script
+
+
+def hostile_resume(run_dir, tmp_path):
+    plant_hostile_state(run_dir / "checkpoints" / "step-000002", tmp_path / "code-ran")
+    return ["train", "--resume", str(run_dir)], "state.pt: holds objects other than tensors and plain values"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "case",
+    [
+        lambda run_dir, tmp_path: (
+            (run_dir / "checkpoints" / "step-000002" / "state.pt").write_bytes(b""),
+            (["eval", "--checkpoint", str(run_dir)], "state.pt is damaged (0 bytes;"),
+        )[1],
+        hostile_resume,
+        lambda run_dir, tmp_path: (["train", "--output-dir", str(run_dir / "config.yaml")], "logging.output_dir: "),
+        lambda run_dir, tmp_path: (
+            (tmp_path / "bomb.yaml").write_text(alias_bomb(9)),
+            (["config", "--config", str(tmp_path / "bomb.yaml")], "its aliases expand it past 100000 values"),
+        )[1],
+        lambda run_dir, tmp_path: (["config", "generation.temperature=1e-40"], "generation.temperature: 1e-40 is so small"),
+        lambda run_dir, tmp_path: (
+            ["train", "--output-dir", str(tmp_path / "out"), *SMALL, "data.task=jsonl", "data.eval_size=1",
+             f"data.path={write_jsonl(tmp_path / 'e.jsonl', [*rows(2), {'prompt': 'x', 'answer': 'é'}])}"],
+            "data.answer_field: row 3 of",
+        ),
+    ],
+    ids=["damaged-checkpoint", "hostile-checkpoint", "output-path", "yaml-aliases", "degenerate-value", "tokenizer-text"],
+)
+def test_each_class_through_the_installed_console_script(run_dir, tmp_path, case):
+    argv, expected = case(run_dir, tmp_path)
+    proc = subprocess.run([shutil.which("asyncrl"), *argv], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.startswith("error: ") and proc.stderr.count("\n") == 1 and len(proc.stderr) < 2100
+    assert expected in proc.stderr and "Traceback" not in proc.stderr + proc.stdout
+    assert not (tmp_path / "code-ran").exists()
+
+
+def test_a_damaged_tokenizer_directory_or_warm_start_cache_is_named(tmp_path, capsys):
+    from asyncrl.models.tokenizer import build_char_tokenizer
+
+    tokenizer_dir = tmp_path / "tokenizer"
+    build_char_tokenizer().save_pretrained(tokenizer_dir)
+    tokenizer_json = tokenizer_dir / "tokenizer.json"
+    tokenizer_json.write_bytes(tokenizer_json.read_bytes()[:100])
+    assert train_error(capsys, tmp_path, f"tokenizer.path={tokenizer_dir}").startswith(
+        f"{tokenizer_dir}: cannot be loaded as a tokenizer (JSONDecodeError: "
+    )
+    cache = tmp_path / "cache"
+    warm = [*SMALL, "warm_start.steps=1", "warm_start.batch_size=2", f"warm_start.cache_dir={cache}", "data.eval_size=1"]
+    assert main(["eval", *warm]) == 0
+    (cached,) = cache.iterdir()
+    cached.write_bytes(cached.read_bytes()[:50])
+    assert error(capsys, "eval", *warm) == (
+        f"warm_start.cache_dir: the cached weights {cached} cannot be loaded (SafetensorError); delete the file to warm-start again"
+    )
+
+
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        ("{not json", "cannot be read as JSON (JSONDecodeError: "),
+        ('{"eos_token_id": "end"}', "eos_token_id must be a token id or a list of token ids"),
+    ],
+)
+def test_a_damaged_generation_config_is_named(tmp_path, capsys, content, message):
+    from asyncrl.models.tiny import build_tiny_model
+    from asyncrl.models.tokenizer import build_char_tokenizer
+
+    model_dir = tmp_path / "model"
+    tokenizer = build_char_tokenizer()
+    build_tiny_model(len(tokenizer), seed=0).save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    (model_dir / "generation_config.json").write_text(content)
+    capsys.readouterr()
+    assert train_error(capsys, tmp_path, f"model.path={model_dir}").startswith(
+        f"{model_dir / 'generation_config.json'}: {message}"
+    )

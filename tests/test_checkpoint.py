@@ -4,7 +4,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from asyncrl.checkpoint import load_state, load_weights, resolve_checkpoint, save_checkpoint
+from asyncrl.checkpoint import CheckpointError, load_state, load_weights, resolve_checkpoint, save_checkpoint
 from asyncrl.models import build_char_tokenizer, build_tiny_model
 
 TOKENIZER = build_char_tokenizer()
@@ -59,5 +59,39 @@ def test_weights_load_with_transformers_and_back_into_a_model(tmp_path):
 
 
 def test_missing_checkpoint_is_a_one_line_error(tmp_path):
-    with pytest.raises(FileNotFoundError, match="--resume: no checkpoint found"):
+    with pytest.raises(CheckpointError, match="--resume: no checkpoint found"):
         resolve_checkpoint(tmp_path)
+
+
+def test_resaving_a_step_leaves_a_whole_checkpoint_at_every_instant(tmp_path, monkeypatch):
+    """A crash at each rename or removal of a re-save still resumes from a whole checkpoint."""
+    import shutil
+
+    import asyncrl.checkpoint as checkpoint
+
+    model = tiny(0)
+    save(tmp_path / "clean", 1, model)
+    real = {"replace": checkpoint.os.replace, "rmtree": checkpoint.shutil.rmtree}
+    for crash_at in range(1, 4):
+        run_dir = tmp_path / f"crash-{crash_at}"
+        shutil.copytree(tmp_path / "clean", run_dir)
+        calls = []
+
+        def crashing(name):
+            def call(*args, **kwargs):
+                calls.append(name)
+                if len(calls) == crash_at:
+                    raise OSError("killed")
+                return real[name](*args, **kwargs)
+            return call
+
+        monkeypatch.setattr(checkpoint.os, "replace", crashing("replace"))
+        monkeypatch.setattr(checkpoint.shutil, "rmtree", crashing("rmtree"))
+        with pytest.raises(OSError, match="killed"):
+            save_checkpoint(run_dir, 1, write_model=model.save_pretrained, tokenizer=TOKENIZER, state={"step": 1, "again": True}, keep_last=2)
+        monkeypatch.undo()
+        assert load_state(resolve_checkpoint(run_dir))["step"] == 1
+    assert calls == ["replace", "replace", "rmtree"]  # into place, latest, the superseded one
+    save_checkpoint(run_dir, 1, write_model=model.save_pretrained, tokenizer=TOKENIZER, state={"step": 1, "again": True}, keep_last=2)
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["latest", "step-000001-2"]  # both older ones gone
+    assert load_state(resolve_checkpoint(run_dir))["again"]

@@ -15,7 +15,7 @@ import torch
 
 from asyncrl.checkpoint import load_state, resolve_checkpoint
 from asyncrl.cli import main
-from asyncrl.controller import NonFiniteStepsError, StallError, TrainStepError
+from asyncrl.controller import EvaluationFailedError, NonFiniteStepsError, StallError, TrainStepError
 from asyncrl.metrics import read_jsonl, strip_timing
 from asyncrl.weights import SyncTimeoutError
 from test_train import SMALL, run
@@ -117,11 +117,20 @@ def test_a_prompt_that_always_fails_stops_the_run_with_a_resumable_checkpoint(tm
     assert len(read_jsonl(tmp_path / "stop" / "metrics.jsonl")) == 4
 
 
-def test_a_weight_sync_past_its_timeout_is_a_clear_error(tmp_path, capsys):
-    with pytest.raises(SyncTimeoutError, match=r"sync.timeout_s=0.3s while loading weights version 1"):
+def test_a_weight_sync_past_its_timeout_checkpoints_the_step_it_follows(tmp_path, capsys):
+    with pytest.raises(SyncTimeoutError, match=r"sync.timeout_s=0.3s while loading weights version 1") as err:
         run(tmp_path, "slow", "faults.slow_sync_s=1", "sync.timeout_s=0.3")
+    assert err.value.checkpoint == tmp_path / "slow" / "checkpoints" / "step-000001"
+    state = load_state(err.value.checkpoint)
+    assert state["run"]["version"] == state["trainer"]["version"] == 1
     code, err = cli(capsys, tmp_path, "slow-cli", "faults.slow_sync_s=1", "sync.timeout_s=0.3")
-    assert code == 1 and "\n" not in err and err.endswith("the last periodic checkpoint is intact")
+    assert code == 1 and "\n" not in err and "checkpoint saved to" in err
+
+
+def test_generation_longer_than_the_sync_timeout_does_not_fail_the_sync(tmp_path):
+    # max_lag 1: step 1's batches (calls 2 and 3) run while step 0's sync waits; call 2 takes 1.5 s
+    summary, metrics, _ = run(tmp_path, "long", "faults.hang_generate_calls=[2]", "faults.hang_s=1.5", "sync.timeout_s=0.5")
+    assert summary["steps"] == 4 and metrics[0]["time/sync_pause_s"] > 0.5
 
 
 def test_the_watchdog_stops_a_stalled_run_naming_what_each_loop_waits_on(tmp_path):
@@ -197,3 +206,22 @@ def test_injected_nan_gradients_reach_every_parameter():
     worker.begin_step(3)
     assert worker.finish_step().isnan().all()
     assert inject_trainer_faults(worker.worker, FaultsConfig()) is worker.worker
+
+
+def test_a_failed_evaluation_is_retried_and_one_that_keeps_failing_stops_with_a_checkpoint_that_resumes_exactly(tmp_path):
+    _, clean, clean_groups = run(tmp_path, "clean", "sampler.max_lag=0")
+    clean_evals = read_jsonl(tmp_path / "clean" / "eval.jsonl")
+    _, retried, _ = run(tmp_path, "retried", "sampler.max_lag=0", "faults.eval_errors=[1]")
+    assert without(retried) == without(clean)
+    assert [strip_timing(e) for e in read_jsonl(tmp_path / "retried" / "eval.jsonl")] == [strip_timing(e) for e in clean_evals]
+    # evaluation call 1 is step 2's: it fails on every attempt (runtime.max_rollout_retries=2)
+    with pytest.raises(EvaluationFailedError, match=r"evaluation at step 2 failed 3 times") as err:
+        run(tmp_path, "part", "sampler.max_lag=0", "faults.eval_errors=[1, 2, 3]")
+    assert err.value.checkpoint == tmp_path / "part" / "checkpoints" / "step-000002"
+    assert load_state(err.value.checkpoint)["run"]["eval_due"]
+    assert [e["step"] for e in read_jsonl(tmp_path / "part" / "eval.jsonl")] == [0]
+    summary, resumed, resumed_groups = run(tmp_path, "part", "sampler.max_lag=0", resume=tmp_path / "part")
+    assert summary["steps"] == 4
+    assert without(resumed) == without(clean)
+    assert resumed_groups == clean_groups
+    assert [strip_timing(e) for e in read_jsonl(tmp_path / "part" / "eval.jsonl")] == [strip_timing(e) for e in clean_evals]

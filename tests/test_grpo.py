@@ -210,6 +210,20 @@ def test_k3_clamps():
     assert_close(kl_k3(zeros, f64([3.0, 2.0, 25.0])), [10.0, math.e**2 - 3, 10.0])
 
 
+def test_mismatch_kl_estimates_kl_of_generator_from_trainer():
+    """Tokens sampled from a known generator distribution: the mean of mismatch_kl is the exact
+    KL(gen || train); the other orientation of the log-ratio (the planted twin) is far from it."""
+    gen = torch.softmax(f64([1.5, 0.5, 0.0, -0.5, -1.0, -2.0]), dim=0)
+    train = torch.softmax(f64([0.5, 1.0, 0.0, 0.0, -1.5, -1.0]), dim=0)
+    exact = float((gen * (gen.log() - train.log())).sum())
+    tokens = torch.multinomial(gen, 200_000, replacement=True, generator=torch.Generator().manual_seed(0))
+    lp_gen, lp_train = gen.log()[tokens][None], train.log()[tokens][None]
+    _, metrics = token_loss(lp_train, lp_train, lp_gen, f64([[1.0]]), cfg=LossTerms())
+    assert float(metrics["mismatch_kl"].mean()) == pytest.approx(exact, rel=0.03)
+    twin = float(kl_k3(lp_train, lp_gen).mean())
+    assert twin != pytest.approx(exact, rel=0.03)
+
+
 # ---- token_loss ------------------------------------------------------------------------------
 
 
@@ -218,7 +232,7 @@ def test_token_loss_composition_and_metrics():
     # w_is = exp(lp_old - lp_gen) = 1.5 (below the tis cap 2)
     # d = lp_ref - lp = 1 -> k3 = e - 2;  entropy 2
     # l = 1.5 * -1.8 + 0.1 * (e - 2) - 0.01 * 2
-    # mismatch_kl = exp(lp_gen - lp_old) - 1 - (lp_gen - lp_old) = 2/3 - 1 + log 1.5
+    # mismatch_kl = exp(lp_old - lp_gen) - 1 - (lp_old - lp_gen) = 1.5 - 1 - log 1.5
     logprobs = f64([[math.log(0.9)]]).requires_grad_()
     old = f64([[0.0]])
     behaviour = f64([[-math.log(1.5)]])
@@ -232,7 +246,7 @@ def test_token_loss_composition_and_metrics():
     assert_close(metrics["ratio"], [[0.9]])
     assert_close(metrics["kl"], [[math.e - 2]])
     assert_close(metrics["entropy"], [[2.0]])
-    assert_close(metrics["mismatch_kl"], [[2 / 3 - 1 + math.log(1.5)]])
+    assert_close(metrics["mismatch_kl"], [[0.5 - math.log(1.5)]])
     assert all(m.grad_fn is None for m in metrics.values())
     # d l / d lp = w_is * (-A r) + kl_coef * (1 - e^d) = 1.5 * -1.8 + 0.1 * (1 - e)
     loss.sum().backward()

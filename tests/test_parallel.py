@@ -137,7 +137,7 @@ def test_real_trainer_on_dp2_and_cp2_ranks_matches_the_single_process_trainer_fo
     expected_ref = single.compute_logprobs(batches[0], reference=True)
     _, expected_weights = single.export_weights()
     for name in LAYOUTS:
-        for rank_out in payloads:
+        for rank, rank_out in enumerate(payloads):
             got = rank_out[name]
             for result, want in zip(got["results"], expected):
                 assert (result.version, result.num_tokens, result.num_sequences) == (want.version, want.num_tokens, want.num_sequences)
@@ -148,9 +148,9 @@ def test_real_trainer_on_dp2_and_cp2_ranks_matches_the_single_process_trainer_fo
                     assert abs(result.metrics[key] - value) <= FLOAT64 * max(abs(value), 1e-12), (name, key)
             assert relative(got["logprobs"], expected_lp) <= FLOAT64 and relative(got["ref_logprobs"], expected_ref) <= FLOAT64
             version, weights = got["weights"]
-            assert version == STEPS and weights.keys() == expected_weights.keys()
-            for key, value in expected_weights.items():
-                assert relative(weights[key], value) <= FLOAT64, (name, key)
+            assert version == STEPS and weights.keys() == (expected_weights.keys() if rank == 0 else set())
+            for key, value in weights.items():
+                assert relative(value, expected_weights[key]) <= FLOAT64, (name, key)
 
     # the collectives' backward: all-reduce then slice, and a per-sequence sum whose gradient is summed too
     gen = torch.Generator().manual_seed(7)

@@ -103,18 +103,56 @@ def test_sync_loads_every_generator_and_reports(mode):
     assert sorted(entry[:2] for entry in log) == [("load", 1), ("load", 1)]
 
 
-def test_sync_that_cannot_drain_fails_with_a_clear_error():
+@pytest.mark.parametrize("mode", ["drain", "inflight"])
+def test_generation_longer_than_the_timeout_does_not_fail_the_sync(mode):
     async def main():
         runtime = LocalRuntime()
         trainer = runtime.spawn(lambda: Recorder([]), "trainer")
+        generator = runtime.spawn(lambda: Recorder([]), "gen")
         gate = RolloutGate(0, Changes(), wait_for_admissions=False)
-        gate.add_in_flight(1)  # a rollout that never finishes
-        sync = WeightSync(trainer, [], gate, mode="drain", timeout_s=0.1)
-        with pytest.raises(SyncTimeoutError, match=r"sync.timeout_s=0.1s while draining in-flight rollouts"):
+        gate.add_in_flight(1)
+        gate.add_running(1)  # a batch that takes 3 timeouts to finish
+        sync = asyncio.create_task(WeightSync(trainer, [generator], gate, mode=mode, timeout_s=0.1).sync())
+        await asyncio.sleep(0.3)
+        assert not sync.done() and gate.loading == (mode == "inflight")
+        gate.add_running(-1)
+        gate.add_in_flight(-1)
+        report = await asyncio.wait_for(sync, 5)
+        runtime.shutdown()
+        return report
+
+    report = asyncio.run(main())
+    assert report.version == 1 and report.transfer_s < 0.1 and report.pause_s >= 0.3
+
+
+class SlowLoad(Recorder):
+    def load_weights(self, weights: dict, version: int) -> None:
+        time.sleep(0.5)
+
+
+class SlowExport(Recorder):
+    def export_weights(self):
+        time.sleep(0.5)
+        return super().export_weights()
+
+
+@pytest.mark.parametrize(
+    "trainer_cls, generator_cls, phase, healthy",
+    [(Recorder, SlowLoad, "loading weights version 1", True), (SlowExport, Recorder, "exporting trainer weights", False)],
+)
+def test_a_slow_export_or_load_fails_the_sync_naming_its_phase(trainer_cls, generator_cls, phase, healthy):
+    async def main():
+        runtime = LocalRuntime()
+        trainer = runtime.spawn(lambda: trainer_cls([]), "trainer")
+        generator = runtime.spawn(lambda: generator_cls([]), "gen")
+        gate = RolloutGate(0, Changes(), wait_for_admissions=False)
+        sync = WeightSync(trainer, [generator], gate, mode="inflight", timeout_s=0.1)
+        with pytest.raises(SyncTimeoutError, match=rf"sync.timeout_s=0.1s while {phase}") as err:
             await sync.sync()
         runtime.shutdown()
+        return err.value
 
-    asyncio.run(main())
+    assert asyncio.run(main()).trainer_healthy == healthy
 
 
 def test_sync_mode_is_validated():

@@ -322,9 +322,9 @@ def test_step_loss_and_gradient_equal_the_design_formula(mode):
 
 def test_bfloat16_policy_trains_with_float32_loss_arithmetic():
     model = build_tiny_model(VOCAB, seed=0, dtype=torch.bfloat16, hidden_size=32, num_layers=1, num_heads=4, num_kv_heads=2, intermediate_size=64)
+    before = [p.detach().float() for p in model.parameters()]
     trainer = PolicyTrainer(model, TrainerConfig(dtype="bfloat16"), LossConfig(), importance_sampling="tis", total_steps=1)
-    assert trainer.compute_dtype == torch.float32
-    before = [p.detach().clone() for p in model.parameters()]
+    assert trainer.compute_dtype == torch.float32  # the masters are float32 (tests/test_precision.py)
     result = trainer.train_step(batch_for(make_trainer(), 0))
     assert result.version == 1 and torch.isfinite(torch.tensor(result.loss)) and result.grad_norm > 0
-    assert any(not torch.equal(a, p) for a, p in zip(before, model.parameters()))
+    assert any(not torch.equal(a, p) for a, p in zip(before, trainer.model.parameters()))

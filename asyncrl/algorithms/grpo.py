@@ -153,6 +153,16 @@ def kl_k3(logprobs: Tensor, ref_logprobs: Tensor, *, log_ratio_clamp: float = 20
     return (torch.exp(log_ratio) - 1 - log_ratio).clamp(max=kl_clamp)
 
 
+def mismatch_kl(behaviour_logprobs: Tensor, trainer_logprobs: Tensor, **clamps: float) -> Tensor:
+    """k3 estimate of KL(generator || trainer) per token, with no gradient.
+
+    The tokens were sampled by the generator, so the generator plays the policy of ``kl_k3`` and
+    the trainer the reference: d = lp_train - lp_gen. (The other orientation estimates
+    E_gen[p_gen / p_train] - 1 + KL(gen || train), which over-states the divergence.)
+    """
+    return kl_k3(behaviour_logprobs, trainer_logprobs, **clamps).detach()
+
+
 @dataclass(frozen=True)
 class LossTerms:
     """Coefficients and bounds of the per-token loss (see ``token_loss``)."""
@@ -183,8 +193,8 @@ def token_loss(
     """The GRPO loss per token, l = w_is * surrogate + kl_coef * k3 - entropy_coef * entropy.
 
     ``advantages`` is [B, T] or [B, 1]. Returns (l [B, T], metrics): per-token, detached tensors
-    "clip", "is_weight", "ratio", "mismatch_kl" (k3 of the behaviour policy against lp_old, how far
-    the generator is from the trainer), "kl" when ``ref_logprobs`` is given and "entropy" when
+    "clip", "is_weight", "ratio", "mismatch_kl" (``mismatch_kl``: how far the generator is from the
+    trainer), "kl" when ``ref_logprobs`` is given and "entropy" when
     ``entropy`` is given. They are unmasked: reduce them as masked (sum, count), never as means.
     """
     if cfg.kl_coef != 0 and ref_logprobs is None:
@@ -203,7 +213,7 @@ def token_loss(
         "clip": clipped,
         "is_weight": is_weight,
         "ratio": torch.exp(logprobs - old_logprobs).detach(),
-        "mismatch_kl": kl_k3(old_logprobs, behaviour_logprobs, **clamps).detach(),
+        "mismatch_kl": mismatch_kl(behaviour_logprobs, old_logprobs, **clamps),
     }
     if ref_logprobs is not None:
         kl = kl_k3(logprobs, ref_logprobs, **clamps)

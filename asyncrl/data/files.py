@@ -7,7 +7,8 @@ loads too. A parquet file is read with pyarrow. Nothing is downloaded, imported 
 Every row is checked before training starts, and a bad one is reported by field, row number
 (1-based, counting records: blank lines of a jsonl file do not count) and file. A row's uid is
 ``split/row``. Once the model is built, ``check_prompt_lengths`` rejects, by row, a prompt that
-leaves no room for ``generation.max_new_tokens`` in the model's context.
+leaves no room for ``generation.max_new_tokens`` in the model's context, and ``check_encodable``
+rejects, by row and character, text the tokenizer cannot reproduce.
 
 The held-out split comes from ``data.eval_path`` when it is set; otherwise the last
 ``data.eval_size`` rows of ``data.path`` are held out and the rows before them are trained on.
@@ -195,10 +196,36 @@ def check_prompt_lengths(task: Task, config: RunConfig, tokenizer, max_positions
                     )
 
 
-def _where(prompt: Prompt, data: DataConfig) -> str:
+def check_encodable(task: Task, data: DataConfig, tokenizer) -> None:
+    """Reject, by row and character, a prompt or answer the tokenizer does not reproduce exactly:
+    an unknown character would reach the model as ``<unk>`` (and an answer holding one could never
+    be generated), and a normalizing tokenizer would train on text other than the row's."""
+    for split in (task.train, task.heldout):
+        for start in range(0, len(split), TOKENIZE_BATCH):
+            chunk = split[start : start + TOKENIZE_BATCH]
+            texts = [text for p in chunk for text in (p.text, p.answer)]  # a row's prompt, then its answer
+            ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
+            decoded = tokenizer.batch_decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+            for i, (text, back) in enumerate(zip(texts, decoded)):
+                if back != text:
+                    field = "answer_field" if i % 2 else "prompt_field"
+                    where = _where(chunk[i // 2], data, field)
+                    raise ValueError(f"{where}: {_round_trip_error(text, back, ids[i], tokenizer)}")
+
+
+def _round_trip_error(text: str, back: str, ids: list[int], tokenizer) -> str:
+    at = next((i for i, (a, b) in enumerate(zip(text, back)) if a != b), min(len(text), len(back)))
+    char = text[at] if at < len(text) else ""
+    shown = f"{char!r} (U+{ord(char):04X}) at character {at + 1}" if char else f"the end (character {at + 1})"
+    if tokenizer.unk_token_id is not None and tokenizer.unk_token_id in ids:
+        return f"{shown} is not in the tokenizer's vocabulary; remove it, or set tokenizer.path to a tokenizer that has it"
+    return f"the tokenizer does not reproduce the text: it changes {shown}; the model would see other text than the row's"
+
+
+def _where(prompt: Prompt, data: DataConfig, field: str = "prompt_field") -> str:
     """The config field and row a prompt came from: its uid is ``split/row`` for a file."""
     if data.path is None:
         return f"data.task: prompt '{prompt.uid}' of {data.task}"
     split, _, row = prompt.uid.partition("/")
     path = data.eval_path if split == "heldout" and data.eval_path is not None else data.path
-    return f"data.prompt_field: row {row} of {path}"
+    return f"data.{field}: row {row} of {path}"

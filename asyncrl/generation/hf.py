@@ -15,9 +15,9 @@ gets the same tokens alone or among any neighbours, and the same chunk run twice
 Logprob semantics: the returned logprob is that of the distribution actually sampled from, after
 temperature, top-k and top-p, so a sampled token always has a finite logprob. With temperature 0
 (greedy) it is the logprob of the argmax under the unmodified distribution. The trainer scores
-with the unmodified distribution, so with temperature != 1, top-p or top-k the behaviour and
-trainer logprobs differ by design, and importance sampling corrects for it. At temperature 1
-with neither filter they agree with ``token_logprobs`` to floating-point tolerance.
+softmax(logits / temperature) too (``token_logprobs(..., temperature=)``), so with neither filter
+they agree to floating-point tolerance; top-p or top-k make them differ by design, and
+importance sampling corrects for it.
 """
 
 from __future__ import annotations

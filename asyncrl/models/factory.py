@@ -13,6 +13,12 @@ from asyncrl.models.tokenizer import build_char_tokenizer
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 
 
+def master_dtype(name: str) -> torch.dtype:
+    """The dtype parameters are stored and trained in: float64 for float64, float32 otherwise
+    (bfloat16 is a compute dtype only, see ``trainer.dtype``)."""
+    return torch.float64 if name == "float64" else torch.float32
+
+
 def resolve_device(name: str) -> torch.device:
     """``auto`` is CUDA when a GPU is visible, else CPU; asking for CUDA without one is an error."""
     if name == "auto":
@@ -29,8 +35,9 @@ def build_tokenizer(config: RunConfig) -> PreTrainedTokenizerBase:
 
 
 def build_model(config: RunConfig, tokenizer: PreTrainedTokenizerBase) -> PreTrainedModel:
-    """The policy in ``trainer.dtype`` on ``trainer.device``, checked against the tokenizer."""
-    dtype = DTYPES[config.trainer.dtype]
+    """The policy with ``master_dtype`` parameters on ``trainer.device``, checked against the
+    tokenizer; a generator casts its copy to ``trainer.dtype`` (``build_generator``)."""
+    dtype = master_dtype(config.trainer.dtype)
     if config.model.path is not None:
         model = load_model(config.model.path, dtype=dtype)
         if len(tokenizer) > model.get_input_embeddings().num_embeddings:

@@ -22,6 +22,13 @@ def _local_dir(path: str | Path, required_file: str | None = None) -> Path:
     return directory
 
 
+def _first_line(err: Exception, limit: int = 200) -> str:
+    """``Type: first line of the message``, cut at ``limit`` characters: one line whatever the library says."""
+    lines = str(err).strip().splitlines()
+    text = f"{type(err).__name__}: {lines[0]}" if lines else type(err).__name__
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
 def load_model(
     path: str | Path, *, dtype: torch.dtype | None = None, attn_implementation: str | None = None
 ) -> PreTrainedModel:
@@ -32,13 +39,16 @@ def load_model(
     choose (sdpa where available).
     """
     directory = _local_dir(path, "config.json")
-    return AutoModelForCausalLM.from_pretrained(
-        directory,
-        dtype="auto" if dtype is None else dtype,
-        attn_implementation=attn_implementation,
-        local_files_only=True,
-        use_safetensors=True,
-    )
+    try:
+        return AutoModelForCausalLM.from_pretrained(
+            directory,
+            dtype="auto" if dtype is None else dtype,
+            attn_implementation=attn_implementation,
+            local_files_only=True,
+            use_safetensors=True,
+        )
+    except Exception as err:  # transformers reports a damaged file with many error types
+        raise ValueError(f"{directory}: cannot be loaded as a model ({_first_line(err)})") from None
 
 
 def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
@@ -47,7 +57,11 @@ def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
     Many causal LM tokenizers ship without a pad token; then EOS doubles as pad. That is safe as
     long as padding is found through the attention mask, never by comparing token ids with pad.
     """
-    tokenizer = AutoTokenizer.from_pretrained(_local_dir(path), local_files_only=True)
+    directory = _local_dir(path)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True)
+    except Exception as err:
+        raise ValueError(f"{directory}: cannot be loaded as a tokenizer ({_first_line(err)})") from None
     if tokenizer.pad_token is None:
         if tokenizer.eos_token is None:
             raise ValueError(f"{path}: the tokenizer has neither a pad nor an eos token")
@@ -63,6 +77,22 @@ def stop_token_ids(tokenizer: PreTrainedTokenizerBase, model_path: str | Path | 
     ids = [] if tokenizer.eos_token_id is None else [tokenizer.eos_token_id]
     config_file = None if model_path is None else Path(model_path).expanduser() / "generation_config.json"
     if config_file is not None and config_file.is_file():
-        declared = json.loads(config_file.read_text()).get("eos_token_id")
+        declared = _declared_end_ids(config_file)
         ids += [declared] if isinstance(declared, int) else list(declared or [])
     return list(dict.fromkeys(ids))
+
+
+def _declared_end_ids(config_file: Path) -> int | list[int] | None:
+    """``eos_token_id`` of a generation_config.json, checked: a damaged file is named, not traced."""
+    try:
+        config = json.loads(config_file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ValueError(f"{config_file}: cannot be read as JSON ({_first_line(err)})") from None
+    declared = config.get("eos_token_id") if isinstance(config, dict) else None
+    if not isinstance(config, dict) or not (
+        declared is None
+        or (isinstance(declared, int) and not isinstance(declared, bool))
+        or (isinstance(declared, list) and all(isinstance(i, int) and not isinstance(i, bool) for i in declared))
+    ):
+        raise ValueError(f"{config_file}: eos_token_id must be a token id or a list of token ids")
+    return declared

@@ -39,7 +39,7 @@ from torch import Tensor, nn
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from asyncrl.models.logprobs import position_ids_from_mask
+from asyncrl.models.logprobs import logits_logprobs, position_ids_from_mask
 from asyncrl.trainer.policy import TokenLossInputs
 from asyncrl.types import TrainBatch
 
@@ -234,8 +234,11 @@ class ContextParallel:
     def shard(self, batch: TrainBatch) -> Shard:
         return Shard(self, batch)
 
-    def logprobs(self, model: nn.Module, shard: Shard, *, with_entropy: bool) -> tuple[Tensor, Tensor | None]:
-        """Log-probability (and entropy) of each local label, from local logits only."""
+    def logprobs(
+        self, model: nn.Module, shard: Shard, *, with_entropy: bool, entropy_grad: bool = True, temperature: float = 1.0
+    ) -> tuple[Tensor, Tensor | None]:
+        """Log-probability (and entropy) of each local label, from local logits only
+        (``models.logits_logprobs``: softmax(logits / temperature))."""
         logits = model(
             input_ids=shard.input_ids,
             attention_mask=shard.attention_mask,
@@ -244,13 +247,9 @@ class ContextParallel:
             context_parallel_group=self._collective_group,
             context_parallel_columns=(shard.columns, shard.key_columns),
         ).logits
-        logits = logits.to(torch.float64 if logits.dtype == torch.float64 else torch.float32)
-        log_normalizer = torch.logsumexp(logits, dim=-1)
-        logprobs = logits.gather(-1, shard.labels[..., None]).squeeze(-1) - log_normalizer
-        if not with_entropy:
-            return logprobs, None
-        entropy = log_normalizer - (torch.softmax(logits, dim=-1) * logits).sum(-1)
-        return logprobs, entropy
+        return logits_logprobs(
+            logits, shard.labels, with_entropy=with_entropy, entropy_grad=entropy_grad, temperature=temperature
+        )
 
     def counts(self, batch: TrainBatch, response_mask: Tensor) -> tuple[Tensor, Tensor]:
         """(tokens in this shard, sequences of the unsharded rows on CP rank 0 only): both are
@@ -259,11 +258,20 @@ class ContextParallel:
         return response_mask.sum(), sequences if self.rank == 0 else torch.zeros_like(sequences)
 
     def loss_inputs(
-        self, model: nn.Module, batch: TrainBatch, weights: Tensor, *, with_entropy: bool
+        self,
+        model: nn.Module,
+        batch: TrainBatch,
+        weights: Tensor,
+        *,
+        with_entropy: bool,
+        entropy_grad: bool = True,
+        temperature: float = 1.0,
     ) -> TokenLossInputs:
         """Everything the trainer's loss needs for this rank's shard of ``batch``."""
         shard = self.shard(batch)
-        logprobs, entropy = self.logprobs(model, shard, with_entropy=with_entropy)
+        logprobs, entropy = self.logprobs(
+            model, shard, with_entropy=with_entropy, entropy_grad=entropy_grad, temperature=temperature
+        )
 
         def loss_side(x: Tensor | None) -> Tensor | None:  # rotated one slot right: "Slot order" above
             return None if x is None else shard.loss_side(x).roll(1, dims=-1)
@@ -284,11 +292,11 @@ class ContextParallel:
         )
 
     @torch.no_grad()
-    def full_logprobs(self, model: nn.Module, batch: TrainBatch) -> Tensor:
+    def full_logprobs(self, model: nn.Module, batch: TrainBatch, *, temperature: float = 1.0) -> Tensor:
         """Logprobs of the whole rows of ``batch``, aligned with ``input_ids`` (0 at column 0), on
         every rank of the group: each scores its shard, then the shards are gathered and unpermuted."""
         shard = self.shard(batch)
-        local, _ = self.logprobs(model, shard, with_entropy=False)
+        local, _ = self.logprobs(model, shard, with_entropy=False, temperature=temperature)
         gathered = gather_sequence(local, self._collective_group, dim=1)
         by_label = torch.empty_like(gathered)
         by_label[:, shard.key_columns] = gathered

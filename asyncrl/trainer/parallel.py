@@ -39,6 +39,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from asyncrl.config import ParallelConfig
 from asyncrl.trainer.context_parallel import ContextParallel, enable_context_parallel_attention
+from asyncrl.trainer.recompute import transformer_blocks
 
 
 def resolve_backend(cfg: ParallelConfig, device: torch.device | str) -> str:
@@ -56,6 +57,7 @@ class ParallelContext:
     ranks_mesh: DeviceMesh  # the same ranks flattened: the group that sums gradients and step counters
     wrap: str  # "fsdp" | "ddp"
     context: ContextParallel | None  # None when cp is 1
+    casts_parameters: bool = False  # set by parallelize: FSDP2 runs the forward in a lower precision
 
     @property
     def dp(self) -> int:
@@ -78,17 +80,27 @@ class ParallelContext:
         return self.dp * self.cp
 
     @property
+    def rank(self) -> int:
+        """This rank's place among all dp·cp ranks; rank 0 keeps what is gathered to one rank."""
+        return dist.get_rank(self.ranks_mesh.get_group())
+
+    @property
     def gradient_compensation(self) -> float:
         """The factor that turns the wrapper's gradient average over W ranks back into a sum."""
         return float(self.world_size)
 
-    def parallelize(self, model: nn.Module, reference_model: nn.Module | None = None) -> nn.Module:
-        """Give both models context-parallel attention (cp > 1) and wrap the policy over all ranks.
+    def parallelize(
+        self, model: nn.Module, reference_model: nn.Module | None = None, *, mixed_precision: torch.dtype | None = None
+    ) -> nn.Module:
+        """Give both models context-parallel attention (cp > 1) and wrap them over all ranks.
 
-        FSDP2 shards each transformer block (the model's ``_no_split_modules``) and then the rest;
-        DDP (composable ``replicate``) keeps a full copy on every rank. Both change the module in
-        place, so names and state-dict keys stay those of the plain model. The frozen reference
-        model is not wrapped: every rank keeps a whole copy.
+        FSDP2 shards each transformer block (``transformer_blocks``) and then the rest, of the
+        policy and of the frozen reference alike. With ``mixed_precision`` its MixedPrecisionPolicy
+        gathers the float32 shards in that dtype for the forward and backward and reduces gradients
+        in float32, so parameters and optimizer state stay float32 masters. DDP (composable
+        ``replicate``) keeps a full copy of the policy on every rank, and of the reference, which
+        has nothing for DDP to reduce. Both change the module in place, so names and state-dict
+        keys stay those of the plain model.
         """
         if self.context is not None:
             for m in (model, reference_model):
@@ -100,13 +112,16 @@ class ParallelContext:
             from torch.distributed._composable.replicate import replicate
 
             return replicate(model, device_mesh=self.ranks_mesh)
-        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-        blocks = set(getattr(model, "_no_split_modules", None) or ())
-        for module in list(model.modules()):
-            if type(module).__name__ in blocks:
-                fully_shard(module, mesh=self.ranks_mesh)
-        return fully_shard(model, mesh=self.ranks_mesh)
+        precision = MixedPrecisionPolicy(param_dtype=mixed_precision, reduce_dtype=torch.float32 if mixed_precision else None)
+        for m in (reference_model, model):
+            if m is not None:
+                for block in transformer_blocks(m):
+                    fully_shard(block, mesh=self.ranks_mesh, mp_policy=precision)
+                fully_shard(m, mesh=self.ranks_mesh, mp_policy=precision)
+        self.casts_parameters = mixed_precision is not None
+        return model
 
     def reduce_step(self, sums: Tensor, is_weight_min: Tensor, is_weight_max: Tensor) -> tuple[Tensor, tuple[Tensor, Tensor]]:
         """Step counters summed, IS-weight range reduced, over all ranks (two collectives)."""

@@ -16,6 +16,7 @@ the RNG, all of which ``abort_train_step`` resets, so a failed step can simply b
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 from dataclasses import dataclass, field
@@ -28,10 +29,14 @@ from asyncrl.algorithms import grpo
 from asyncrl.config import LossConfig, RunConfig, TrainerConfig
 from asyncrl.models import token_logprobs
 from asyncrl.trainer.optim import build_optimizer, build_scheduler
+from asyncrl.trainer.recompute import checkpoint_activations
 from asyncrl.types import TrainBatch
 
 if TYPE_CHECKING:
     from asyncrl.trainer.parallel import ParallelContext
+
+# trainer.dtype values that are a compute dtype only: parameters and optimizer state stay float32.
+_LOW_PRECISION = {"bfloat16": torch.bfloat16}
 
 # Per-token metrics reduced as (masked sum, token count); "is_weight" also keeps min and max.
 _SUMMED_METRICS = ("clip", "is_weight", "ratio", "kl", "entropy", "mismatch_kl")
@@ -103,18 +108,38 @@ class PolicyTrainer:
         total_steps: int,
         reference_model: nn.Module | None = None,
         parallel: ParallelContext | None = None,
+        temperature: float = 1.0,
     ) -> None:
         """``parallel``: this rank's place among the trainer ranks; the policy is wrapped (FSDP2 or
-        DDP) and both models get context-parallel attention. Every rank then makes the same calls."""
+        DDP) and both models get context-parallel attention. Every rank then makes the same calls.
+
+        ``temperature``: the generator's sampling temperature; every score is of softmax(logits / T).
+        With ``trainer.dtype`` bfloat16 the parameters and AdamW state are float32 masters (a
+        lower-precision model is upcast) and only the forward and backward run in bfloat16: FSDP2
+        casts the gathered parameters (MixedPrecisionPolicy), otherwise autocast does. Both models
+        stay in eval mode: the loss forward scores with dropout off, like the proximal logprobs,
+        so an on-policy ratio is exactly 1."""
         if loss_cfg.kl_coef > 0 and reference_model is None:
             raise ValueError("loss.kl_coef: a KL penalty needs a reference model")
+        if temperature <= 0:
+            raise ValueError(f"temperature: must be > 0, got {temperature}")
+        self.temperature = temperature
+        self.forward_dtype = _LOW_PRECISION.get(trainer_cfg.dtype)
+        for m in (model, reference_model):
+            if m is not None:
+                _upcast_low_precision(m)
+                m.eval()
+        if trainer_cfg.activation_checkpointing:
+            checkpoint_activations(model)
         self.parallel = parallel
+        self._autocast = self.forward_dtype is not None
         if parallel is not None:
-            model = parallel.parallelize(model, reference_model)
+            model = parallel.parallelize(model, reference_model, mixed_precision=self.forward_dtype)
+            self._autocast = self._autocast and not parallel.casts_parameters
         self.model = model
         self.reference_model = reference_model
         if reference_model is not None:
-            reference_model.requires_grad_(False).eval()
+            reference_model.requires_grad_(False)
         self.cfg = trainer_cfg
         self.loss_cfg = loss_cfg
         self.terms = grpo.LossTerms(
@@ -149,6 +174,7 @@ class PolicyTrainer:
             total_steps=config.grpo.max_steps,
             reference_model=copy.deepcopy(model) if config.loss.kl_coef > 0 else None,
             parallel=parallel,
+            temperature=config.scoring_temperature,
         )
 
     @property
@@ -160,6 +186,12 @@ class PolicyTrainer:
         """Loss arithmetic runs in float64 for a float64 model, float32 otherwise."""
         return torch.float64 if self.params[0].dtype == torch.float64 else torch.float32
 
+    def _forward(self) -> contextlib.AbstractContextManager:
+        """Where a model forward runs: under autocast to ``forward_dtype`` when nothing else casts."""
+        if not self._autocast:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.forward_dtype)
+
     # ---- the split step -------------------------------------------------------------------
 
     def begin_train_step(self, step: int | None = None) -> None:
@@ -169,7 +201,6 @@ class PolicyTrainer:
         step = self.version if step is None else step
         if step != self.version:
             raise ValueError(f"begin_train_step: step {step} does not match trainer version {self.version}")
-        self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         self._step = _StepState(
             step=step,
@@ -279,14 +310,17 @@ class PolicyTrainer:
 
     def _loss_inputs(self, batch: TrainBatch) -> TokenLossInputs:
         """Score the micro-batch: whole rows here, this rank's shard under context parallelism."""
-        want_entropy = self.loss_cfg.entropy_coef > 0 or self.loss_cfg.track_entropy
+        scoring = {
+            "with_entropy": self.loss_cfg.entropy_coef > 0 or self.loss_cfg.track_entropy,
+            "entropy_grad": self.loss_cfg.entropy_coef > 0,
+            "temperature": self.temperature,
+        }
         weights = self._local_weights(batch)
         context = None if self.parallel is None else self.parallel.context
-        if context is not None:
-            return context.loss_inputs(self.model, batch, weights, with_entropy=want_entropy)
-        logprobs, entropy = token_logprobs(
-            self.model, batch.input_ids, batch.attention_mask, with_entropy=want_entropy
-        )
+        with self._forward():
+            if context is not None:
+                return context.loss_inputs(self.model, batch, weights, **scoring)
+            logprobs, entropy = token_logprobs(self.model, batch.input_ids, batch.attention_mask, **scoring)
         mask = batch.response_mask
         return TokenLossInputs(
             logprobs=logprobs,
@@ -345,34 +379,39 @@ class PolicyTrainer:
         model = self.reference_model if reference else self.model
         if model is None:
             raise ValueError("compute_logprobs: no reference model (loss.kl_coef is 0)")
-        was_training = model.training
-        model.eval()
         size = micro_batch_size or self.cfg.micro_batch_size
         width = batch.input_ids.shape[1]
         chunks = []
         context = None if self.parallel is None else self.parallel.context
         for part in batch.micro_batches(size):
             part = part.to(self.device, self.compute_dtype)
-            if context is not None:
-                logprobs = context.full_logprobs(model, part)
-            else:
-                logprobs, _ = token_logprobs(model, part.input_ids, part.attention_mask)
+            with self._forward():
+                if context is not None:
+                    logprobs = context.full_logprobs(model, part, temperature=self.temperature)
+                else:
+                    logprobs, _ = token_logprobs(model, part.input_ids, part.attention_mask, temperature=self.temperature)
             logprobs = logprobs * part.attention_mask
             chunks.append(torch.nn.functional.pad(logprobs, (0, width - logprobs.shape[1])))
-        model.train(was_training)
         return torch.cat(chunks).cpu()
 
     def export_weights(self, *, copy: bool = True, device: str | None = "cpu") -> tuple[int, dict[str, Tensor]]:
-        """(version, the policy weights as detached tensors on ``device``) for the generators.
+        """(version, the policy weights as detached tensors on ``device``) for the generators, in
+        the compute dtype (bfloat16 masters' copies when ``trainer.dtype`` is bfloat16).
 
         ``device=None`` leaves them where they are (a GPU-to-GPU broadcast sends them from there).
-        ``copy=False`` returns views where the weights are already whole tensors on ``device``: no
-        new memory to allocate and fill, but they change with the next optimizer step, so the
-        caller must be done with them by then. Sharded (FSDP) weights are gathered whole, so every
-        rank must call it."""
-        return self.version, {
-            k: _full(v).detach().to(device or v.device, copy=copy) for k, v in self.model.state_dict().items()
-        }
+        ``copy=False`` returns views where the weights are already whole tensors of that dtype on
+        ``device``: no new memory to allocate and fill, but they change with the next optimizer
+        step, so the caller must be done with them by then. Sharded (FSDP) weights are gathered
+        whole one tensor at a time, so every rank must call it; only the first rank keeps them,
+        the others return an empty dict."""
+        keep = self.parallel is None or self.parallel.rank == 0
+        weights = {}
+        for name, value in self.model.state_dict().items():
+            whole = _full(value).detach()
+            if keep:
+                dtype = self.forward_dtype if self.forward_dtype is not None and whole.is_floating_point() else whole.dtype
+                weights[name] = whole.to(device or whole.device, dtype=dtype, copy=copy)
+        return self.version, weights
 
     def state_dict(self) -> dict:
         """Everything a resumed run needs to continue bit-identically."""
@@ -405,6 +444,12 @@ class PolicyTrainer:
         torch.set_rng_state(state["cpu"])
         if "cuda" in state and self.device.type == "cuda":
             torch.cuda.set_rng_state(state["cuda"], self.device)
+
+
+def _upcast_low_precision(model: nn.Module) -> None:
+    """float32 masters for a model whose parameters were loaded in a lower precision."""
+    if any(p.is_floating_point() and p.dtype in (torch.bfloat16, torch.float16) for p in model.parameters()):
+        model.float()
 
 
 def _full(tensor: Tensor) -> Tensor:

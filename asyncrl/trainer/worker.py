@@ -25,7 +25,6 @@ from pathlib import Path
 from typing import Any, Sequence
 
 import torch
-from safetensors.torch import load_file
 from torch import Tensor, nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -36,7 +35,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from asyncrl.algorithms import grpo
-from asyncrl.checkpoint import WEIGHTS_FILE, save_checkpoint
+from asyncrl.checkpoint import read_weights, save_checkpoint
 from asyncrl.config import GRPOConfig
 from asyncrl.trainer.policy import PolicyTrainer, StepResult
 from asyncrl.types import RolloutGroup, TrainBatch
@@ -207,7 +206,7 @@ class TrainerWorker:
         """Load a checkpoint written by any layout; every rank calls it and keeps its own shards."""
         checkpoint_dir = Path(checkpoint_dir)
         model, optimizer = self.trainer.model, self.trainer.optimizer
-        weights = load_file(checkpoint_dir / WEIGHTS_FILE)
+        weights = read_weights(model, checkpoint_dir)
         _check_weight_names(model, weights.keys(), checkpoint_dir)
         set_model_state_dict(model, weights, options=_FULL_INTO_SHARDS)
         set_optimizer_state_dict(model, optimizer, trainer_state["optimizer"], options=_FULL_INTO_SHARDS)
