@@ -290,7 +290,7 @@ def test_a_dead_trainer_rank_stops_the_run_and_its_last_checkpoint_resumes(ray_c
 
 
 def close(a, b) -> bool:
-    """Equal ints and strings; floats within DESIGN 5's float32 tolerance (rtol 1e-4)."""
+    """Equal ints and strings; floats within docs/loss.md's float32 tolerance (rtol 1e-4)."""
     if isinstance(a, dict):
         return a.keys() == b.keys() and all(close(a[k], b[k]) for k in a)
     if isinstance(a, float) and isinstance(b, float):

@@ -1,6 +1,6 @@
 """PolicyTrainer: the GRPO train step, split into begin / micro-batches / finish / abort.
 
-Gradient convention (DESIGN 3.4), the single place it is written down:
+Gradient convention, the single place the code writes it down (docs/loss.md explains it):
     every micro-batch back-propagates the *unnormalized* sum  sum_t local_w * mask * loss_t,
     gradients are SUMMED over micro-batches (autograd accumulation) and over data- and
     context-parallel ranks, and ``finish_train_step`` divides them exactly once by the step-global
@@ -411,7 +411,7 @@ class PolicyTrainer:
         )
 
     def _local_weights(self, batch: TrainBatch) -> Tensor:
-        """Per-token weights that depend only on each sequence (DESIGN 3.4); no local counts."""
+        """Per-token weights that depend only on each sequence (docs/loss.md); no local counts."""
         return grpo.local_token_weights(
             batch.response_mask, batch.response_lengths, self.loss_cfg.mode, self.loss_cfg.norm_constant
         )
