@@ -16,6 +16,7 @@ from rich.console import Console
 from rich.table import Table
 
 from asyncrl.config import AggMode, ConfigError, config_reference, dump_config, load_config
+from asyncrl.errors import RunStopped
 
 app = typer.Typer(
     add_completion=False,
@@ -389,11 +390,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run_failure(err: Exception) -> tuple[str, int] | None:
-    """(one line, exit code) for a run that stopped on a fault it reports itself; None for a bug.
-
-    Imported here, on the error path only, so ``asyncrl config`` never loads the training stack."""
-    from asyncrl.controller import RunStopped
-
+    """(one line, exit code) for a run that stopped on a fault it reports itself; None for a bug."""
     if not isinstance(err, RunStopped):
         return None
     notes = "; ".join(getattr(err, "__notes__", []))

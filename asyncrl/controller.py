@@ -39,6 +39,7 @@ from asyncrl.algorithms.grpo import zero_variance_groups
 from asyncrl.buffer import ReplayBuffer
 from asyncrl.config import RunConfig, dump_config
 from asyncrl.data import Prompt, PromptLoader, Task
+from asyncrl.errors import RunStopped
 from asyncrl.sampler import Sampler
 from asyncrl.types import RolloutGroup, RolloutJob
 from asyncrl.weights import Changes, RolloutGate, SyncReport, SyncTimeoutError, WeightSync
@@ -50,17 +51,6 @@ if TYPE_CHECKING:  # worker-side types; the controller never imports model code
 STATE_VERSION = 2
 ABORT_TIMEOUT_S = 60.0
 REFILL_PREFIX = "refill:"  # uid prefix of the prompts that refill a step (dynamic sampling)  # a trainer too stuck to abort its step within this is left behind
-
-
-class RunStopped(RuntimeError):
-    """The run stopped before its end. ``checkpoint``: where it was saved first, if it could be."""
-
-    exit_code = 1
-    saves_checkpoint = True  # the trainer is known to be healthy when this is raised
-
-    def __init__(self, message: str) -> None:
-        super().__init__(message)
-        self.checkpoint: Path | None = None
 
 
 class RolloutFailedError(RunStopped):

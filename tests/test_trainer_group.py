@@ -3,6 +3,8 @@ running the real step sequence against the single-rank TrainerWorker (docs/loss.
 
 import asyncio
 import io
+import subprocess
+import sys
 import threading
 from dataclasses import fields
 
@@ -377,3 +379,11 @@ def test_cp_and_dp_cp_ranks_match_the_single_rank_worker(tmp_path, dp, cp):
     payloads = rank_payloads(dp * cp, overrides, None, None, str(tmp_path / "ranks"))
     check_ranks_against_single_rank(payloads, reports, single.export_weights()[1], dp=dp)
     check_checkpoint_loads_on_one_rank(tmp_path, payloads)
+
+
+def test_workers_do_not_import_the_controller():
+    """Workers share only asyncrl.errors with the controller, so a rank or an actor never loads it."""
+    pytest.importorskip("ray")
+    code = "import sys, asyncrl.trainer.group, asyncrl.runtime.ray; print('asyncrl.controller' in sys.modules)"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert proc.stdout.strip() == "False"

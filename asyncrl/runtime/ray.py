@@ -36,7 +36,7 @@ import torch
 from torch import Tensor
 
 from asyncrl.config import RuntimeConfig
-from asyncrl.controller import RunStopped
+from asyncrl.errors import RunStopped
 from asyncrl.runtime.broadcast import BroadcastError, BroadcastMember, Layout, Rendezvous, signal_stop
 from asyncrl.types import RolloutGroup
 

@@ -20,7 +20,7 @@ from torch import nn
 
 from asyncrl.checkpoint import load_state
 from asyncrl.config import RunConfig
-from asyncrl.controller import RunStopped
+from asyncrl.errors import RunStopped
 from asyncrl.data import build_task
 from asyncrl.faults import inject_trainer_faults
 from asyncrl.models.factory import build_model, build_tokenizer, resolve_device
