@@ -33,13 +33,14 @@ import threading
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Awaitable, Sequence
 
 from asyncrl.algorithms.grpo import zero_variance_groups
 from asyncrl.buffer import ReplayBuffer
 from asyncrl.config import RunConfig, dump_config
 from asyncrl.data import Prompt, PromptLoader, Task
 from asyncrl.errors import RunStopped
+from asyncrl.handles import RolloutHandle, TrainerHandle
 from asyncrl.sampler import Sampler
 from asyncrl.types import RolloutGroup, RolloutJob
 from asyncrl.weights import Changes, RolloutGate, SyncReport, SyncTimeoutError, WeightSync
@@ -107,8 +108,8 @@ class SingleController:
         self,
         config: RunConfig,
         *,
-        trainer: Any,
-        rollout_workers: Sequence[Any],
+        trainer: TrainerHandle,
+        rollout_workers: Sequence[RolloutHandle],
         task: Task,
         loader: PromptLoader,
         sampler: Sampler,
@@ -278,7 +279,7 @@ class SingleController:
         self.gate.add_running(1)
         self._tasks.create_task(self._collect(batch, future))
 
-    async def _collect(self, batch: list[RolloutJob], future: asyncio.Future) -> None:
+    async def _collect(self, batch: list[RolloutJob], future: Awaitable[RolloutBatch]) -> None:
         try:
             result: RolloutBatch = await future
         except Exception as err:

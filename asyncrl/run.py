@@ -24,6 +24,7 @@ from asyncrl.controller import SingleController
 from asyncrl.data import PromptLoader, build_task, check_encodable, check_prompt_lengths
 from asyncrl.faults import inject_rollout_faults, inject_trainer_faults
 from asyncrl.generation import SamplingParams, build_generator
+from asyncrl.handles import RolloutHandle, TrainerHandle
 from asyncrl.metrics import MetricsWriter, ProgressDisplay, read_jsonl, write_json_atomic
 from asyncrl.models.factory import build_model, build_tokenizer
 from asyncrl.models.hf import stop_token_ids
@@ -93,7 +94,7 @@ def train(config: RunConfig, *, resume: str | Path | None = None, console: Any =
 
 def _start_workers(
     runtime: Any, config: RunConfig, model: Any, tokenizer: Any, rewards: RewardRunner, checkpoint_dir: Path | None, state: dict | None
-) -> tuple[Any, list[Any]]:
+) -> tuple[TrainerHandle, list[RolloutHandle]]:
     """The trainer and rollout worker handles: actors that build their own workers on Ray,
     in-process objects sharing the driver's model and rewards on the local runtime."""
     if runtime.name == "ray":
@@ -153,7 +154,7 @@ def _rollout_worker(config: RunConfig, generator: Any, rewards: RewardRunner, to
 
 
 def drive(
-    config: RunConfig, trainer: Any, rollout_workers: list[Any], *, task: Any, state: dict | None, metrics: Any, progress: Any
+    config: RunConfig, trainer: TrainerHandle, rollout_workers: list[RolloutHandle], *, task: Any, state: dict | None, metrics: Any, progress: Any
 ) -> int:
     """Run the controller over these handles to the end; returns the steps taken in total."""
     controller = SingleController(
@@ -173,14 +174,18 @@ def drive(
     return asyncio.run(_load_weights_then_run(controller, trainer, rollout_workers))
 
 
-async def _load_weights_then_run(controller: SingleController, trainer: Any, rollout_workers: list[Any]) -> int:
+async def _load_weights_then_run(
+    controller: SingleController, trainer: TrainerHandle, rollout_workers: list[RolloutHandle]
+) -> int:
     """Give every generator the trainer's weights (warm-started or resumed), then run."""
     version, weights = await trainer.export_weights()
     await asyncio.gather(*(worker.load_weights(weights, version) for worker in rollout_workers))
     return await controller.run()
 
 
-def drive_in_actor(config: RunConfig, trainer: Any, rollout_workers: list[Any], state: dict | None) -> int:
+def drive_in_actor(
+    config: RunConfig, trainer: TrainerHandle, rollout_workers: list[RolloutHandle], state: dict | None
+) -> int:
     """``drive`` inside the controller actor: it writes the metrics itself; there is no live display."""
     torch.set_num_threads(1)
     task = build_task(config.data, build_tokenizer(config))

@@ -26,6 +26,8 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Literal, Sequence
 
+from asyncrl.handles import RolloutHandle, TrainerHandle
+
 
 class SyncTimeoutError(RuntimeError):
     """A phase of a weight sync did not finish within ``sync.timeout_s``. ``trainer_healthy``:
@@ -133,8 +135,8 @@ def state_dict_bytes(state: Any) -> int:
 class WeightSync:
     def __init__(
         self,
-        trainer: Any,
-        generators: Sequence[Any],
+        trainer: TrainerHandle,
+        generators: Sequence[RolloutHandle],
         gate: RolloutGate,
         *,
         mode: Literal["drain", "inflight"],

@@ -30,7 +30,7 @@ from asyncrl.config import LossConfig, RunConfig, TrainerConfig
 from asyncrl.models import token_logprobs
 from asyncrl.trainer.optim import build_optimizer, build_scheduler
 from asyncrl.trainer.recompute import checkpoint_activations
-from asyncrl.types import TrainBatch
+from asyncrl.types import TokenLossInputs, TrainBatch
 
 if TYPE_CHECKING:
     from asyncrl.trainer.parallel import ParallelContext
@@ -65,23 +65,6 @@ class StepResult:
 # Step counters accumulate in one float64 vector (summed over micro-batches, later over ranks, in
 # one collective): the loss sum, the counts behind D, then each metric's masked sum.
 _COUNTERS = ("loss_sum", "num_tokens", "num_sequences", *(f"{name}_sum" for name in _SUMMED_METRICS))
-
-
-@dataclass
-class TokenLossInputs:
-    """The per-token tensors of one micro-batch (or one context-parallel shard of it), in one
-    layout; the loss is elementwise, so the layout only orders sums. Counts are this piece's share."""
-
-    logprobs: Tensor
-    entropy: Tensor | None
-    old_logprobs: Tensor | None  # None: the detached logprobs (on-policy)
-    behaviour_logprobs: Tensor
-    advantages: Tensor  # broadcastable to logprobs
-    ref_logprobs: Tensor | None
-    response_mask: Tensor
-    weights: Tensor  # local_it * m_it
-    num_tokens: Tensor
-    num_sequences: Tensor
 
 
 @dataclass
