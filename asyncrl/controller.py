@@ -1,5 +1,22 @@
 """SingleController: asynchronous GRPO in one file.
 
+Who waits for whom (every wait is on ``Changes``, or on a handle call the loop awaited):
+
+    rollout loop                  buffer      train loop                     weight sync (the train
+                                                                             loop awaits it)
+    wait: gate open, room,                    wait: ready groups of step V,
+          in-flight limit                           a chunk at least
+    reserve ------------------->  slot
+    generate (RolloutHandle)
+    commit -------------------->  group ----> take, train_groups, finish_step
+                                              (TrainerHandle) -------------> close the gate: wait
+    admits what the sampler still allows <---------------------------------  for the rollout loop
+    under V, then settles -------------------------------------------------> to settle (drain: and
+                                                                             nothing in flight), no
+                                                                             batch generating;
+                                                                             export, load weights
+    admits again under V + 1 <---------------------------------------------- open the gate (V + 1)
+
 Three loops share one event loop and touch only metadata; workers do the heavy lifting behind
 awaited handles (threads on the local runtime, actors on Ray):
 
