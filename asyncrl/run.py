@@ -45,8 +45,8 @@ def train(config: RunConfig, *, resume: str | Path | None = None, console: Any =
     """Run GRPO to the end; returns the summary that is also written to ``summary.json``."""
     start = time.perf_counter()
     transformers.utils.logging.disable_progress_bar()  # loads and saves would print bars over the display and errors
-    checkpoint_dir = _input(resolve_checkpoint, resume) if resume is not None else None
-    state = _input(load_run_state, checkpoint_dir) if checkpoint_dir is not None else None
+    checkpoint_dir = _checkpoint_input(resolve_checkpoint, resume) if resume is not None else None
+    state = _checkpoint_input(load_run_state, checkpoint_dir) if checkpoint_dir is not None else None
     run_dir = run_directory(config, resuming=checkpoint_dir is not None)
     config = config.model_copy(update={"logging": config.logging.model_copy(update={"output_dir": str(run_dir)})})
     tokenizer = _input(build_tokenizer, config)
@@ -227,10 +227,22 @@ def run_directory(config: RunConfig, *, resuming: bool) -> Path:
 
 
 def _input(build: Callable[..., T], *args: Any) -> T:
-    """Build from user input; a ValueError or a missing file becomes a one-line config error."""
+    """Build from user input with a builder that raises ValueError naming the field or file for bad
+    input (models/, data/, rewards/, the run's own files, and the Ray factories that call them):
+    that, or a missing file, becomes a one-line config error."""
     try:
         return build(*args)
     except (ValueError, FileNotFoundError) as err:
+        raise ConfigError(" ".join(str(err).split())) from None
+
+
+def _checkpoint_input(load: Callable[..., T], *args: Any) -> T:
+    """Read a checkpoint the user named. checkpoint.py reports every bad file as a CheckpointError,
+    so only that and a missing file are input errors here: any other ValueError is a bug in our
+    code and keeps its traceback."""
+    try:
+        return load(*args)
+    except (CheckpointError, FileNotFoundError) as err:
         raise ConfigError(" ".join(str(err).split())) from None
 
 
@@ -248,7 +260,7 @@ def _from_checkpoint(where: str, load: Callable[..., T], *args: Any) -> T:
 
 def resumed_checkpoint(resume: str | Path) -> Path:
     """The checked checkpoint directory ``--resume`` names."""
-    return _input(resolve_checkpoint, resume)
+    return _checkpoint_input(resolve_checkpoint, resume)
 
 
 def resumed_config_path(checkpoint_dir: Path) -> Path:
@@ -285,12 +297,12 @@ def _summary(run_dir: Path, steps_done: int, wall_seconds: float) -> dict:
 def evaluate(config: RunConfig, *, checkpoint: str | Path | None = None) -> dict:
     """Greedy held-out accuracy of the config's policy (warm start included) or of a checkpoint."""
     transformers.utils.logging.disable_progress_bar()
-    checkpoint_dir = _input(resolve_checkpoint, checkpoint, "--checkpoint") if checkpoint is not None else None
+    checkpoint_dir = _checkpoint_input(resolve_checkpoint, checkpoint, "--checkpoint") if checkpoint is not None else None
     tokenizer = _input(build_tokenizer, config)
     model = _input(build_model, config, tokenizer)
     task = _checked_task(config, tokenizer, model)
     if checkpoint_dir is not None:
-        _input(load_weights, model, checkpoint_dir)
+        _checkpoint_input(load_weights, model, checkpoint_dir)
     else:
         warm_start(model, tokenizer, task.train, config.warm_start, seed=config.seed, model_path=config.model.path)
     rewards = _input(RewardRunner.from_config, config.rewards, task)
