@@ -47,9 +47,10 @@ import contextlib
 import signal
 import threading
 import time
+from collections.abc import Awaitable, Sequence
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Awaitable, Sequence
+from typing import TYPE_CHECKING, Any
 
 from asyncrl.algorithms.grpo import zero_variance_groups
 from asyncrl.buffer import ReplayBuffer

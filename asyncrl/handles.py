@@ -7,8 +7,9 @@ handles and ``trainer.group.TrainerGroup`` all satisfy these protocols; workers 
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Awaitable, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:  # worker-side types; importing this module loads no model code
     from asyncrl.data import Prompt

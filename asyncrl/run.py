@@ -10,15 +10,23 @@ import asyncio
 import copy
 import os
 import time
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
-from typing import Any, Callable, TypeVar
+from typing import Any, TypeVar
 
 import torch
 import transformers
 
 from asyncrl.buffer import ReplayBuffer
-from asyncrl.checkpoint import RUN_CONFIG_FILE, STATE_FILE, CheckpointError, load_run_state, load_weights, resolve_checkpoint
+from asyncrl.checkpoint import (
+    RUN_CONFIG_FILE,
+    STATE_FILE,
+    CheckpointError,
+    load_run_state,
+    load_weights,
+    resolve_checkpoint,
+)
 from asyncrl.config import ConfigError, RunConfig, dump_config
 from asyncrl.controller import SingleController
 from asyncrl.data import PromptLoader, build_task, check_encodable, check_prompt_lengths

@@ -8,8 +8,8 @@ padding. Per-token tensors are aligned with ``input_ids``: position t describes 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, fields, replace
-from typing import Sequence
 
 import torch
 from torch import Tensor

@@ -15,7 +15,8 @@ import cProfile
 import pstats
 import tempfile
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from asyncrl.runtime import LocalRuntime
 from benchmarks.fake_workers import DelayRolloutWorker, DelayTrainerWorker

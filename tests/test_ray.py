@@ -17,6 +17,8 @@ from functools import partial
 
 import pytest
 import torch
+from conftest import dashboard_command_lines, ray_server_processes, wait_until_gone
+from test_train import SMALL
 
 from asyncrl.config import ConfigError, load_config
 from asyncrl.metrics import read_jsonl, strip_timing
@@ -24,8 +26,6 @@ from asyncrl.rewards.functions import exact_match
 from asyncrl.run import train
 from asyncrl.runtime.ray import TrainerRankDiedError
 from asyncrl.types import RolloutGroup, RolloutJob
-from conftest import dashboard_command_lines, ray_server_processes, wait_until_gone
-from test_train import SMALL
 
 RAY = "runtime.name=ray"
 DIGITS = "rewards.functions=[test_ray:digits]"  # varies within groups even untrained: real gradients

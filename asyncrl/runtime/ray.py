@@ -29,8 +29,9 @@ import math
 import os
 import socket
 import warnings
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields, replace
-from typing import Any, Callable, ClassVar, Sequence
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
