@@ -8,6 +8,7 @@ Built-ins, by name:
 - ``math``: equivalence checked by math-verify (LaTeX, fractions, boxed answers, ...).
 - ``format``: the stripped completion matches a regex as a whole (``rewards.format_pattern``, or
   the task's own pattern).
+- ``task``: the task's own checker (a reasoning-gym dataset's ``score_answer``).
 - ``package.module:function``: any importable callable taking (completion, answer).
 """
 
@@ -22,7 +23,7 @@ from decimal import Decimal, InvalidOperation
 from asyncrl.plugins import import_attribute
 
 RewardFn = Callable[[str, str], float]
-BUILTIN_REWARDS = ("exact_match", "numeric_match", "math", "format")
+BUILTIN_REWARDS = ("exact_match", "numeric_match", "math", "format", "task")
 
 _NUMBER = re.compile(r"[+-]?(\d+(\.\d*)?|\.\d+)([eE][+-]?\d+)?")
 
@@ -91,8 +92,9 @@ class MathReward:
         return MathReward, ()
 
 
-def resolve_reward(name: str, *, format_pattern: str | None = None) -> RewardFn:
-    """A built-in reward by name, or a ``package.module:function`` path."""
+def resolve_reward(name: str, *, format_pattern: str | None = None, task_score: RewardFn | None = None) -> RewardFn:
+    """A built-in reward by name, or a ``package.module:function`` path. ``task_score`` is the
+    task's own checker, the ``task`` reward."""
     if name == "exact_match":
         return exact_match
     if name == "numeric_match":
@@ -103,6 +105,10 @@ def resolve_reward(name: str, *, format_pattern: str | None = None) -> RewardFn:
         if format_pattern is None:
             raise ValueError("rewards.format_pattern: the format reward needs a pattern and the task has none")
         return FormatReward(format_pattern)
+    if name == "task":
+        if task_score is None:
+            raise ValueError("rewards.functions: the task reward needs a task with its own checker (data.task reasoning_gym)")
+        return task_score
     if ":" not in name:
         raise ValueError(
             f"rewards.functions: unknown reward '{name}'; built-ins are {', '.join(BUILTIN_REWARDS)}, "

@@ -119,11 +119,13 @@ class RewardRunner:
 
     @classmethod
     def from_config(cls, cfg: RewardConfig, task: Task | None = None) -> RewardRunner:
-        """``task`` supplies the format reward's pattern when ``rewards.format_pattern`` is not set."""
+        """``task`` supplies the format reward's pattern when ``rewards.format_pattern`` is not set,
+        and the ``task`` reward, its own checker."""
         pattern = cfg.format_pattern
         if pattern is None and task is not None:
             pattern = task.format_pattern
-        functions = [(name, resolve_reward(name, format_pattern=pattern)) for name in cfg.functions]
+        score = task.score if task is not None else None
+        functions = [(name, resolve_reward(name, format_pattern=pattern, task_score=score)) for name in cfg.functions]
         return cls(
             functions,
             weights=cfg.weights,
