@@ -9,8 +9,9 @@ decision; the buffer only keeps the books, and raises before any side effect on 
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any, Iterable
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from asyncrl.types import RolloutGroup

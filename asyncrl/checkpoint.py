@@ -27,8 +27,8 @@ import json
 import os
 import pickle
 import shutil
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 from safetensors import safe_open

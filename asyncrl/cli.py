@@ -9,13 +9,14 @@ from __future__ import annotations
 import sys
 from enum import Enum
 from pathlib import Path
-from typing import Optional, get_args
+from typing import get_args
 
 import typer
 from rich.console import Console
 from rich.table import Table
 
 from asyncrl.config import AggMode, ConfigError, config_reference, dump_config, load_config
+from asyncrl.errors import RunStopped
 
 app = typer.Typer(
     add_completion=False,
@@ -60,8 +61,8 @@ def root(ctx: typer.Context) -> None:
 
 @app.command("config")
 def show_config(
-    config: Optional[Path] = typer.Option(None, "--config", help="YAML run config (default: the embedded one)"),
-    overrides: Optional[list[str]] = typer.Argument(None, help="dotted overrides, e.g. loss.mode=token-mean"),
+    config: Path | None = typer.Option(None, "--config", help="YAML run config (default: the embedded one)"),
+    overrides: list[str] | None = typer.Argument(None, help="dotted overrides, e.g. loss.mode=token-mean"),
     reference: bool = typer.Option(False, "--reference", help="print every key with its type, default and meaning"),
 ) -> None:
     """Validate a run config and print it fully resolved."""
@@ -77,8 +78,8 @@ def verify(
         4, "--micro-batches", min=1, help="split the step (each DP rank's share) into K uneven micro-batches"
     ),
     dtype: DTypeChoice = typer.Option("float64", "--dtype"),
-    mode: Optional[list[ModeChoice]] = typer.Option(None, "--mode", help="aggregation mode (repeatable; default: all)"),
-    plant: Optional[PlantChoice] = typer.Option(
+    mode: list[ModeChoice] | None = typer.Option(None, "--mode", help="aggregation mode (repeatable; default: all)"),
+    plant: PlantChoice | None = typer.Option(
         None, "--plant", help="plant a normalization mistake; the check must then fail"
     ),
     seed: int = typer.Option(0, "--seed"),
@@ -90,7 +91,8 @@ def verify(
     ),
 ) -> None:
     """Check that a split (or dp x cp parallel) train step equals the monolithic step, for every loss mode."""
-    from asyncrl.verify import DTYPES, TOLERANCES, check_layout, verify as run_verify
+    from asyncrl.verify import DTYPES, TOLERANCES, check_layout
+    from asyncrl.verify import verify as run_verify
 
     dtype, plant, wrap = dtype.value, plant.value if plant else None, wrap.value
     try:
@@ -144,15 +146,16 @@ def verify(
 
 @app.command()
 def train(
-    config: Optional[Path] = typer.Option(None, "--config", help="YAML run config (default: the embedded one)"),
-    output_dir: Optional[Path] = typer.Option(None, "--output-dir", help="run directory (logging.output_dir)"),
-    resume: Optional[Path] = typer.Option(
+    config: Path | None = typer.Option(None, "--config", help="YAML run config (default: the embedded one)"),
+    output_dir: Path | None = typer.Option(None, "--output-dir", help="run directory (logging.output_dir)"),
+    resume: Path | None = typer.Option(
         None, "--resume", help="continue from a checkpoint, its run directory, or the checkpoints folder"
     ),
-    overrides: Optional[list[str]] = typer.Argument(None, help="dotted overrides, e.g. grpo.max_steps=50"),
+    overrides: list[str] | None = typer.Argument(None, help="dotted overrides, e.g. grpo.max_steps=50"),
 ) -> None:
     """Train with asynchronous GRPO. With no arguments: a tiny model learns arithmetic on the CPU."""
-    from asyncrl.run import resumed_checkpoint, resumed_config_path, train as run_train
+    from asyncrl.run import resumed_checkpoint, resumed_config_path
+    from asyncrl.run import train as run_train
 
     if resume is not None:  # continue with the checkpoint's config, in its run directory
         checkpoint = resumed_checkpoint(resume)
@@ -176,11 +179,11 @@ def train(
 
 @app.command("eval")
 def evaluate(
-    config: Optional[Path] = typer.Option(None, "--config", help="YAML run config (default: the embedded one)"),
-    checkpoint: Optional[Path] = typer.Option(
+    config: Path | None = typer.Option(None, "--config", help="YAML run config (default: the embedded one)"),
+    checkpoint: Path | None = typer.Option(
         None, "--checkpoint", help="a checkpoint or run directory; default: the config's (warm-started) model"
     ),
-    overrides: Optional[list[str]] = typer.Argument(None, help="dotted overrides, e.g. data.eval_size=200"),
+    overrides: list[str] | None = typer.Argument(None, help="dotted overrides, e.g. data.eval_size=200"),
 ) -> None:
     """Greedy accuracy and mean reward on the held-out split, printed as JSON."""
     import json
@@ -232,10 +235,10 @@ OUTPUT_HELP = "where to write the JSON (default: bench-results/<name>.json in th
 @bench_app.command("overlap")
 def bench_overlap(
     quick: bool = typer.Option(False, "--quick", help="a smoke run under a minute: small delays, few steps"),
-    scale: Optional[float] = typer.Option(None, "--scale", min=0.001, help="seconds per unit of g and t (default 0.5)"),
-    steps: Optional[int] = typer.Option(None, "--steps", min=1, help="measured steps per run (default 8)"),
-    runtime: Optional[list[RuntimeChoice]] = typer.Option(None, "--runtime", help="repeatable (default: local and ray)"),
-    output: Optional[Path] = typer.Option(None, "--output", help=OUTPUT_HELP),
+    scale: float | None = typer.Option(None, "--scale", min=0.001, help="seconds per unit of g and t (default 0.5)"),
+    steps: int | None = typer.Option(None, "--steps", min=1, help="measured steps per run (default 8)"),
+    runtime: list[RuntimeChoice] | None = typer.Option(None, "--runtime", help="repeatable (default: local and ray)"),
+    output: Path | None = typer.Option(None, "--output", help=OUTPUT_HELP),
 ) -> None:
     """Async step time against the ideal max(g, t), and against a synchronous loop (g + t)."""
     from asyncrl.bench import common, overlap
@@ -259,9 +262,9 @@ def bench_overlap(
 @bench_app.command("controller")
 def bench_controller(
     quick: bool = typer.Option(False, "--quick", help="a smoke run: fewer groups"),
-    steps: Optional[int] = typer.Option(None, "--steps", min=1, help="steps of 8 groups (default 1000)"),
+    steps: int | None = typer.Option(None, "--steps", min=1, help="steps of 8 groups (default 1000)"),
     top: int = typer.Option(15, "--top", min=1, help="profile rows to report"),
-    output: Optional[Path] = typer.Option(None, "--output", help=OUTPUT_HELP),
+    output: Path | None = typer.Option(None, "--output", help=OUTPUT_HELP),
 ) -> None:
     """Controller time per group with no-op workers, and its top costs under cProfile."""
     from asyncrl.bench import common, controller_overhead
@@ -275,8 +278,8 @@ def bench_controller(
 def bench_weight_sync(
     quick: bool = typer.Option(False, "--quick", help="a smoke run: the 1M model only"),
     repeats: int = typer.Option(5, "--repeats", min=1, help="syncs per model (the best one counts)"),
-    runtime: Optional[list[RuntimeChoice]] = typer.Option(None, "--runtime", help="repeatable (default: local and ray)"),
-    output: Optional[Path] = typer.Option(None, "--output", help=OUTPUT_HELP),
+    runtime: list[RuntimeChoice] | None = typer.Option(None, "--runtime", help="repeatable (default: local and ray)"),
+    output: Path | None = typer.Option(None, "--output", help=OUTPUT_HELP),
 ) -> None:
     """Bytes/s of a full weight sync against torch memcpy bandwidth, for ~1M, 10M and 100M parameters."""
     from asyncrl.bench import common, weight_sync
@@ -314,15 +317,15 @@ def bench_backends(
 def bench_e2e(
     quick: bool = typer.Option(False, "--quick", help="a smoke run: a tiny model, a few steps, one seed"),
     seeds: int = typer.Option(3, "--seeds", min=1, help="runs per setting"),
-    max_steps: Optional[int] = typer.Option(None, "--max-steps", min=1, help="steps per run (default 400)"),
-    eval_every: Optional[int] = typer.Option(None, "--eval-every", min=1, help="evaluation cadence (default 25)"),
+    max_steps: int | None = typer.Option(None, "--max-steps", min=1, help="steps per run (default 400)"),
+    eval_every: int | None = typer.Option(None, "--eval-every", min=1, help="evaluation cadence (default 25)"),
     target: float = typer.Option(0.25, "--target", min=0.0, max=1.0, help="held-out accuracy to reach"),
-    against: Optional[str] = typer.Option(None, "--against", help="also train the peer baseline: trl"),
+    against: str | None = typer.Option(None, "--against", help="also train the peer baseline: trl"),
     variants: bool = typer.Option(
         False, "--variants", help="also max_lag 1 with 4 mini-batch updates per step, and with dynamic sampling"
     ),
-    output: Optional[Path] = typer.Option(None, "--output", help=OUTPUT_HELP),
-    overrides: Optional[list[str]] = typer.Argument(None, help="config overrides applied to every run"),
+    output: Path | None = typer.Option(None, "--output", help=OUTPUT_HELP),
+    overrides: list[str] | None = typer.Argument(None, help="config overrides applied to every run"),
 ) -> None:
     """Wall time to a held-out accuracy for max_lag 0, 1 and 2 (and TRL with --against trl)."""
     if against not in (None, "trl"):
@@ -357,8 +360,8 @@ def bench_e2e(
 
 @bench_app.command("report")
 def bench_report(
-    results_dir: Optional[Path] = typer.Option(None, "--results-dir", help="default: bench-results in the working directory"),
-    write: Optional[Path] = typer.Option(None, "--write", help="replace the generated tables in this page"),
+    results_dir: Path | None = typer.Option(None, "--results-dir", help="default: bench-results in the working directory"),
+    write: Path | None = typer.Option(None, "--write", help="replace the generated tables in this page"),
 ) -> None:
     """The results as Markdown tables; with --write, into docs/performance.md's generated section."""
     from asyncrl.bench import common, report
@@ -410,11 +413,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run_failure(err: Exception) -> tuple[str, int] | None:
-    """(one line, exit code) for a run that stopped on a fault it reports itself; None for a bug.
-
-    Imported here, on the error path only, so ``asyncrl config`` never loads the training stack."""
-    from asyncrl.controller import RunStopped
-
+    """(one line, exit code) for a run that stopped on a fault it reports itself; None for a bug."""
     if not isinstance(err, RunStopped):
         return None
     notes = "; ".join(getattr(err, "__notes__", []))

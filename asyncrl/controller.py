@@ -1,5 +1,22 @@
 """SingleController: asynchronous GRPO in one file.
 
+Who waits for whom (every wait is on ``Changes``, or on a handle call the loop awaited):
+
+    rollout loop                  buffer      train loop                     weight sync (the train
+                                                                             loop awaits it)
+    wait: gate open, room,                    wait: ready groups of step V,
+          in-flight limit                           a chunk at least
+    reserve ------------------->  slot
+    generate (RolloutHandle)
+    commit -------------------->  group ----> take, train_groups, finish_step
+                                              (TrainerHandle) -------------> close the gate: wait
+    admits what the sampler still allows <---------------------------------  for the rollout loop
+    under V, then settles -------------------------------------------------> to settle (drain: and
+                                                                             nothing in flight), no
+                                                                             batch generating;
+                                                                             export, load weights
+    admits again under V + 1 <---------------------------------------------- open the gate (V + 1)
+
 Three loops share one event loop and touch only metadata; workers do the heavy lifting behind
 awaited handles (threads on the local runtime, actors on Ray):
 
@@ -27,18 +44,21 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import math
 import signal
 import threading
 import time
-from dataclasses import dataclass, replace
+from collections.abc import Awaitable, Sequence
+from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any
 
 from asyncrl.algorithms.grpo import zero_variance_groups
 from asyncrl.buffer import ReplayBuffer
 from asyncrl.config import RunConfig, dump_config
 from asyncrl.data import Prompt, PromptLoader, Task
+from asyncrl.errors import RunStopped
+from asyncrl.handles import RolloutHandle, TrainerHandle
+from asyncrl.metrics import RunCounters, StepClock, step_record
 from asyncrl.sampler import Sampler
 from asyncrl.types import RolloutGroup, RolloutJob
 from asyncrl.weights import Changes, RolloutGate, SyncReport, SyncTimeoutError, WeightSync
@@ -50,17 +70,6 @@ if TYPE_CHECKING:  # worker-side types; the controller never imports model code
 STATE_VERSION = 2
 ABORT_TIMEOUT_S = 60.0
 REFILL_PREFIX = "refill:"  # uid prefix of the prompts that refill a step (dynamic sampling)  # a trainer too stuck to abort its step within this is left behind
-
-
-class RunStopped(RuntimeError):
-    """The run stopped before its end. ``checkpoint``: where it was saved first, if it could be."""
-
-    exit_code = 1
-    saves_checkpoint = True  # the trainer is known to be healthy when this is raised
-
-    def __init__(self, message: str) -> None:
-        super().__init__(message)
-        self.checkpoint: Path | None = None
 
 
 class RolloutFailedError(RunStopped):
@@ -102,23 +111,13 @@ class StallError(RunStopped):
     saves_checkpoint = False  # whatever hangs may be the trainer: the last checkpoint stands
 
 
-@dataclass
-class _Clock:
-    """Busy and idle seconds of the loops since the last step record."""
-
-    generation_s: float = 0.0
-    generated_tokens: int = 0
-    train_s: float = 0.0
-    train_wait_s: float = 0.0
-
-
 class SingleController:
     def __init__(
         self,
         config: RunConfig,
         *,
-        trainer: Any,
-        rollout_workers: Sequence[Any],
+        trainer: TrainerHandle,
+        rollout_workers: Sequence[RolloutHandle],
         task: Task,
         loader: PromptLoader,
         sampler: Sampler,
@@ -179,7 +178,7 @@ class SingleController:
         self.last_progress = time.monotonic()
         self.waiting = {"rollout loop": "starting", "train loop": "starting"}
         self.next_worker = 0
-        self.clock = _Clock()
+        self.clock = StepClock()
         self.start_time = time.perf_counter()
         self.evals: list[dict] = []
         self.eval_due = False  # an evaluation of this version was started and has not finished
@@ -288,7 +287,7 @@ class SingleController:
         self.gate.add_running(1)
         self._tasks.create_task(self._collect(batch, future))
 
-    async def _collect(self, batch: list[RolloutJob], future: asyncio.Future) -> None:
+    async def _collect(self, batch: list[RolloutJob], future: Awaitable[RolloutBatch]) -> None:
         try:
             result: RolloutBatch = await future
         except Exception as err:
@@ -707,77 +706,20 @@ class SingleController:
             self.retry_queue.append(pending[start : start + self.groups_per_batch])
 
     def _log_step(self, report: StepReport, sync: SyncReport, step_s: float) -> None:
-        result, data = report.result, report.data
-        samples = max(data.num_samples, 1)
-        reward_mean = data.reward_sum / samples
-        lags = data.lag_histogram
-        record = {
-            "step": result.version,
-            "reward_mean": reward_mean,
-            "reward_std": max(data.reward_sq_sum / samples - reward_mean**2, 0.0) ** 0.5,
-            "accuracy": data.num_correct / samples,
-            "response_length_mean": data.response_tokens / samples,
-            "num_groups": data.num_groups,
-            "num_filtered_groups": data.num_filtered_groups,
-            "num_informative_groups": data.num_groups - data.num_filtered_groups,
-            "refill_groups": data.num_refill_groups,
-            "refill_groups_total": self.refill_groups,
-            "num_sequences": result.num_sequences,
-            "num_tokens": result.num_tokens,
-            "loss": _finite_or_none(result.loss),
-            "grad_norm": _finite_or_none(result.grad_norm),
-            "lr": result.lr,
-            "clip_fraction": result.metrics["clip_mean"],
-            "is_weight_mean": result.metrics["is_weight_mean"],
-            "is_weight_min": result.metrics.get("is_weight_min"),
-            "is_weight_max": result.metrics.get("is_weight_max"),
-            "mismatch_kl": result.metrics["mismatch_kl_mean"],
-            "lag_histogram": {str(lag): lags[lag] for lag in sorted(lags)},
-            "lag_mean": sum(lag * count for lag, count in lags.items()) / max(sum(lags.values()), 1),
-            "reward_errors": data.reward_errors,
-            "reward_timeouts": data.reward_timeouts,
-            "rollout_retries": data.rollout_retries,
-            "evicted_groups": self.num_evicted,
-            "skipped_prompts": self.skipped_prompts,
-            "step_retries": self.step_retries,
-            "skipped": result.skipped,
-            "nonfinite_steps": self.nonfinite_steps,
-            "num_updates": result.num_updates,
-            "empty_steps": self.empty_steps,
-            "sync_bytes": sync.bytes,
-            "sync_version": sync.version,
-            "sync_transport": sync.transport,
-        }
-        for source, name in (("entropy_mean", "entropy"), ("kl_mean", "kl")):
-            if source in result.metrics:
-                record[name] = result.metrics[source]
-        clock, workers = self.clock, len(self.rollout_workers)
-        record.update(
-            {
-                "time/step_s": step_s,
-                "time/wall_s": time.perf_counter() - self.start_time,
-                "time/tokens_per_s": clock.generated_tokens / step_s if step_s > 0 else 0.0,
-                "time/generation_s": clock.generation_s,
-                "time/generation_idle_fraction": _idle(clock.generation_s, step_s * workers),
-                "time/train_s": clock.train_s,
-                "time/train_idle_fraction": _idle(clock.train_s, step_s),
-                "time/sync_pause_s": sync.pause_s,
-                "time/sync_transfer_s": sync.transfer_s,
-            }
+        counters = RunCounters(
+            refill_groups_total=self.refill_groups,
+            evicted_groups=self.num_evicted,
+            skipped_prompts=self.skipped_prompts,
+            step_retries=self.step_retries,
+            nonfinite_steps=self.nonfinite_steps,
+            empty_steps=self.empty_steps,
         )
-        self.clock = _Clock()
-        self.metrics.log_groups(data.groups)
+        wall_s = time.perf_counter() - self.start_time
+        record = step_record(report, sync, counters, self.clock, step_s, wall_s, len(self.rollout_workers))
+        self.clock = StepClock()
+        self.metrics.log_groups(report.data.groups)
         self.metrics.log_step(record)
         self.progress.update(record)
-
-
-def _finite_or_none(value: float) -> float | None:
-    """Non-finite numbers are not JSON: a skipped step logs its loss and gradient norm as null."""
-    return value if math.isfinite(value) else None
-
-
-def _idle(busy_s: float, total_s: float) -> float:
-    return min(max(1.0 - busy_s / total_s, 0.0), 1.0) if total_s > 0 else 0.0
 
 
 def _job_state(job: RolloutJob) -> dict:

@@ -11,7 +11,8 @@ from __future__ import annotations
 import os
 import signal
 import time
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from asyncrl.config import FaultsConfig
 

@@ -10,13 +10,15 @@ schema is documented in docs/metrics.md.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console, Group
 from rich.live import Live
@@ -24,6 +26,10 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.text import Text
 
 from asyncrl.config import LoggingConfig
+
+if TYPE_CHECKING:
+    from asyncrl.trainer.worker import StepReport
+    from asyncrl.weights import SyncReport
 
 TIMING_PREFIX = "time/"
 METRICS_FILE = "metrics.jsonl"
@@ -83,6 +89,108 @@ def _truncate_jsonl(path: Path, last_step: int) -> None:
         return
     kept = [record for record in read_jsonl(path) if record.get("step", 0) <= last_step]
     _replace_atomic(path, "".join(json.dumps(record) + "\n" for record in kept))
+
+
+@dataclass
+class StepClock:
+    """Busy and idle seconds of the loops since the last step record."""
+
+    generation_s: float = 0.0
+    generated_tokens: int = 0
+    train_s: float = 0.0
+    train_wait_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class RunCounters:
+    """The controller's totals over the run that every step record repeats."""
+
+    refill_groups_total: int
+    evicted_groups: int
+    skipped_prompts: int
+    step_retries: int
+    nonfinite_steps: int
+    empty_steps: int
+
+
+def step_record(
+    report: StepReport,
+    sync: SyncReport,
+    counters: RunCounters,
+    clock: StepClock,
+    step_s: float,
+    wall_s: float,
+    rollout_workers: int,
+) -> dict:
+    """One line of metrics.jsonl (docs/metrics.md), from what the step, the sync and the controller
+    counted; a pure function so that the controller only keeps the books."""
+    result, data = report.result, report.data
+    samples = max(data.num_samples, 1)
+    reward_mean = data.reward_sum / samples
+    lags = data.lag_histogram
+    record = {
+        "step": result.version,
+        "reward_mean": reward_mean,
+        "reward_std": max(data.reward_sq_sum / samples - reward_mean**2, 0.0) ** 0.5,
+        "accuracy": data.num_correct / samples,
+        "response_length_mean": data.response_tokens / samples,
+        "num_groups": data.num_groups,
+        "num_filtered_groups": data.num_filtered_groups,
+        "num_informative_groups": data.num_groups - data.num_filtered_groups,
+        "refill_groups": data.num_refill_groups,
+        "refill_groups_total": counters.refill_groups_total,
+        "num_sequences": result.num_sequences,
+        "num_tokens": result.num_tokens,
+        "loss": _finite_or_none(result.loss),
+        "grad_norm": _finite_or_none(result.grad_norm),
+        "lr": result.lr,
+        "clip_fraction": result.metrics["clip_mean"],
+        "is_weight_mean": result.metrics["is_weight_mean"],
+        "is_weight_min": result.metrics.get("is_weight_min"),
+        "is_weight_max": result.metrics.get("is_weight_max"),
+        "mismatch_kl": result.metrics["mismatch_kl_mean"],
+        "lag_histogram": {str(lag): lags[lag] for lag in sorted(lags)},
+        "lag_mean": sum(lag * count for lag, count in lags.items()) / max(sum(lags.values()), 1),
+        "reward_errors": data.reward_errors,
+        "reward_timeouts": data.reward_timeouts,
+        "rollout_retries": data.rollout_retries,
+        "evicted_groups": counters.evicted_groups,
+        "skipped_prompts": counters.skipped_prompts,
+        "step_retries": counters.step_retries,
+        "skipped": result.skipped,
+        "nonfinite_steps": counters.nonfinite_steps,
+        "num_updates": result.num_updates,
+        "empty_steps": counters.empty_steps,
+        "sync_bytes": sync.bytes,
+        "sync_version": sync.version,
+        "sync_transport": sync.transport,
+    }
+    for source, name in (("entropy_mean", "entropy"), ("kl_mean", "kl")):
+        if source in result.metrics:
+            record[name] = result.metrics[source]
+    record.update(
+        {
+            "time/step_s": step_s,
+            "time/wall_s": wall_s,
+            "time/tokens_per_s": clock.generated_tokens / step_s if step_s > 0 else 0.0,
+            "time/generation_s": clock.generation_s,
+            "time/generation_idle_fraction": _idle(clock.generation_s, step_s * rollout_workers),
+            "time/train_s": clock.train_s,
+            "time/train_idle_fraction": _idle(clock.train_s, step_s),
+            "time/sync_pause_s": sync.pause_s,
+            "time/sync_transfer_s": sync.transfer_s,
+        }
+    )
+    return record
+
+
+def _finite_or_none(value: float) -> float | None:
+    """Non-finite numbers are not JSON: a skipped step logs its loss and gradient norm as null."""
+    return value if math.isfinite(value) else None
+
+
+def _idle(busy_s: float, total_s: float) -> float:
+    return min(max(1.0 - busy_s / total_s, 0.0), 1.0) if total_s > 0 else 0.0
 
 
 def strip_timing(record: dict) -> dict:

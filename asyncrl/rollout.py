@@ -8,8 +8,8 @@ its order, and every sample's seed comes from (run seed, prompt uid, sample inde
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import Mapping, Sequence
 
 import torch
 from torch import Tensor

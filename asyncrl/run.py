@@ -10,20 +10,29 @@ import asyncio
 import copy
 import os
 import time
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
-from typing import Any, Callable, TypeVar
+from typing import Any, TypeVar
 
 import torch
 import transformers
 
 from asyncrl.buffer import ReplayBuffer
-from asyncrl.checkpoint import RUN_CONFIG_FILE, STATE_FILE, CheckpointError, load_run_state, load_weights, resolve_checkpoint
+from asyncrl.checkpoint import (
+    RUN_CONFIG_FILE,
+    STATE_FILE,
+    CheckpointError,
+    load_run_state,
+    load_weights,
+    resolve_checkpoint,
+)
 from asyncrl.config import ConfigError, RunConfig, dump_config
 from asyncrl.controller import SingleController
 from asyncrl.data import PromptLoader, build_task, check_encodable, check_prompt_lengths
 from asyncrl.faults import inject_rollout_faults, inject_trainer_faults
 from asyncrl.generation import SamplingParams, build_generator
+from asyncrl.handles import RolloutHandle, TrainerHandle
 from asyncrl.metrics import MetricsWriter, ProgressDisplay, read_jsonl, write_json_atomic
 from asyncrl.models.factory import build_model, build_tokenizer
 from asyncrl.models.hf import stop_token_ids
@@ -44,8 +53,8 @@ def train(config: RunConfig, *, resume: str | Path | None = None, console: Any =
     """Run GRPO to the end; returns the summary that is also written to ``summary.json``."""
     start = time.perf_counter()
     transformers.utils.logging.disable_progress_bar()  # loads and saves would print bars over the display and errors
-    checkpoint_dir = _input(resolve_checkpoint, resume) if resume is not None else None
-    state = _input(load_run_state, checkpoint_dir) if checkpoint_dir is not None else None
+    checkpoint_dir = _checkpoint_input(resolve_checkpoint, resume) if resume is not None else None
+    state = _checkpoint_input(load_run_state, checkpoint_dir) if checkpoint_dir is not None else None
     run_dir = run_directory(config, resuming=checkpoint_dir is not None)
     config = config.model_copy(update={"logging": config.logging.model_copy(update={"output_dir": str(run_dir)})})
     tokenizer = _input(build_tokenizer, config)
@@ -93,7 +102,7 @@ def train(config: RunConfig, *, resume: str | Path | None = None, console: Any =
 
 def _start_workers(
     runtime: Any, config: RunConfig, model: Any, tokenizer: Any, rewards: RewardRunner, checkpoint_dir: Path | None, state: dict | None
-) -> tuple[Any, list[Any]]:
+) -> tuple[TrainerHandle, list[RolloutHandle]]:
     """The trainer and rollout worker handles: actors that build their own workers on Ray,
     in-process objects sharing the driver's model and rewards on the local runtime."""
     if runtime.name == "ray":
@@ -154,7 +163,7 @@ def _rollout_worker(config: RunConfig, generator: Any, rewards: RewardRunner, to
 
 
 def drive(
-    config: RunConfig, trainer: Any, rollout_workers: list[Any], *, task: Any, state: dict | None, metrics: Any, progress: Any
+    config: RunConfig, trainer: TrainerHandle, rollout_workers: list[RolloutHandle], *, task: Any, state: dict | None, metrics: Any, progress: Any
 ) -> int:
     """Run the controller over these handles to the end; returns the steps taken in total."""
     controller = SingleController(
@@ -174,14 +183,18 @@ def drive(
     return asyncio.run(_load_weights_then_run(controller, trainer, rollout_workers))
 
 
-async def _load_weights_then_run(controller: SingleController, trainer: Any, rollout_workers: list[Any]) -> int:
+async def _load_weights_then_run(
+    controller: SingleController, trainer: TrainerHandle, rollout_workers: list[RolloutHandle]
+) -> int:
     """Give every generator the trainer's weights (warm-started or resumed), then run."""
     version, weights = await trainer.export_weights()
     await asyncio.gather(*(worker.load_weights(weights, version) for worker in rollout_workers))
     return await controller.run()
 
 
-def drive_in_actor(config: RunConfig, trainer: Any, rollout_workers: list[Any], state: dict | None) -> int:
+def drive_in_actor(
+    config: RunConfig, trainer: TrainerHandle, rollout_workers: list[RolloutHandle], state: dict | None
+) -> int:
     """``drive`` inside the controller actor: it writes the metrics itself; there is no live display."""
     torch.set_num_threads(1)
     task = build_task(config.data, build_tokenizer(config))
@@ -223,10 +236,22 @@ def run_directory(config: RunConfig, *, resuming: bool) -> Path:
 
 
 def _input(build: Callable[..., T], *args: Any) -> T:
-    """Build from user input; a ValueError or a missing file becomes a one-line config error."""
+    """Build from user input with a builder that raises ValueError naming the field or file for bad
+    input (models/, data/, rewards/, the run's own files, and the Ray factories that call them):
+    that, or a missing file, becomes a one-line config error."""
     try:
         return build(*args)
     except (ValueError, FileNotFoundError) as err:
+        raise ConfigError(" ".join(str(err).split())) from None
+
+
+def _checkpoint_input(load: Callable[..., T], *args: Any) -> T:
+    """Read a checkpoint the user named. checkpoint.py reports every bad file as a CheckpointError,
+    so only that and a missing file are input errors here: any other ValueError is a bug in our
+    code and keeps its traceback."""
+    try:
+        return load(*args)
+    except (CheckpointError, FileNotFoundError) as err:
         raise ConfigError(" ".join(str(err).split())) from None
 
 
@@ -244,7 +269,7 @@ def _from_checkpoint(where: str, load: Callable[..., T], *args: Any) -> T:
 
 def resumed_checkpoint(resume: str | Path) -> Path:
     """The checked checkpoint directory ``--resume`` names."""
-    return _input(resolve_checkpoint, resume)
+    return _checkpoint_input(resolve_checkpoint, resume)
 
 
 def resumed_config_path(checkpoint_dir: Path) -> Path:
@@ -281,12 +306,12 @@ def _summary(run_dir: Path, steps_done: int, wall_seconds: float) -> dict:
 def evaluate(config: RunConfig, *, checkpoint: str | Path | None = None) -> dict:
     """Greedy held-out accuracy of the config's policy (warm start included) or of a checkpoint."""
     transformers.utils.logging.disable_progress_bar()
-    checkpoint_dir = _input(resolve_checkpoint, checkpoint, "--checkpoint") if checkpoint is not None else None
+    checkpoint_dir = _checkpoint_input(resolve_checkpoint, checkpoint, "--checkpoint") if checkpoint is not None else None
     tokenizer = _input(build_tokenizer, config)
     model = _input(build_model, config, tokenizer)
     task = _checked_task(config, tokenizer, model)
     if checkpoint_dir is not None:
-        _input(load_weights, model, checkpoint_dir)
+        _checkpoint_input(load_weights, model, checkpoint_dir)
     else:
         warm_start(model, tokenizer, task.train, config.warm_start, seed=config.seed, model_path=config.model.path)
     rewards = _input(RewardRunner.from_config, config.rewards, task)

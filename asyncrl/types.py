@@ -1,4 +1,4 @@
-"""The data contract between modules: Rollout -> RolloutGroup -> TrainBatch.
+"""The data contract between modules: Rollout -> RolloutGroup -> TrainBatch -> TokenLossInputs.
 
 Token layout, shared by every tensor below: a row is ``prompt + response`` followed by right
 padding. Per-token tensors are aligned with ``input_ids``: position t describes token t, so
@@ -8,8 +8,8 @@ padding. Per-token tensors are aligned with ``input_ids``: position t describes 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, fields, replace
-from typing import Sequence
 
 import torch
 from torch import Tensor
@@ -272,3 +272,20 @@ class TrainBatch:
             return t.to(device)
 
         return self.map_tensors(move)
+
+
+@dataclass
+class TokenLossInputs:
+    """The per-token tensors of one micro-batch (or one context-parallel shard of it), in one
+    layout; the loss is elementwise, so the layout only orders sums. Counts are this piece's share."""
+
+    logprobs: Tensor
+    entropy: Tensor | None
+    old_logprobs: Tensor | None  # None: the detached logprobs (on-policy)
+    behaviour_logprobs: Tensor
+    advantages: Tensor  # broadcastable to logprobs
+    ref_logprobs: Tensor | None
+    response_mask: Tensor
+    weights: Tensor  # local_it * m_it
+    num_tokens: Tensor
+    num_sequences: Tensor

@@ -23,8 +23,11 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Literal, Sequence
+from typing import Any, Literal
+
+from asyncrl.handles import RolloutHandle, TrainerHandle
 
 
 class SyncTimeoutError(RuntimeError):
@@ -133,8 +136,8 @@ def state_dict_bytes(state: Any) -> int:
 class WeightSync:
     def __init__(
         self,
-        trainer: Any,
-        generators: Sequence[Any],
+        trainer: TrainerHandle,
+        generators: Sequence[RolloutHandle],
         gate: RolloutGate,
         *,
         mode: Literal["drain", "inflight"],

@@ -18,12 +18,12 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
+from test_train import SMALL
 from tokenizers import normalizers
 
 from asyncrl.checkpoint import resolve_checkpoint
 from asyncrl.cli import main
 from asyncrl.metrics import read_jsonl
-from test_train import SMALL
 
 
 def error(capsys, *argv) -> str:

@@ -8,8 +8,8 @@ import json
 
 import pytest
 
-from asyncrl.cli import main
 from asyncrl.bench import e2e, report
+from asyncrl.cli import main
 
 pytestmark = pytest.mark.slow
 
@@ -189,8 +189,8 @@ def test_e2e_against_trl_without_trl_fails_before_any_run(capsys, tmp_path, monk
 
 
 def test_trl_settings_map_every_shared_setting():
-    from asyncrl.config import load_config
     from asyncrl.bench.trl_baseline import trl_settings
+    from asyncrl.config import load_config
 
     base = trl_settings(load_config(None, ["sampler.max_lag=0"]))
     kwargs = base["kwargs"]

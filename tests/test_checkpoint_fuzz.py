@@ -15,10 +15,10 @@ import shutil
 
 import pytest
 import torch
+from test_train import SMALL, run
 
 from asyncrl.checkpoint import MANIFEST_FILE, resolve_checkpoint
 from asyncrl.cli import main
-from test_train import SMALL, run
 
 FLIPS_PER_FILE = 12
 
@@ -65,7 +65,7 @@ def test_every_damaged_checkpoint_file_is_refused_by_name(trained, tmp_path, cap
     tried = 0
     for path in files:
         original = path.read_bytes()
-        for what, damaged in variants(original, rng):
+        for _what, damaged in variants(original, rng):
             path.write_bytes(damaged)
             refused(capsys, ["train", "--resume", str(run_dir)], path.name)
             refused(capsys, ["eval", "--checkpoint", str(run_dir), *SMALL, "data.eval_size=2"], path.name)

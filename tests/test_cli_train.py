@@ -3,9 +3,9 @@
 import json
 
 import pytest
+from test_train import SMALL
 
 from asyncrl.cli import main
-from test_train import SMALL
 
 
 def one_line_error(capsys, argv) -> str:

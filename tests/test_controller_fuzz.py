@@ -26,10 +26,10 @@ import os
 import random
 import zlib
 from collections import Counter, deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Callable
 
 import pytest
 import torch

@@ -9,8 +9,8 @@ import pytest
 from asyncrl.config import ConfigError, DataConfig, load_config
 from asyncrl.data import ARITHMETIC_LEVELS, Prompt, PromptLoader, build_task, encode_prompts
 from asyncrl.data.prompts import apply_chat_template
-from asyncrl.models.example import build_tokenizer as example_tokenizer
 from asyncrl.data.synthetic import evaluate
+from asyncrl.models.example import build_tokenizer as example_tokenizer
 from asyncrl.models.tokenizer import DEFAULT_ALPHABET, build_char_tokenizer
 
 

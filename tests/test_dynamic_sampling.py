@@ -1,7 +1,6 @@
 """Zero-variance filtering end to end: steps with nothing to learn, refill, resume."""
 
 import pytest
-
 from test_train import deterministic, run
 
 

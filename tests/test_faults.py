@@ -12,13 +12,13 @@ import time
 
 import pytest
 import torch
+from test_train import SMALL, run
 
 from asyncrl.checkpoint import load_state, resolve_checkpoint
 from asyncrl.cli import main
 from asyncrl.controller import EvaluationFailedError, NonFiniteStepsError, StallError, TrainStepError
 from asyncrl.metrics import read_jsonl, strip_timing
 from asyncrl.weights import SyncTimeoutError
-from test_train import SMALL, run
 
 pytestmark = pytest.mark.slow
 COUNTERS = ("step_retries", "skipped", "nonfinite_steps", "skipped_prompts", "rollout_retries", "loss", "grad_norm")

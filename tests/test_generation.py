@@ -8,7 +8,14 @@ import torch
 from asyncrl.config import GenerationConfig, load_config
 from asyncrl.generation import Generator, HFGenerator, SampleRequest, SamplingParams, build_generator, sample_seed
 from asyncrl.generation.hf import sample_next
-from asyncrl.models import build_char_tokenizer, build_tiny_model, load_model, load_tokenizer, stop_token_ids, token_logprobs
+from asyncrl.models import (
+    build_char_tokenizer,
+    build_tiny_model,
+    load_model,
+    load_tokenizer,
+    stop_token_ids,
+    token_logprobs,
+)
 from asyncrl.models.example import END_OF_TURN, write_example_checkpoint
 
 TOKENIZER = build_char_tokenizer()

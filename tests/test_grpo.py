@@ -367,8 +367,8 @@ def test_split_step_equals_whole_step(mode, row_parts, column_shards):
     mask, lengths, loss = ragged_step()
     expected = reference_loss(mode, mask, lengths, loss)
     total, tokens, sequences = 0.0, 0.0, 0.0
-    for m, n, l, first_shard in pieces(mask, lengths, loss, [torch.tensor(r) for r in row_parts], column_shards):
-        total = total + (local_token_weights(m, n, mode, NORM_CONSTANT) * l).sum()
+    for m, n, terms, first_shard in pieces(mask, lengths, loss, [torch.tensor(r) for r in row_parts], column_shards):
+        total = total + (local_token_weights(m, n, mode, NORM_CONSTANT) * terms).sum()
         tokens += float(m.sum())
         sequences += float((n > 0).sum()) if first_shard else 0.0  # a sequence counts once, not per shard
     got = total / step_normalizer(mode, tokens, sequences)
@@ -382,9 +382,9 @@ def test_normalizing_each_piece_by_its_own_count_is_detected(mode):
     expected = reference_loss(mode, mask, lengths, loss)
     row_parts = [torch.tensor(r) for r in PARTITIONS[2]]
     own = [
-        (local_token_weights(m, n, mode, NORM_CONSTANT) * l).sum()
+        (local_token_weights(m, n, mode, NORM_CONSTANT) * terms).sum()
         / step_normalizer(mode, float(m.sum()), float((n > 0).sum()))
-        for m, n, l, _ in pieces(mask, lengths, loss, row_parts, column_shards=1)
+        for m, n, terms, _ in pieces(mask, lengths, loss, row_parts, column_shards=1)
         if m.sum() > 0
     ]
     got = torch.stack(own).mean()

@@ -261,3 +261,29 @@ def test_terminal_mode_renders_bar_numbers_and_status():
     assert "GRPO" in out and "2/4" in out
     assert "reward 0.500" in out and "eval acc 0.100" in out and "tok/s 1,234" in out
     assert "checkpointing step 2" in out
+
+
+def test_step_record_is_a_function_of_its_inputs():
+    from collections import Counter
+
+    from asyncrl.trainer.policy import StepResult
+    from asyncrl.trainer.worker import StepData, StepReport
+    from asyncrl.weights import SyncReport
+
+    result = StepResult(
+        version=3, loss=float("nan"), grad_norm=2.0, lr=1e-3, num_sequences=8, num_tokens=40, num_microbatches=2,
+        metrics={"clip_mean": 0.1, "is_weight_mean": 1.0, "mismatch_kl_mean": 0.0, "kl_mean": 0.5},
+    )
+    data = StepData(num_groups=2, num_samples=8, reward_sum=4.0, reward_sq_sum=4.0, lag_histogram=Counter({0: 1, 2: 1}))
+    sync = SyncReport(version=3, pause_s=0.5, transfer_s=0.25, bytes=100, transport="in_process")
+    counters = metrics.RunCounters(
+        refill_groups_total=1, evicted_groups=2, skipped_prompts=3, step_retries=4, nonfinite_steps=5, empty_steps=6
+    )
+    clock = metrics.StepClock(generation_s=1.0, generated_tokens=40, train_s=1.0)
+    record = metrics.step_record(StepReport(result, data), sync, counters, clock, 2.0, 10.0, 2)
+    assert record == metrics.step_record(StepReport(result, data), sync, counters, clock, 2.0, 10.0, 2)
+    assert record["step"] == 3 and record["loss"] is None and record["kl"] == 0.5 and "entropy" not in record
+    assert record["reward_mean"] == 0.5 and record["reward_std"] == 0.5 and record["lag_mean"] == 1.0
+    assert (record["evicted_groups"], record["empty_steps"], record["refill_groups_total"]) == (2, 6, 1)
+    assert record["time/tokens_per_s"] == 20.0 and record["time/generation_idle_fraction"] == 0.75
+    assert record["time/train_idle_fraction"] == 0.5 and record["time/wall_s"] == 10.0

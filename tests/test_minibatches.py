@@ -1,7 +1,6 @@
 """Several optimizer updates per step, end to end: the clip acts and its bounds matter."""
 
 import pytest
-
 from test_train import deterministic, run
 
 # the default warm start and two groups per mini-batch: rewards vary, so every update has a gradient to clip

@@ -1,4 +1,4 @@
-"""dp × cp trainer ranks on local gloo processes: parity with the single-process step (DESIGN 5),
+"""dp × cp trainer ranks on local gloo processes: parity with the single-process step (docs/loss.md),
 every planted mistake failing, the real trainer over two steps, the collectives' gradients, and the
 ``parallel`` config section.
 
@@ -49,7 +49,7 @@ def test_cp2_matches_in_every_mode_in_float64_float32_and_under_ddp():
     assert [r.case for r in results] == cases
     assert_float64_parity([r for r in results if r.case.dtype == "float64"])
     for r in results:
-        assert r.passed and r.loss_error <= 1e-5, r  # float32: DESIGN 5's tolerances, checked inside ``passed``
+        assert r.passed and r.loss_error <= 1e-5, r  # float32: docs/loss.md's tolerances, checked inside ``passed``
 
 
 @pytest.mark.slow

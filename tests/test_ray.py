@@ -17,6 +17,8 @@ from functools import partial
 
 import pytest
 import torch
+from conftest import dashboard_command_lines, ray_server_processes, wait_until_gone
+from test_train import SMALL
 
 from asyncrl.config import ConfigError, load_config
 from asyncrl.metrics import read_jsonl, strip_timing
@@ -24,8 +26,6 @@ from asyncrl.rewards.functions import exact_match
 from asyncrl.run import train
 from asyncrl.runtime.ray import TrainerRankDiedError
 from asyncrl.types import RolloutGroup, RolloutJob
-from conftest import dashboard_command_lines, ray_server_processes, wait_until_gone
-from test_train import SMALL
 
 RAY = "runtime.name=ray"
 DIGITS = "rewards.functions=[test_ray:digits]"  # varies within groups even untrained: real gradients
@@ -290,7 +290,7 @@ def test_a_dead_trainer_rank_stops_the_run_and_its_last_checkpoint_resumes(ray_c
 
 
 def close(a, b) -> bool:
-    """Equal ints and strings; floats within DESIGN 5's float32 tolerance (rtol 1e-4)."""
+    """Equal ints and strings; floats within docs/loss.md's float32 tolerance (rtol 1e-4)."""
     if isinstance(a, dict):
         return a.keys() == b.keys() and all(close(a[k], b[k]) for k in a)
     if isinstance(a, float) and isinstance(b, float):

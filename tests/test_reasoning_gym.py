@@ -5,6 +5,7 @@ import pickle
 import sys
 
 import pytest
+from test_train import SMALL
 
 from asyncrl.cli import main
 from asyncrl.config import ConfigError, load_config
@@ -12,7 +13,6 @@ from asyncrl.data import PromptLoader, build_task
 from asyncrl.data.reasoning_gym import EntryAnswer
 from asyncrl.models.tokenizer import DEFAULT_ALPHABET
 from asyncrl.rewards import RewardRunner
-from test_train import SMALL
 
 pytest.importorskip("reasoning_gym")  # in the test extra; the missing-package error is tested below
 

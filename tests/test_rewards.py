@@ -8,7 +8,7 @@ import pytest
 
 from asyncrl.config import ConfigError, RewardConfig, load_config
 from asyncrl.data import Task
-from asyncrl.rewards import RewardRunner, exact_match, FormatReward, numeric_match, resolve_reward
+from asyncrl.rewards import FormatReward, RewardRunner, exact_match, numeric_match, resolve_reward
 
 TIMEOUT = 0.2
 

@@ -272,7 +272,7 @@ def test_abort_restores_the_rng_so_dropout_reruns_identically(restore_rng, monke
 
 
 def design_weights(batch, mode: str, norm_constant: float) -> torch.Tensor:
-    """DESIGN 3.4's per-token weight table, written out directly (no local/D factoring)."""
+    """docs/loss.md's per-token weight table, written out directly (no local/D factoring)."""
     n_i = batch.response_mask.sum(1, keepdim=True)
     num_seqs, num_tokens = len(batch), batch.response_mask.sum()
     per_token = {

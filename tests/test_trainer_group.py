@@ -1,8 +1,10 @@
 """Trainer ranks behind one handle: TrainerGroup's fan-out, build_trainer_rank, and dp × cp ranks
-running the real step sequence against the single-rank TrainerWorker (DESIGN 5, float32)."""
+running the real step sequence against the single-rank TrainerWorker (docs/loss.md, float32)."""
 
 import asyncio
 import io
+import subprocess
+import sys
 import threading
 from dataclasses import fields
 
@@ -176,7 +178,7 @@ RANK_OVERRIDES = [
     "trainer.eps=1e-6",
 ]
 CHUNKS = {0: [5], 1: [1, 3, 1], 2: [2, 2, 1], 3: [4, 1]}  # groups per train_groups call, per step
-FLOAT32 = {"loss": 1e-5, "rtol": 1e-4, "atol_frac": 1e-5}  # DESIGN 5
+FLOAT32 = {"loss": 1e-5, "rtol": 1e-4, "atol_frac": 1e-5}  # docs/loss.md, "What 'the same' means"
 
 
 class HeldGroup:
@@ -248,7 +250,7 @@ class DropsTheLastRound(TrainerWorker):
 
 
 def mismatches(got, want) -> list[str]:
-    """What differs between two steps' reports beyond DESIGN 5's float32 tolerance."""
+    """What differs between two steps' reports beyond docs/loss.md's float32 tolerance."""
     problems = [] if got.data == want.data else ["step data"]
     a, b = got.result, want.result
     for name in ("version", "num_sequences", "num_tokens", "num_microbatches", "skipped"):
@@ -267,7 +269,7 @@ def mismatches(got, want) -> list[str]:
 
 
 def weight_mismatches(got: dict, want: dict) -> list[str]:
-    """Weights beyond DESIGN 5's float32 tensor tolerance (rtol, atol relative to the tensor's max)."""
+    """Weights beyond docs/loss.md's float32 tensor tolerance (rtol, atol relative to the tensor's max)."""
     if got.keys() != want.keys():
         return ["weight names"]
     return [
@@ -377,3 +379,11 @@ def test_cp_and_dp_cp_ranks_match_the_single_rank_worker(tmp_path, dp, cp):
     payloads = rank_payloads(dp * cp, overrides, None, None, str(tmp_path / "ranks"))
     check_ranks_against_single_rank(payloads, reports, single.export_weights()[1], dp=dp)
     check_checkpoint_loads_on_one_rank(tmp_path, payloads)
+
+
+def test_workers_do_not_import_the_controller():
+    """Workers share only asyncrl.errors with the controller, so a rank or an actor never loads it."""
+    pytest.importorskip("ray")
+    code = "import sys, asyncrl.trainer.group, asyncrl.runtime.ray; print('asyncrl.controller' in sys.modules)"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert proc.stdout.strip() == "False"

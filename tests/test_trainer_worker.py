@@ -6,12 +6,12 @@ import random
 import pytest
 import torch
 
+from asyncrl.algorithms import grpo
 from asyncrl.checkpoint import load_state, resolve_checkpoint
 from asyncrl.config import GRPOConfig, LossConfig, TrainerConfig
 from asyncrl.models import build_char_tokenizer, build_tiny_model
 from asyncrl.trainer import PolicyTrainer
 from asyncrl.trainer.worker import TrainerWorker
-from asyncrl.algorithms import grpo
 from asyncrl.types import Rollout, RolloutGroup, TrainBatch
 
 TOKENIZER = build_char_tokenizer()

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_train import SMALL
 
 from asyncrl.cli import main
 from asyncrl.config import load_config
@@ -13,7 +14,6 @@ from asyncrl.data import Prompt
 from asyncrl.models import build_char_tokenizer, build_tiny_model, load_model, load_tokenizer
 from asyncrl.models.example import write_example_checkpoint
 from asyncrl.warm_start import _cache_key
-from test_train import SMALL
 
 PROMPTS = [Prompt("a", "1+1=", "2")]
 ROOT = Path(__file__).resolve().parents[1]

@@ -2,7 +2,7 @@
 
 Everything here is a pure tensor function that works in the dtype of its inputs.
 
-Normalization contract (DESIGN 3.4). For token t of sequence i in a step, with loss term l_it,
+Normalization contract (docs/loss.md). For token t of sequence i in a step, with loss term l_it,
 response mask m_it, response length n_i, G sequences with n_i > 0 and N = sum_i n_i, the step
 loss is L = sum_it w_it * m_it * l_it, where w_it depends on the aggregation mode:
 

@@ -9,9 +9,10 @@ import os
 import platform
 import subprocess
 import time
+from collections.abc import Callable, Iterator
 from importlib import metadata
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 from asyncrl.metrics import write_json_atomic
 

@@ -15,11 +15,12 @@ import cProfile
 import pstats
 import tempfile
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
-from asyncrl.runtime import LocalRuntime
 from asyncrl.bench.fake_workers import DelayRolloutWorker, DelayTrainerWorker
 from asyncrl.bench.overlap import GROUP_SIZE, PROMPTS_PER_STEP, bench_config, build_controller
+from asyncrl.runtime import LocalRuntime
 
 GOAL_US = 50.0
 

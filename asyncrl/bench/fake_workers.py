@@ -9,8 +9,9 @@ Sleeping releases the GIL, so on the local runtime the loops overlap the way rea
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 

@@ -7,8 +7,9 @@ written and ``--write`` only replaces the numbers.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from asyncrl.bench.common import RESULTS_DIR
 

@@ -15,13 +15,13 @@ import time
 
 import torch
 
+from asyncrl.bench.common import runtime_session, spawn_pair
 from asyncrl.config import GRPOConfig, LossConfig, TrainerConfig
 from asyncrl.generation.hf import HFGenerator
 from asyncrl.models import build_tiny_model
 from asyncrl.trainer.policy import PolicyTrainer
 from asyncrl.trainer.worker import TrainerWorker
 from asyncrl.weights import Changes, RolloutGate, WeightSync
-from asyncrl.bench.common import runtime_session, spawn_pair
 
 VOCAB = 256
 # name -> tiny model shape; the names are the approximate parameter counts.

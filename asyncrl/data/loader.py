@@ -9,8 +9,8 @@ prompts the saved one would have, with no replay of earlier epochs. A prompt com
 from __future__ import annotations
 
 import random
+from collections.abc import Sequence
 from dataclasses import replace
-from typing import Sequence
 
 from asyncrl.data.prompts import Prompt
 

@@ -17,8 +17,8 @@ from __future__ import annotations
 import inspect
 import logging
 import re
+from collections.abc import Callable
 from decimal import Decimal, InvalidOperation
-from typing import Callable
 
 from asyncrl.plugins import import_attribute
 
@@ -119,7 +119,7 @@ def resolve_reward(name: str, *, format_pattern: str | None = None, task_score: 
         raise ValueError(f"rewards.functions: '{name}' is a class; give a function taking (completion, answer), or an instance")
     if not callable(fn):
         raise ValueError(f"rewards.functions: '{name}' is not callable")
-    if inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None)):
+    if inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None)):  # noqa: B004 (not a callable check)
         raise ValueError(f"rewards.functions: '{name}' is async; rewards are called, not awaited: use a plain def")
     try:
         inspect.signature(fn).bind("completion", "answer")

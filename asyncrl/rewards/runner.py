@@ -25,8 +25,9 @@ import numbers
 import queue
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING
 
 from asyncrl.rewards.functions import RewardFn, resolve_reward
 

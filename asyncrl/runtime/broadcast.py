@@ -24,7 +24,6 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-
 STOP_KEY = "stop"
 POLL_S = (1e-4, 0.01)  # a waiting receiver checks for completion and the stop signal this often: first, at most
 

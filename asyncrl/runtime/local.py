@@ -8,8 +8,9 @@ training overlap. Torch releases the GIL inside its kernels, which is where the 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable
+from typing import Any
 
 
 class LocalHandle:

@@ -11,11 +11,11 @@ synchronous actor, one call at a time). Three things differ from threads in one 
   the buffer hold ``RemoteGroup``s: metadata plus a reference; trainer ranks fetch the payloads;
 - rank 0 leaves exported weights in the object store and the generators load them from there;
   the controller only passes the reference along. A restarted generator reloads the last weights
-  its handle sent before it serves another call;
-- or, with ``sync.transport: broadcast``, rank 0 broadcasts them to the generators over a process
-  group of their own (runtime/broadcast.py): NCCL between GPUs. A generator that misses a
-  broadcast loads that version from rank 0's copy through the object store, and every later sync
-  goes through the object store (``WeightBroadcast``).
+  its handle sent before it serves another call. Or, with ``sync.transport: broadcast``, rank 0
+  broadcasts them to the generators over a process group of their own (runtime/broadcast.py):
+  NCCL between GPUs. A generator that misses a broadcast loads that version from rank 0's copy
+  through the object store, and every later sync goes through the object store
+  (``WeightBroadcast``).
 
 ``ray`` is imported inside functions only: ``import asyncrl`` and the local runtime never load it.
 """
@@ -29,14 +29,15 @@ import math
 import os
 import socket
 import warnings
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields, replace
-from typing import Any, Callable, ClassVar, Sequence
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
 
 from asyncrl.config import RuntimeConfig
-from asyncrl.controller import RunStopped
+from asyncrl.errors import RunStopped
 from asyncrl.runtime.broadcast import BroadcastError, BroadcastMember, Layout, Rendezvous, signal_stop
 from asyncrl.types import RolloutGroup
 

@@ -40,8 +40,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from asyncrl.models.logprobs import logits_logprobs, position_ids_from_mask
-from asyncrl.trainer.policy import TokenLossInputs
-from asyncrl.types import TrainBatch
+from asyncrl.types import TokenLossInputs, TrainBatch
 
 ATTN_IMPLEMENTATION = "asyncrl_context_parallel"
 

@@ -10,8 +10,9 @@ describes the whole step (trainer/worker.py). See docs/parallelism.md.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Sequence
 from pathlib import Path
-from typing import Any, Awaitable, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -20,8 +21,8 @@ from torch import nn
 
 from asyncrl.checkpoint import load_state
 from asyncrl.config import RunConfig
-from asyncrl.controller import RunStopped
 from asyncrl.data import build_task
+from asyncrl.errors import RunStopped
 from asyncrl.faults import inject_trainer_faults
 from asyncrl.models.factory import build_model, build_tokenizer, resolve_device
 from asyncrl.trainer.parallel import init_parallel, start_rank

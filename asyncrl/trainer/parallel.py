@@ -5,7 +5,7 @@ cp ranks of one DP group see the same sequences and each holds 2 of their 2·cp 
 (context_parallel.py). Seen from the parameters, all W = dp·cp ranks are data-parallel, so the
 wrapper (FSDP2 or DDP) spans the whole mesh.
 
-Gradient convention (DESIGN 3.4): gradients are SUMMED over micro-batches, DP ranks and CP ranks.
+Gradient convention (docs/loss.md): gradients are SUMMED over micro-batches, DP ranks and CP ranks.
 Both wrappers average instead: FSDP2's reduce-scatter and DDP's all-reduce divide the sum by W.
 That average is undone in exactly one place, ``ParallelContext.gradient_compensation`` (= W), which
 ``PolicyTrainer.finish_train_step`` folds into its single 1/D scaling. (With W a power of two the
@@ -26,10 +26,10 @@ import queue
 import tempfile
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Callable
 
 import torch
 import torch.distributed as dist

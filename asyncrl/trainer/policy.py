@@ -1,6 +1,6 @@
 """PolicyTrainer: the GRPO train step, split into begin / micro-batches / finish / abort.
 
-Gradient convention (DESIGN 3.4), the single place it is written down:
+Gradient convention, the single place the code writes it down (docs/loss.md explains it):
     every micro-batch back-propagates the *unnormalized* sum  sum_t local_w * mask * loss_t,
     gradients are SUMMED over micro-batches (autograd accumulation) and over data- and
     context-parallel ranks, and ``finish_train_step`` divides them exactly once by the step-global
@@ -30,7 +30,7 @@ from asyncrl.config import LossConfig, RunConfig, TrainerConfig
 from asyncrl.models import token_logprobs
 from asyncrl.trainer.optim import build_optimizer, build_scheduler
 from asyncrl.trainer.recompute import checkpoint_activations
-from asyncrl.types import TrainBatch
+from asyncrl.types import TokenLossInputs, TrainBatch
 
 if TYPE_CHECKING:
     from asyncrl.trainer.parallel import ParallelContext
@@ -65,23 +65,6 @@ class StepResult:
 # Step counters accumulate in one float64 vector (summed over micro-batches, later over ranks, in
 # one collective): the loss sum, the counts behind D, then each metric's masked sum.
 _COUNTERS = ("loss_sum", "num_tokens", "num_sequences", *(f"{name}_sum" for name in _SUMMED_METRICS))
-
-
-@dataclass
-class TokenLossInputs:
-    """The per-token tensors of one micro-batch (or one context-parallel shard of it), in one
-    layout; the loss is elementwise, so the layout only orders sums. Counts are this piece's share."""
-
-    logprobs: Tensor
-    entropy: Tensor | None
-    old_logprobs: Tensor | None  # None: the detached logprobs (on-policy)
-    behaviour_logprobs: Tensor
-    advantages: Tensor  # broadcastable to logprobs
-    ref_logprobs: Tensor | None
-    response_mask: Tensor
-    weights: Tensor  # local_it * m_it
-    num_tokens: Tensor
-    num_sequences: Tensor
 
 
 @dataclass
@@ -411,7 +394,7 @@ class PolicyTrainer:
         )
 
     def _local_weights(self, batch: TrainBatch) -> Tensor:
-        """Per-token weights that depend only on each sequence (DESIGN 3.4); no local counts."""
+        """Per-token weights that depend only on each sequence (docs/loss.md); no local counts."""
         return grpo.local_token_weights(
             batch.response_mask, batch.response_lengths, self.loss_cfg.mode, self.loss_cfg.norm_constant
         )

@@ -26,9 +26,10 @@ micro-batches hold its sequences, so rank 0 reports the whole step while fetchin
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor, nn

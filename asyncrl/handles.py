@@ -1,0 +1,46 @@
+"""What the controller and WeightSync need from a worker handle, on any runtime.
+
+A handle call submits its work at once and returns an awaitable, so calls to one worker run in the
+order they were made (docs/architecture.md). ``runtime.local.LocalHandle``, ``runtime.ray``'s
+handles and ``trainer.group.TrainerGroup`` all satisfy these protocols; workers never see them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:  # worker-side types; importing this module loads no model code
+    from asyncrl.data import Prompt
+    from asyncrl.rollout import EvalResult, RolloutBatch
+    from asyncrl.trainer.worker import StepReport
+    from asyncrl.types import RolloutGroup, RolloutJob
+
+
+class TrainerHandle(Protocol):
+    """The trainer (every rank of it): one step is begin_step, train_groups..., then finish or abort."""
+
+    def begin_step(self, step: int) -> Awaitable[None]: ...
+
+    def train_groups(self, groups: Sequence[RolloutGroup]) -> Awaitable[int]: ...
+
+    def finish_step(self) -> Awaitable[StepReport]: ...
+
+    def abort_step(self) -> Awaitable[None]: ...
+
+    def export_weights(self) -> Awaitable[tuple[int, Any]]:
+        """(version, weights): a state dict, or a runtime's reference to one."""
+
+    def save_checkpoint(self, run_dir: str, step: int, run_state: dict, keep_last: int) -> Awaitable[Path | None]: ...
+
+
+class RolloutHandle(Protocol):
+    """One rollout worker: generation batches, evaluations and weight loads, run in call order."""
+
+    def generate(self, jobs: Sequence[RolloutJob]) -> Awaitable[RolloutBatch]: ...
+
+    def evaluate(self, prompts: Sequence[Prompt]) -> Awaitable[EvalResult]: ...
+
+    def load_weights(self, weights: Any, version: int) -> Awaitable[None]:
+        """Load what ``TrainerHandle.export_weights`` returned as ``weights``."""
