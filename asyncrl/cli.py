@@ -46,9 +46,11 @@ PlantChoice = _choices(
         "double-count-tokens",
         "whole-step-normalizer",
         "recompute-proximal",
+        "cp-shard-mean",
     ),
 )
 WrapChoice = _choices("WrapChoice", ("fsdp", "ddp"))
+RatioLevelChoice = _choices("RatioLevelChoice", ("token", "sequence"))
 
 
 @app.callback()
@@ -88,19 +90,23 @@ def verify(
     updates: int = typer.Option(
         1, "--updates", min=1, help="K: the step's groups in K mini-batches, one update each, against step-start logprobs"
     ),
+    ratio_level: RatioLevelChoice = typer.Option(
+        "token", "--ratio-level", help="loss.ratio_level: token (PPO) or sequence (GSPO) importance ratio"
+    ),
 ) -> None:
     """Check that a split (or dp x cp parallel) train step equals the monolithic step, for every loss mode."""
     from asyncrl.verify import DTYPES, TOLERANCES, check_layout, verify as run_verify
 
     dtype, plant, wrap = dtype.value, plant.value if plant else None, wrap.value
     try:
-        check_layout(dp, cp, micro_batches, [plant], updates)
+        check_layout(dp, cp, micro_batches, [plant], updates, ratio_level.value)
     except ValueError as err:
         hint, _, message = str(err).partition(": ")
         raise typer.BadParameter(message, param_hint=hint) from None
     modes = tuple(m.value for m in mode) if mode else AGG_MODES
     results = run_verify(
-        modes, micro_batches=micro_batches, dtype=dtype, plant=plant, seed=seed, dp=dp, cp=cp, wrap=wrap, updates=updates
+        modes, micro_batches=micro_batches, dtype=dtype, plant=plant, seed=seed, dp=dp, cp=cp, wrap=wrap, updates=updates,
+        ratio_level=ratio_level.value,
     )
     tol = TOLERANCES[DTYPES[dtype]]
     if dp * cp > 1:
@@ -109,6 +115,8 @@ def verify(
         what = f"split ({micro_batches} micro-batches)"
     if updates > 1:
         what += f", {updates} updates"
+    if ratio_level.value == "sequence":
+        what += ", sequence ratio"
     table = Table(title=f"{what} vs monolithic step, {dtype}" + (f", planted: {plant}" if plant else ""))
     columns = ("mode", "loss", "loss err", "grad norm", "norm err", "worst grad err", "worst param err", "worst metric err")
     for column in (*columns, "result"):

@@ -243,6 +243,11 @@ class LossConfig(Section):
         "so the clip acts only with grpo.num_minibatches or num_epochs > 1); behaviour: ratio to the generator's "
         "logprobs, which bounds stale data directly (one update per step; no separate importance weight)",
     )
+    ratio_level: Literal["token", "sequence"] = Field(
+        "token",
+        description="token: each token's own ratio is clipped (PPO); sequence: every token of a response uses the "
+        "geometric mean of its token ratios, clipped per sequence (GSPO)",
+    )
     importance_sampling: Literal["auto", "none", "tis", "icepop"] = Field(
         "auto",
         description="off-policy correction; auto: tis whenever the generator's distribution can differ from the "

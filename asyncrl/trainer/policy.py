@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -67,6 +68,10 @@ class StepResult:
 _COUNTERS = ("loss_sum", "num_tokens", "num_sequences", *(f"{name}_sum" for name in _SUMMED_METRICS))
 
 
+def _row_sum(values: Tensor) -> Tensor:
+    return values.sum(-1)
+
+
 @dataclass
 class TokenLossInputs:
     """The per-token tensors of one micro-batch (or one context-parallel shard of it), in one
@@ -82,6 +87,7 @@ class TokenLossInputs:
     weights: Tensor  # local_it * m_it
     num_tokens: Tensor
     num_sequences: Tensor
+    sequence_sum: Callable[[Tensor], Tensor] = _row_sum  # per-row sum over the whole sequence
 
 
 @dataclass
@@ -175,6 +181,7 @@ class PolicyTrainer:
             kl_log_ratio_clamp=loss_cfg.kl_log_ratio_clamp,
             kl_clamp=loss_cfg.kl_clamp,
             entropy_coef=loss_cfg.entropy_coef,
+            ratio_level=loss_cfg.ratio_level,
         )
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = build_optimizer(self.params, trainer_cfg)
@@ -362,6 +369,8 @@ class PolicyTrainer:
             cfg=self.terms,
             ref_logprobs=inputs.ref_logprobs,
             entropy=inputs.entropy,
+            response_mask=inputs.response_mask,
+            sequence_sum=inputs.sequence_sum,
         )
         if self.loss_cfg.clip_against == "behaviour":  # the generator's distance from the current policy
             metrics["mismatch_kl"] = grpo.mismatch_kl(
