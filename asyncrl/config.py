@@ -268,6 +268,11 @@ class LossConfig(Section):
             raise ValueError("loss.norm_constant: required when loss.mode is seq-mean-token-sum-norm")
         if self.is_low >= self.is_high:
             raise ValueError(f"loss.is_low: {self.is_low} must be below loss.is_high {self.is_high}")
+        if self.ratio_level == "sequence" and self.importance_sampling == "icepop":
+            raise ValueError(
+                "loss.importance_sampling: icepop drops single tokens, but with ratio_level sequence each token still "
+                "moves its sequence's ratio (use tis, none or auto)"
+            )
         return self
 
 
