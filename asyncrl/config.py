@@ -142,6 +142,12 @@ class RewardConfig(Section):
     format_pattern: str | None = Field(
         None, description="regex the whole stripped completion must match for the format reward; null: the task's own"
     )
+    overlong_cache: int | None = Field(
+        None,
+        ge=1,
+        description="L_cache of the overlong reward: 0 up to generation.max_new_tokens - L_cache tokens, then "
+        "linearly down to -1 at max_new_tokens (DAPO); required with overlong",
+    )
     threads: int = Field(32, ge=1, description="reward calls of one batch run on up to this many threads at once")
     max_hung_threads: int = Field(
         64, ge=1, description="threads stuck in calls past their timeout before scoring fails instead of starting more"
@@ -161,6 +167,8 @@ class RewardConfig(Section):
                 )
             if self.functions.count(name) > 1:
                 raise ValueError(f"rewards.functions: '{name}' is listed twice")
+        if "overlong" in self.functions and self.overlong_cache is None:
+            raise ValueError("rewards.overlong_cache: the overlong reward needs a cache length L_cache")
         if self.weights is not None and len(self.weights) != len(self.functions):
             raise ValueError(f"rewards.weights: {len(self.weights)} weights for {len(self.functions)} functions")
         if self.weights is not None and not any(self.weights):
@@ -528,6 +536,13 @@ class RunConfig(Section):
         sequences = self.grpo.prompts_per_step * self.grpo.generations_per_prompt
         if parallel.dp > sequences:
             raise ValueError(f"parallel.dp: {parallel.dp} data-parallel ranks but only {sequences} sequences per step")
+        return self
+
+    @model_validator(mode="after")
+    def _overlong_cache_fits(self) -> RunConfig:
+        cache, limit = self.rewards.overlong_cache, self.generation.max_new_tokens
+        if "overlong" in self.rewards.functions and cache > limit:
+            raise ValueError(f"rewards.overlong_cache: {cache} is more than generation.max_new_tokens {limit}")
         return self
 
     @model_validator(mode="after")
