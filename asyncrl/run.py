@@ -51,7 +51,7 @@ def train(config: RunConfig, *, resume: str | Path | None = None, console: Any =
     tokenizer = _input(build_tokenizer, config)
     model = _input(build_model, config, tokenizer)
     task = _checked_task(config, tokenizer, model)
-    rewards = _input(RewardRunner.from_config, config.rewards, task, max_new_tokens=config.generation.max_new_tokens)
+    rewards = _input(RewardRunner.from_config, config.rewards, task, config.generation.max_new_tokens)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(dump_config(config))
     torch.manual_seed(config.seed)
@@ -289,7 +289,7 @@ def evaluate(config: RunConfig, *, checkpoint: str | Path | None = None) -> dict
         _input(load_weights, model, checkpoint_dir)
     else:
         warm_start(model, tokenizer, task.train, config.warm_start, seed=config.seed, model_path=config.model.path)
-    rewards = _input(RewardRunner.from_config, config.rewards, task, max_new_tokens=config.generation.max_new_tokens)
+    rewards = _input(RewardRunner.from_config, config.rewards, task, config.generation.max_new_tokens)
     try:
         worker = RolloutWorker(
             build_generator(config, model, tokenizer),

@@ -144,7 +144,7 @@ def resolve_reward(
     if inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None)):
         raise ValueError(f"rewards.functions: '{name}' is async; rewards are called, not awaited: use a plain def")
     try:
-        inspect.signature(fn).bind("completion", "answer")
+        inspect.signature(fn).bind("completion", "answer", **({"num_tokens": 0} if getattr(fn, "uses_num_tokens", False) else {}))
     except TypeError:
         raise ValueError(f"rewards.functions: '{name}' must accept (completion, answer), the two strings it is called with") from None
     except ValueError:

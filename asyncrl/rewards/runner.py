@@ -119,7 +119,7 @@ class RewardRunner:
 
     @classmethod
     def from_config(
-        cls, cfg: RewardConfig, task: Task | None = None, *, max_new_tokens: int | None = None
+        cls, cfg: RewardConfig, task: Task | None = None, max_new_tokens: int | None = None
     ) -> RewardRunner:
         """``task`` supplies the format reward's pattern when ``rewards.format_pattern`` is not set;
         ``max_new_tokens`` (generation.max_new_tokens) is the overlong reward's L_max."""
