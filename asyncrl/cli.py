@@ -213,20 +213,11 @@ def plot(run_dir: Path = typer.Argument(..., help="a run directory holding metri
 
 bench_app = typer.Typer(
     no_args_is_help=True,
-    help="Speed and overhead benchmarks: each prints JSON and writes benchmarks/results/<name>.json.",
+    help="Speed and overhead benchmarks: each prints JSON and writes bench-results/<name>.json.",
 )
 app.add_typer(bench_app, name="bench")
 RuntimeChoice = _choices("RuntimeChoice", ("local", "ray"))
-OUTPUT_HELP = "where to write the JSON (default: benchmarks/results/<name>.json)"
-
-
-def _benchmarks():
-    """The benchmarks package, which lives beside asyncrl in a source checkout."""
-    try:
-        import benchmarks.common
-    except ImportError:
-        raise ConfigError("bench: the benchmarks/ package is not importable; run from an asyncrl source checkout") from None
-    return benchmarks.common
+OUTPUT_HELP = "where to write the JSON (default: bench-results/<name>.json in the working directory)"
 
 
 @bench_app.command("overlap")
@@ -238,8 +229,7 @@ def bench_overlap(
     output: Optional[Path] = typer.Option(None, "--output", help=OUTPUT_HELP),
 ) -> None:
     """Async step time against the ideal max(g, t), and against a synchronous loop (g + t)."""
-    common = _benchmarks()
-    from benchmarks import overlap
+    from asyncrl.bench import common, overlap
 
     settings = {
         "scale_s": scale or (0.05 if quick else 0.5),
@@ -265,8 +255,7 @@ def bench_controller(
     output: Optional[Path] = typer.Option(None, "--output", help=OUTPUT_HELP),
 ) -> None:
     """Controller time per group with no-op workers, and its top costs under cProfile."""
-    common = _benchmarks()
-    from benchmarks import controller_overhead
+    from asyncrl.bench import common, controller_overhead
 
     settings = {"steps": steps or (50 if quick else 1000), "prompts_per_step": 8, "max_lag": 1, "top": top}
     result = controller_overhead.run(steps=settings["steps"], top=top)
@@ -281,8 +270,7 @@ def bench_weight_sync(
     output: Optional[Path] = typer.Option(None, "--output", help=OUTPUT_HELP),
 ) -> None:
     """Bytes/s of a full weight sync against torch memcpy bandwidth, for ~1M, 10M and 100M parameters."""
-    common = _benchmarks()
-    from benchmarks import weight_sync
+    from asyncrl.bench import common, weight_sync
 
     settings = {
         "models": ["1M"] if quick else list(weight_sync.MODELS),
@@ -312,11 +300,10 @@ def bench_e2e(
     """Wall time to a held-out accuracy for max_lag 0, 1 and 2 (and TRL with --against trl)."""
     if against not in (None, "trl"):
         raise typer.BadParameter(f"unknown baseline '{against}'; the one available is trl", param_hint="--against")
-    common = _benchmarks()
-    from benchmarks import e2e
+    from asyncrl.bench import common, e2e
 
     if against == "trl":
-        from benchmarks.trl_baseline import require_trl
+        from asyncrl.bench.trl_baseline import require_trl
 
         require_trl()
     settings = {
@@ -343,12 +330,11 @@ def bench_e2e(
 
 @bench_app.command("report")
 def bench_report(
-    results_dir: Optional[Path] = typer.Option(None, "--results-dir", help="default: benchmarks/results"),
+    results_dir: Optional[Path] = typer.Option(None, "--results-dir", help="default: bench-results in the working directory"),
     write: Optional[Path] = typer.Option(None, "--write", help="replace the generated tables in this page"),
 ) -> None:
     """The results as Markdown tables; with --write, into docs/performance.md's generated section."""
-    common = _benchmarks()
-    from benchmarks import report
+    from asyncrl.bench import common, report
 
     directory = results_dir or common.RESULTS_DIR
     if write is None:

@@ -58,7 +58,8 @@ class DataConfig(Section):
     """Where prompts and reference answers come from."""
 
     task: str = Field(
-        "arithmetic", description="built-in task (arithmetic, running_sum; docs/data.md), or jsonl / parquet for a local file"
+        "arithmetic",
+        description="built-in task (arithmetic, running_sum; docs/data.md), jsonl / parquet for a local file, or reasoning_gym",
     )
     path: str | None = Field(None, description="the jsonl / parquet file")
     eval_path: str | None = Field(
@@ -75,22 +76,40 @@ class DataConfig(Section):
     shuffle_seed: int = Field(0, description="seed of the prompt order")
     epochs: int | None = Field(None, ge=1, description="passes over the train split; null repeats it forever")
     eval_size: int = Field(64, ge=1, description="held-out prompts per evaluation")
+    dataset: str | None = Field(
+        None,
+        description="reasoning_gym: the dataset name, e.g. chain_sum; the char tokenizer "
+        "encodes digits, letters, space, newline and +-*/=()?.,:;!<> only; other text is rejected (docs/data.md)",
+    )
+    dataset_config: dict[str, Any] = Field(
+        default_factory=dict, description="reasoning_gym: the dataset's settings, e.g. {min_terms: 2, max_terms: 2}"
+    )
 
     @model_validator(mode="after")
     def _task_known(self) -> DataConfig:
         from asyncrl.data.synthetic import SYNTHETIC_TASKS, check_difficulty
 
-        if self.task in SYNTHETIC_TASKS:
+        if self.task in SYNTHETIC_TASKS or self.task == "reasoning_gym":
             for name in ("path", "eval_path"):
                 if getattr(self, name) is not None:
                     raise ValueError(f"data.{name}: set, but data.task '{self.task}' is built in; use jsonl or parquet")
+        for name in ("dataset", "dataset_config"):
+            if self.task != "reasoning_gym" and getattr(self, name):
+                raise ValueError(f"data.{name}: set, but data.task is '{self.task}'; it is read only by reasoning_gym")
+        if self.task in SYNTHETIC_TASKS:
             check_difficulty(self.task, self.difficulty)
+        elif self.task == "reasoning_gym":
+            if self.dataset is None:
+                raise ValueError(
+                    "data.dataset: required when data.task is reasoning_gym (a reasoning-gym dataset name, e.g. chain_sum)"
+                )
         elif self.task in ("jsonl", "parquet"):
             if self.path is None:
                 raise ValueError(f"data.path: required when data.task is {self.task}")
         else:
             raise ValueError(
-                f"data.task: unknown task '{self.task}'; built-ins are {', '.join(SYNTHETIC_TASKS)}, or jsonl / parquet"
+                f"data.task: unknown task '{self.task}'; built-ins are {', '.join(SYNTHETIC_TASKS)}, "
+                "or jsonl / parquet / reasoning_gym"
             )
         return self
 
@@ -135,7 +154,8 @@ class RewardConfig(Section):
 
     functions: list[str] = Field(
         default_factory=lambda: ["exact_match"],
-        description="exact_match, numeric_match, math, format, overlong, or package.module:function; the first one decides accuracy",
+        description="exact_match, numeric_match, math, format, overlong, task (the task's own checker), or "
+        "package.module:function; the first one decides accuracy",
     )
     weights: list[float] | None = Field(None, description="one weight per function; null: all 1")
     timeout_s: float = Field(5.0, gt=0.0, description="wall-clock limit of one reward call; past it the reward is 0")
@@ -546,6 +566,19 @@ class RunConfig(Section):
         return self
 
     @model_validator(mode="after")
+    def _task_reward(self) -> RunConfig:
+        if self.data.task == "reasoning_gym" and "task" not in self.rewards.functions:
+            raise ValueError(
+                "rewards.functions: data.task reasoning_gym is scored by its dataset's own checker; "
+                "list task (rewards.functions=[task])"
+            )
+        if self.data.task != "reasoning_gym" and "task" in self.rewards.functions:
+            raise ValueError(
+                f"rewards.functions: the task reward needs a task with its own checker; data.task '{self.data.task}' has none"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _behaviour_clip_is_one_update(self) -> RunConfig:
         if self.loss.clip_against != "behaviour":
             return self
@@ -628,9 +661,9 @@ class RunConfig(Section):
 
     @property
     def scoring_temperature(self) -> float:
-        """The temperature the trainer divides logits by: the sampling temperature, or 1 for greedy
-        sampling, whose logprobs are those of the unmodified distribution."""
-        return self.generation.temperature if self.generation.temperature > 0 else 1.0
+        """The temperature the trainer divides logits by: the one rollouts sample at (validation
+        keeps it above 0, so logits / temperature is finite)."""
+        return self.generation.temperature
 
 
 def _unknown_key_error(path: tuple[str, ...], key: str, valid: list[str]) -> ConfigError:
@@ -880,6 +913,8 @@ def _type_name(annotation: Any) -> str:
     args = get_args(annotation)
     if get_origin(annotation) is Literal:
         return " \\| ".join(str(a) for a in args)
+    if get_origin(annotation) is dict:
+        return "mapping"
     if args:
         inner = [_type_name(a) for a in args if a is not type(None)]
         suffix = " or null" if type(None) in args else ""

@@ -9,7 +9,7 @@ import json
 import pytest
 
 from asyncrl.cli import main
-from benchmarks import e2e, report
+from asyncrl.bench import e2e, report
 
 pytestmark = pytest.mark.slow
 
@@ -77,6 +77,34 @@ def test_equal_time_accuracy_is_taken_where_the_fastest_run_ended():
     assert result["runs"]["max_lag=0"]["time_to_target_s"]["values"] == [10.0]
 
 
+def test_time_to_target_ratios_pair_the_runs_of_each_seed_and_report_their_spread(tmp_path):
+    def run(*points):
+        return {"evals": [{"train_wall_s": t, "accuracy": a, "samples": 0} for t, a in [(0.0, 0.1), *points]]}
+
+    runs = {
+        "max_lag=0": [run((10.0, 0.5)), run((20.0, 0.5)), run((8.0, 0.5))],
+        "max_lag=1": [run((5.0, 0.5)), run((15.0, 0.5)), run((8.0, 0.2))],
+        "trl": [run((30.0, 0.5)), run((40.0, 0.5)), run((16.0, 0.5))],
+    }
+    ratios = e2e.summarize_runs(runs, target=0.45)["time_to_target_ratios"]
+    assert set(ratios) == {"max_lag=1 / max_lag=0", "trl / max_lag=0", "trl / max_lag=1"}
+    lag = ratios["max_lag=1 / max_lag=0"]
+    assert lag["values"] == [0.5, 0.75, None] and lag["reached"] == "2/3" and lag["spread"] == pytest.approx(0.25)
+    trl = ratios["trl / max_lag=0"]
+    assert trl["values"] == [3.0, 2.0, 2.0] and trl["median"] == 2.0 and trl["spread"] == 1.0
+    result = {
+        "settings": {"target_accuracy": 0.45},
+        "results": e2e.summarize_runs(runs, 0.45),
+        "date": "d",
+        "commit": "c",
+        "machine": {"cpu": "x", "cores": 2, "cuda": None},
+        "versions": {},
+    }
+    (tmp_path / "e2e.json").write_text(json.dumps(result))
+    text = report.render(tmp_path)
+    assert "| max_lag=1 | 5.0 | 15.0 | n/a |" in text and "| max_lag=1 / max_lag=0 | 2/3 | n/a | 0.62 | 0.25 |" in text
+
+
 def test_time_to_target_uses_training_time_and_the_first_eval_that_reaches_it():
     evals = [
         {"train_wall_s": 0.0, "accuracy": 0.1},
@@ -88,6 +116,27 @@ def test_time_to_target_uses_training_time_and_the_first_eval_that_reaches_it():
     assert e2e.accuracy_at(evals, 5.0) == 0.3 and e2e.accuracy_at(evals, 6.0) == 0.5 and e2e.accuracy_at(evals, 0.0) == 0.1
     summary = e2e.summarize([2.0, None, 4.0])
     assert summary["reached"] == "2/3" and summary["mean"] == 3.0 and summary["median"] is None
+
+
+def test_results_land_in_the_working_directory_not_the_package(capsys, tmp_path, monkeypatch):
+    from asyncrl.bench import common
+
+    monkeypatch.chdir(tmp_path)
+    common.write_result("probe", {"a": 1}, [1, 2])
+    assert json.loads((tmp_path / "bench-results" / "probe.json").read_text())["results"] == [1, 2]
+    assert json.loads(capsys.readouterr().out)["settings"] == {"a": 1}
+
+
+def test_the_only_installed_top_level_package_is_asyncrl():
+    """A top-level ``benchmarks`` (or any other) package would shadow the user's own."""
+    import tomllib
+    from pathlib import Path
+
+    from setuptools import find_packages
+
+    root = Path(__file__).resolve().parents[1]
+    include = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]["include"]
+    assert {name.split(".")[0] for name in find_packages(str(root), include=include)} == {"asyncrl"}
 
 
 def test_report_replaces_only_the_generated_section(capsys, tmp_path):
@@ -141,7 +190,7 @@ def test_e2e_against_trl_without_trl_fails_before_any_run(capsys, tmp_path, monk
 
 def test_trl_settings_map_every_shared_setting():
     from asyncrl.config import load_config
-    from benchmarks.trl_baseline import trl_settings
+    from asyncrl.bench.trl_baseline import trl_settings
 
     base = trl_settings(load_config(None, ["sampler.max_lag=0"]))
     kwargs = base["kwargs"]

@@ -125,10 +125,10 @@ def test_trainer_scores_the_distribution_the_generator_samples_from():
     assert (untempered[:, -1] - sampled).abs().max() > 1e-2  # the twin: scoring at temperature 1
 
 
-@pytest.mark.parametrize("temperature, scored", [(0.7, 0.7), (1.0, 1.0), (0.0, 1.0)])
-def test_the_trainer_takes_the_sampling_temperature(temperature, scored):
+@pytest.mark.parametrize("temperature", [0.7, 1.0, 1.3])
+def test_the_trainer_takes_the_sampling_temperature(temperature):
     config = load_config(None, ["model.num_layers=1", f"generation.temperature={temperature}"])
-    assert PolicyTrainer.from_config(config, build_model(config, build_tokenizer(config))).temperature == scored
+    assert PolicyTrainer.from_config(config, build_model(config, build_tokenizer(config))).temperature == temperature
 
 
 @pytest.mark.slow

@@ -1,4 +1,4 @@
-"""Prompt datasets (built-in synthetic tasks, local jsonl / parquet files) and the resumable loader."""
+"""Prompt datasets (built-in synthetic tasks, reasoning-gym, local jsonl / parquet files) and the resumable loader."""
 
 from asyncrl.data.files import check_encodable, check_prompt_lengths
 from asyncrl.data.loader import PromptLoader

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 
 @dataclass(frozen=True)
@@ -18,13 +18,15 @@ class Task:
     """A train split, a disjoint held-out split, and the shape a well-formed answer has.
 
     ``format_pattern`` is the regex the ``format`` reward uses when ``rewards.format_pattern`` is
-    not set; None where the task cannot know it (user files).
+    not set; None where the task cannot know it (user files). ``score`` is the task's own checker,
+    the ``task`` reward, (completion, answer) -> score; None where the task has none.
     """
 
     name: str
     train: Sequence[Prompt]
     heldout: Sequence[Prompt]
     format_pattern: str | None = None
+    score: Callable[[str, str], float] | None = None
 
 
 def apply_chat_template(texts: Sequence[str], tokenizer) -> list[str]:

@@ -16,8 +16,8 @@ FILE_TASKS = ("jsonl", "parquet")
 
 
 def build_task(cfg: DataConfig, tokenizer=None) -> Task:
-    """``cfg.task``: a built-in name, or jsonl / parquet for ``cfg.path``. The tokenizer is needed
-    only for ``cfg.chat_template``."""
+    """``cfg.task``: a built-in name, reasoning_gym, or jsonl / parquet for ``cfg.path``. The
+    tokenizer is needed only for ``cfg.chat_template``."""
     if cfg.task in SYNTHETIC_TASKS:
         task = synthetic_task(
             cfg.task, cfg.difficulty, seed=cfg.task_seed, num_problems=cfg.num_problems, eval_size=cfg.eval_size
@@ -33,8 +33,18 @@ def build_task(cfg: DataConfig, tokenizer=None) -> Task:
             answer_field=cfg.answer_field,
             eval_size=cfg.eval_size,
         )
+    elif cfg.task == "reasoning_gym":
+        from asyncrl.data.reasoning_gym import reasoning_gym_task
+
+        if cfg.dataset is None:
+            raise ValueError("data.dataset: required when data.task is reasoning_gym (a reasoning-gym dataset name, e.g. chain_sum)")
+        task = reasoning_gym_task(
+            cfg.dataset, cfg.dataset_config, seed=cfg.task_seed, num_problems=cfg.num_problems, eval_size=cfg.eval_size
+        )
     else:
-        raise ValueError(f"data.task: unknown task '{cfg.task}'; built-ins are {', '.join(SYNTHETIC_TASKS)}, or jsonl / parquet")
+        raise ValueError(
+            f"data.task: unknown task '{cfg.task}'; built-ins are {', '.join(SYNTHETIC_TASKS)}, or jsonl / parquet / reasoning_gym"
+        )
     if cfg.chat_template:
         task = replace(task, train=_templated(task.train, tokenizer), heldout=_templated(task.heldout, tokenizer))
     return task

@@ -9,7 +9,8 @@ Built-ins, by name:
 - ``format``: the stripped completion matches a regex as a whole (``rewards.format_pattern``, or
   the task's own pattern).
 - ``overlong``: DAPO's soft overlong penalty, from the response's length in tokens alone
-  (``OverlongPenalty``; docs/loss.md).
+  (``OverlongPenalty``; docs/data.md).
+- ``task``: the task's own checker (a reasoning-gym dataset's ``score_answer``).
 - ``package.module:function``: any importable callable taking (completion, answer).
 
 A reward with ``uses_num_tokens = True`` is also given the response's length in tokens, as the
@@ -27,7 +28,7 @@ from typing import Callable
 from asyncrl.plugins import import_attribute
 
 RewardFn = Callable[[str, str], float]
-BUILTIN_REWARDS = ("exact_match", "numeric_match", "math", "format", "overlong")
+BUILTIN_REWARDS = ("exact_match", "numeric_match", "math", "format", "overlong", "task")
 
 _NUMBER = re.compile(r"[+-]?(\d+(\.\d*)?|\.\d+)([eE][+-]?\d+)?")
 
@@ -114,9 +115,15 @@ class MathReward:
 
 
 def resolve_reward(
-    name: str, *, format_pattern: str | None = None, max_new_tokens: int | None = None, overlong_cache: int | None = None
+    name: str,
+    *,
+    format_pattern: str | None = None,
+    task_score: RewardFn | None = None,
+    max_new_tokens: int | None = None,
+    overlong_cache: int | None = None,
 ) -> RewardFn:
-    """A built-in reward by name, or a ``package.module:function`` path."""
+    """A built-in reward by name, or a ``package.module:function`` path. ``task_score`` is the
+    task's own checker, the ``task`` reward."""
     if name == "exact_match":
         return exact_match
     if name == "numeric_match":
@@ -131,6 +138,10 @@ def resolve_reward(
         if max_new_tokens is None or overlong_cache is None:
             raise ValueError("rewards.overlong_cache: the overlong reward needs a cache length and generation.max_new_tokens")
         return OverlongPenalty(max_new_tokens, overlong_cache)
+    if name == "task":
+        if task_score is None:
+            raise ValueError("rewards.functions: the task reward needs a task with its own checker (data.task reasoning_gym)")
+        return task_score
     if ":" not in name:
         raise ValueError(
             f"rewards.functions: unknown reward '{name}'; built-ins are {', '.join(BUILTIN_REWARDS)}, "

@@ -121,15 +121,19 @@ class RewardRunner:
     def from_config(
         cls, cfg: RewardConfig, task: Task | None = None, max_new_tokens: int | None = None
     ) -> RewardRunner:
-        """``task`` supplies the format reward's pattern when ``rewards.format_pattern`` is not set;
-        ``max_new_tokens`` (generation.max_new_tokens) is the overlong reward's L_max."""
+        """``task`` supplies the format reward's pattern when ``rewards.format_pattern`` is not set,
+        and the ``task`` reward, its own checker; ``max_new_tokens`` (generation.max_new_tokens) is
+        the overlong reward's L_max."""
         pattern = cfg.format_pattern
         if pattern is None and task is not None:
             pattern = task.format_pattern
-        functions = [
-            (name, resolve_reward(name, format_pattern=pattern, max_new_tokens=max_new_tokens, overlong_cache=cfg.overlong_cache))
-            for name in cfg.functions
-        ]
+        settings = {
+            "format_pattern": pattern,
+            "task_score": task.score if task is not None else None,
+            "max_new_tokens": max_new_tokens,
+            "overlong_cache": cfg.overlong_cache,
+        }
+        functions = [(name, resolve_reward(name, **settings)) for name in cfg.functions]
         return cls(
             functions,
             weights=cfg.weights,

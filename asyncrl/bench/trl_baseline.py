@@ -135,7 +135,7 @@ def require_trl() -> None:
 
 def run_trl(config: RunConfig, *, seed: int, max_steps: int, eval_every_steps: int, output_dir: Path) -> dict[str, Any]:
     """Train with TRL; the evals (with training time that excludes evaluation) and wall time, as
-    ``benchmarks.e2e.run_asyncrl`` reports them, plus the unmatched settings."""
+    ``asyncrl.bench.e2e.run_asyncrl`` reports them, plus the unmatched settings."""
     start = time.perf_counter()
     require_trl()
     from datasets import Dataset

@@ -15,7 +15,7 @@ from typing import Any, Callable, Iterator
 
 from asyncrl.metrics import write_json_atomic
 
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
+RESULTS_DIR = Path("bench-results")  # relative: results land where asyncrl bench runs, not inside the package
 
 
 def environment() -> dict[str, Any]:
@@ -43,7 +43,7 @@ def environment() -> dict[str, Any]:
 
 
 def write_result(name: str, settings: dict[str, Any], results: Any, output: Path | None = None) -> dict[str, Any]:
-    """Print the result as JSON and write it to ``output`` (default: benchmarks/results/<name>.json)."""
+    """Print the result as JSON and write it to ``output`` (default: bench-results/<name>.json in the working directory)."""
     payload = {"benchmark": name, **environment(), "settings": settings, "results": results}
     path = Path(output) if output is not None else RESULTS_DIR / f"{name}.json"
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -18,8 +18,8 @@ import time
 from typing import Any, Callable
 
 from asyncrl.runtime import LocalRuntime
-from benchmarks.fake_workers import DelayRolloutWorker, DelayTrainerWorker
-from benchmarks.overlap import GROUP_SIZE, PROMPTS_PER_STEP, bench_config, build_controller
+from asyncrl.bench.fake_workers import DelayRolloutWorker, DelayTrainerWorker
+from asyncrl.bench.overlap import GROUP_SIZE, PROMPTS_PER_STEP, bench_config, build_controller
 
 GOAL_US = 50.0
 
@@ -117,7 +117,7 @@ def run(*, steps: int, top: int) -> dict:
 
 def _controller_side(file: str) -> bool:
     """The controller, buffer, samplers, gate and the event loop; not worker code or torch."""
-    worker_code = ("/asyncrl/trainer/", "/asyncrl/types.py", "/benchmarks/")
+    worker_code = ("/asyncrl/trainer/", "/asyncrl/types.py", "/asyncrl/bench/")
     return ("/asyncrl/" in file or "/asyncio/" in file) and not any(part in file for part in worker_code)
 
 

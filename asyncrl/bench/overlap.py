@@ -22,8 +22,8 @@ from asyncrl.config import RunConfig, config_from_dict
 from asyncrl.controller import SingleController
 from asyncrl.data import Prompt, PromptLoader, Task
 from asyncrl.sampler import build_sampler
-from benchmarks.common import runtime_session, spawn_pair
-from benchmarks.fake_workers import DelayRolloutWorker, DelayTrainerWorker, NullMetrics, NullProgress
+from asyncrl.bench.common import runtime_session, spawn_pair
+from asyncrl.bench.fake_workers import DelayRolloutWorker, DelayTrainerWorker, NullMetrics, NullProgress
 
 SHAPES = ((1.0, 1.0), (2.0, 1.0), (1.0, 2.0))  # (g, t) in units of ``scale`` seconds
 LAGS = (0, 1, 2)

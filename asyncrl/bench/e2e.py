@@ -8,11 +8,14 @@ several seeds, for the same number of steps, so the same number of samples. The 
 - the accuracy each setting had reached after as many seconds of training as the fastest run took
   in all (``equal_time_s``): the comparison that still holds when no run reaches the target;
 - the goal ratio: how long ``max_lag: 1`` takes to reach the synchronous run's final accuracy,
-  as a fraction of the synchronous run's wall time.
+  as a fraction of the synchronous run's wall time;
+- per-seed ratios of time to the target, max_lag 1 over max_lag 0 and TRL over each asyncrl
+  setting, paired by seed (the runs of one seed start from the same warm-started weights), with
+  their spread: a seed where either side misses the target has no ratio and shows as unreached.
 
 Times count training only: evaluations are timed and subtracted on both sides. ``--against trl``
 trains the same model from the same warm-started weights with TRL's GRPOTrainer on the same
-prompts (benchmarks/trl_baseline.py) and reports the ratio of median times to the target.
+prompts (asyncrl/bench/trl_baseline.py) and reports the ratio of median times to the target.
 """
 
 from __future__ import annotations
@@ -132,7 +135,7 @@ def run(
                 for seed in seeds
             ]
         if against_trl:
-            from benchmarks.trl_baseline import run_trl
+            from asyncrl.bench.trl_baseline import run_trl
 
             runs["trl"] = [
                 run_trl(
@@ -175,11 +178,24 @@ def summarize_runs(runs: dict[str, list[dict]], target: float) -> dict[str, Any]
             "goal": GOAL_FRACTION_OF_SYNC,
             "goal_met": fraction["median"] is not None and fraction["median"] <= GOAL_FRACTION_OF_SYNC,
         }
+    results["time_to_target_ratios"] = seed_ratios(runs, target)
     if "trl" in results["runs"]:
         results["trl_time_to_target_over_asyncrl"] = {
             name: _ratio(results["runs"]["trl"], results["runs"][name]) for name in results["runs"] if name != "trl"
         }
     return results
+
+
+def seed_ratios(runs: dict[str, list[dict]], target: float) -> dict[str, dict[str, Any]]:
+    """Time to ``target`` of one setting over another's, seed by seed: max_lag 1 over max_lag 0,
+    and TRL over every asyncrl setting, each summarized with its spread."""
+    pairs = [("max_lag=1", "max_lag=0")] + [("trl", name) for name in runs if name != "trl" and "trl" in runs]
+    ratios = {}
+    for over, under in pairs:
+        if over in runs and under in runs:
+            times = zip((time_to(r["evals"], target) for r in runs[over]), (time_to(r["evals"], target) for r in runs[under]))
+            ratios[f"{over} / {under}"] = summarize([a / b if a is not None and b else None for a, b in times])
+    return ratios
 
 
 def _ratio(trl: dict, ours: dict) -> dict[str, Any]:

@@ -21,7 +21,7 @@ from asyncrl.models import build_tiny_model
 from asyncrl.trainer.policy import PolicyTrainer
 from asyncrl.trainer.worker import TrainerWorker
 from asyncrl.weights import Changes, RolloutGate, WeightSync
-from benchmarks.common import runtime_session, spawn_pair
+from asyncrl.bench.common import runtime_session, spawn_pair
 
 VOCAB = 256
 # name -> tiny model shape; the names are the approximate parameter counts.

@@ -1,0 +1,128 @@
+"""data.task reasoning_gym: seeded disjoint splits, the dataset's own checker as the task reward, input errors."""
+
+import json
+import pickle
+import sys
+
+import pytest
+
+from asyncrl.cli import main
+from asyncrl.config import ConfigError, load_config
+from asyncrl.data import PromptLoader, build_task
+from asyncrl.data.reasoning_gym import EntryAnswer
+from asyncrl.models.tokenizer import DEFAULT_ALPHABET
+from asyncrl.rewards import RewardRunner
+from test_train import SMALL
+
+pytest.importorskip("reasoning_gym")  # in the test extra; the missing-package error is tested below
+
+CHAIN_SUM = [
+    "data.task=reasoning_gym",
+    "data.dataset=chain_sum",
+    "data.dataset_config={min_terms: 2, max_terms: 2, min_digits: 1, max_digits: 2}",
+    "rewards.functions=[task]",
+    "data.num_problems=600",
+    "data.eval_size=100",
+]
+
+
+def chain_sum(*overrides):
+    return load_config(None, [*CHAIN_SUM, *overrides])
+
+
+@pytest.mark.parametrize("dataset", ["chain_sum", "basic_arithmetic", "count_bits", "leg_counting", "spell_backward"])
+def test_splits_are_seeded_disjoint_and_in_the_char_alphabet(dataset):
+    overrides = [f"data.dataset={dataset}", "data.dataset_config={}", "data.num_problems=200", "data.eval_size=40"]
+    task = build_task(chain_sum(*overrides).data)
+    again = build_task(chain_sum(*overrides).data)
+    assert (task.train, task.heldout) == (again.train, again.heldout)
+    assert len(task.heldout) == 40 and len(task.train) > 100
+    everything = [*task.train, *task.heldout]
+    assert len({p.text for p in everything}) == len({p.uid for p in everything}) == len(everything)
+    assert all(p.uid.startswith(f"{dataset}/") and isinstance(p.answer, EntryAnswer) for p in everything)
+    assert all(set(p.text + p.answer) <= set(DEFAULT_ALPHABET) for p in everything)
+    other_seed = build_task(chain_sum(*overrides, "data.task_seed=1").data)
+    assert [p.text for p in other_seed.heldout] != [p.text for p in task.heldout]
+
+
+def test_repeated_questions_are_dropped_so_no_held_out_question_is_trained_on():
+    task = build_task(chain_sum("data.dataset_config={min_terms: 2, max_terms: 2, max_digits: 1}", "data.eval_size=50").data)
+    assert len(task.train) + len(task.heldout) <= 10 * 10 * 2  # two one-digit terms, + or -
+    assert not {p.text for p in task.heldout} & {p.text for p in task.train}
+    with pytest.raises(ValueError, match=r"^data.eval_size: 300 held-out problems leave none to train on \(chain_sum gave"):
+        build_task(chain_sum("data.dataset_config={min_terms: 2, max_terms: 2, max_digits: 1}", "data.eval_size=300").data)
+
+
+def test_the_task_reward_is_the_datasets_own_checker_inside_the_runner():
+    config = chain_sum()
+    task = build_task(config.data)
+    prompt = task.train[0]
+    runner = RewardRunner.from_config(config.rewards, task)
+    copy = pickle.loads(pickle.dumps(runner))  # as sent to a Ray actor, answers included
+    answer = pickle.loads(pickle.dumps(prompt.answer))
+    for scorer, reference in ((runner, prompt.answer), (copy, answer)):
+        result = scorer.score([f" {prompt.answer}\n", "7" + prompt.answer, "x"], [reference] * 3)
+        assert result.per_function["task"][0] == 1.0 and result.correct == [True, False, False]
+        assert 0.0 < result.per_function["task"][1] < 1.0  # reasoning-gym's partial credit for a contained answer
+        assert result.errors == 0
+    plain = runner.score([prompt.answer], [str(prompt.answer)])
+    assert plain.rewards == [0.0] and plain.errors == 1 and runner.counts["task"].errors == 1
+    runner.close()
+    copy.close()
+
+
+def test_the_loader_resumes_a_reasoning_gym_split():
+    train = build_task(chain_sum().data).train
+    first = PromptLoader(train, shuffle_seed=3, epochs=None)
+    for _ in range(700):
+        first.next()
+    second = PromptLoader(build_task(chain_sum().data).train, shuffle_seed=3, epochs=None)
+    second.load_state_dict(first.state_dict())
+    assert [second.next() for _ in range(20)] == [first.next() for _ in range(20)]
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["data.task=reasoning_gym", "rewards.functions=[task]"], "data.dataset: required when data.task is reasoning_gym"),
+        (["data.dataset=chain_sum"], "data.dataset: set, but data.task is 'arithmetic'"),
+        (["data.dataset_config={max_terms: 2}"], "data.dataset_config: set, but data.task is 'arithmetic'"),
+        (["data.task=reasoning_gym", "data.dataset=chain_sum"], "rewards.functions: data.task reasoning_gym is scored by"),
+        (["rewards.functions=[task]"], "rewards.functions: the task reward needs a task with its own checker"),
+        ([*CHAIN_SUM, "data.path=x.jsonl"], "data.path: set, but data.task 'reasoning_gym' is built in"),
+    ],
+)
+def test_config_rejects_inconsistent_reasoning_gym_settings(overrides, message):
+    with pytest.raises(ConfigError) as info:
+        load_config(None, overrides)
+    assert str(info.value).startswith(message)
+
+
+def one_line_error(capsys, argv) -> str:
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1
+    return err
+
+
+def test_unknown_dataset_bad_settings_and_a_missing_package_are_one_line_errors(capsys, monkeypatch, tmp_path):
+    train = ["train", "--output-dir", str(tmp_path / "run"), *SMALL, *CHAIN_SUM]
+    assert "data.dataset: unknown reasoning-gym dataset 'chain_sums'" in one_line_error(capsys, [*train, "data.dataset=chain_sums"])
+    bad = one_line_error(capsys, [*train, "data.dataset_config={min_termz: 2}"])
+    assert bad.startswith("error: data.dataset_config: invalid settings for chain_sum")
+    quotes = one_line_error(capsys, [*train, "data.dataset=letter_counting", "data.dataset_config={}"])
+    assert "of reasoning_gym: '\"' (U+0022)" in quotes and "not in the tokenizer's vocabulary" in quotes
+    monkeypatch.setitem(sys.modules, "reasoning_gym", None)  # import reasoning_gym now raises ImportError
+    missing = one_line_error(capsys, train)
+    assert missing == "error: data.task: reasoning_gym needs the reasoning-gym package; run pip install 'asyncrl[reasoning-gym]'\n"
+
+
+@pytest.mark.slow
+def test_a_short_run_is_scored_by_the_task_reward(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    assert main(["train", "--output-dir", str(run_dir), *SMALL, *CHAIN_SUM, "generation.max_new_tokens=6", "data.eval_size=16"]) == 0
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 4 and all(row["reward_errors"] == row["reward_timeouts"] == 0 for row in rows)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == 4 and 0.0 <= summary["final_eval_accuracy"] <= 1.0
+    capsys.readouterr()
