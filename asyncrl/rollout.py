@@ -48,8 +48,13 @@ class RolloutWorker:
         run_seed: int,
         group_size: int,
         sampling: SamplingParams,
+        inflight: bool = False,
     ) -> None:
+        """``inflight``: the generator takes weights while it generates (its responses then span
+        versions), so a runtime may run ``load_weights`` beside ``generate`` (``unordered_methods``)."""
         self.generator = generator
+        self.inflight = inflight
+        self.unordered_methods = ("load_weights",) if inflight else ()
         self.rewards = rewards
         self.tokenizer = tokenizer
         self.run_seed = run_seed
@@ -63,7 +68,8 @@ class RolloutWorker:
     def generate(self, jobs: Sequence[RolloutJob]) -> RolloutBatch:
         """Sample ``group_size`` completions per job, score them, tensorize one group per job."""
         start = time.perf_counter()
-        stale = [job.slot_id for job in jobs if job.start_version != self.generator.version]
+        version = self.generator.version
+        stale = [job.slot_id for job in jobs if job.start_version > version or (job.start_version < version and not self.inflight)]
         if stale:
             raise RuntimeError(
                 f"RolloutWorker.generate: slots {stale} were admitted for another weight version than the "
@@ -76,7 +82,7 @@ class RolloutWorker:
             requests += [SampleRequest(prompt_ids, sample_seed(self.run_seed, job.prompt.uid, i)) for i in range(n)]
             answers += [job.prompt.answer] * n
         rollouts = self.generator.generate(requests, self.sampling)
-        end_version = self.generator.version
+        end_version = self.generator.version if not self.inflight else max(version, *_token_versions(rollouts))
         # One scoring call for the batch: a reward that hangs costs one timeout, not one per group.
         scores = self.rewards.score([self._decode(r) for r in rollouts], answers, [len(r.response_ids) for r in rollouts])
         groups = [
@@ -85,6 +91,12 @@ class RolloutWorker:
         ]
         num_tokens = sum(len(r.response_ids) for r in rollouts)
         return RolloutBatch(groups=groups, num_tokens=num_tokens, seconds=time.perf_counter() - start)
+
+    def close(self) -> None:
+        """Release what the generator holds outside this process (a server it started)."""
+        close = getattr(self.generator, "close", None)
+        if close is not None:
+            close()
 
     def evaluate(self, prompts: Sequence[Prompt]) -> EvalResult:
         """Greedy accuracy and mean reward of one completion per prompt."""
@@ -132,3 +144,7 @@ class RolloutWorker:
 
     def _decode(self, rollout: Rollout) -> str:
         return self.tokenizer.decode(rollout.response_ids, skip_special_tokens=True)
+
+
+def _token_versions(rollouts: Sequence[Rollout]) -> list[int]:
+    return [v for r in rollouts if r.versions for v in r.versions]

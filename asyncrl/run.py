@@ -110,7 +110,7 @@ def _start_workers(
     trainer_worker = TrainerWorker(PolicyTrainer.from_config(config, model), config.grpo, tokenizer)
     if checkpoint_dir is not None:
         _from_checkpoint(str(checkpoint_dir / STATE_FILE), trainer_worker.load_checkpoint, checkpoint_dir, state["trainer"])
-    rollout_worker = _rollout_worker(config, build_generator(config, copy.deepcopy(model), tokenizer), rewards, tokenizer)
+    rollout_worker = _rollout_worker(config, _input(build_generator, config, copy.deepcopy(model), tokenizer), rewards, tokenizer)
     trainer = runtime.spawn(lambda: inject_trainer_faults(trainer_worker, config.faults), "trainer")
     return trainer, [runtime.spawn(lambda: rollout_worker, "rollout")]
 
@@ -149,6 +149,7 @@ def _rollout_worker(config: RunConfig, generator: Any, rewards: RewardRunner, to
         run_seed=config.seed,
         group_size=config.grpo.generations_per_prompt,
         sampling=SamplingParams.from_config(config.generation),
+        inflight=config.sync.mode == "inflight" and config.generation.backend == "vllm",
     )
     return inject_rollout_faults(worker, config.faults)
 
@@ -290,9 +291,10 @@ def evaluate(config: RunConfig, *, checkpoint: str | Path | None = None) -> dict
     else:
         warm_start(model, tokenizer, task.train, config.warm_start, seed=config.seed, model_path=config.model.path)
     rewards = _input(RewardRunner.from_config, config.rewards, task, config.generation.max_new_tokens)
+    worker = None
     try:
         worker = RolloutWorker(
-            build_generator(config, model, tokenizer),
+            _input(build_generator, config, model, tokenizer),
             rewards,
             tokenizer,
             run_seed=config.seed,
@@ -302,6 +304,8 @@ def evaluate(config: RunConfig, *, checkpoint: str | Path | None = None) -> dict
         result = worker.evaluate(list(task.heldout[: config.data.eval_size]))
     finally:
         rewards.close()
+        if worker is not None:
+            worker.close()
     return {
         "checkpoint": str(checkpoint) if checkpoint is not None else None,
         "num_prompts": result.num_prompts,

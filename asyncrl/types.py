@@ -37,6 +37,7 @@ class Rollout:
     logprobs: list[float]
     finish_reason: str
     reward: float = 0.0
+    versions: list[int] | None = None  # weight version that sampled each response token; None: one version
 
     def __post_init__(self) -> None:
         if not self.prompt_ids:
@@ -44,6 +45,10 @@ class Rollout:
         if len(self.logprobs) != len(self.response_ids):
             raise ValueError(
                 f"Rollout.logprobs: {len(self.logprobs)} values for {len(self.response_ids)} response tokens"
+            )
+        if self.versions is not None and len(self.versions) != len(self.response_ids):
+            raise ValueError(
+                f"Rollout.versions: {len(self.versions)} values for {len(self.response_ids)} response tokens"
             )
 
 

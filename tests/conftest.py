@@ -73,3 +73,56 @@ def ray_cluster(tmp_path_factory):
     yield marker
     ray.shutdown()
     assert not wait_until_gone(started), "Ray server processes outlived the test session"
+
+
+def vllm_processes() -> set[int]:
+    """Process ids of vLLM servers asyncrl started, and of their engine and worker processes."""
+    pids = set()
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                argv = (entry / "cmdline").read_bytes().decode(errors="replace")
+            except OSError:
+                continue
+            if "vllm_server.py" in argv or argv.startswith("VLLM::"):
+                pids.add(int(entry.name))
+    return pids
+
+
+@pytest.fixture(scope="session")
+def vllm_python():
+    """The vLLM environment's interpreter, set up by the project's own code when it is missing."""
+    from asyncrl.generation.vllm_env import ensure_env
+
+    return ensure_env()
+
+
+@pytest.fixture(scope="session")
+def vllm_config(vllm_python, tmp_path_factory):
+    """A run config on the vLLM backend with the default tiny model (head size 32, tied head)."""
+    from asyncrl.config import load_config
+
+    run_dir = tmp_path_factory.mktemp("vllm-run")
+    return load_config(None, ["generation.backend=vllm", f"logging.output_dir={run_dir}"])
+
+
+@pytest.fixture(scope="session")
+def vllm_generator(vllm_config):
+    """One vLLM server for the session, started through the backend's own code; no vLLM process
+    may outlive it."""
+    from asyncrl.generation import build_generator
+    from asyncrl.models.factory import build_model, build_tokenizer
+
+    tokenizer = build_tokenizer(vllm_config)
+    generator = build_generator(vllm_config, build_model(vllm_config, tokenizer), tokenizer)
+    yield generator
+    generator.close()
+    assert not wait_for_exit(vllm_processes), "vLLM processes outlived the test session"
+
+
+def wait_for_exit(find, timeout_s: float = 20.0) -> set[int]:
+    """What ``find()`` still returns after up to ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while (left := find()) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return left

@@ -13,26 +13,37 @@ from typing import Any, Callable
 
 
 class LocalHandle:
-    """``await handle.method(*args)`` runs ``worker.method(*args)`` on the worker's thread."""
+    """``await handle.method(*args)`` runs ``worker.method(*args)`` on the worker's thread.
+
+    A method the worker lists in ``unordered_methods`` runs on a second thread instead, beside
+    the queued calls: an in-flight weight load into a generator that is generating.
+    """
 
     def __init__(self, worker: Any, name: str) -> None:
         self.worker = worker
         self.name = name
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
+        self._unordered = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{name}-unordered")
 
     def __getattr__(self, method: str) -> Callable[..., asyncio.Future]:
         target = getattr(self.worker, method)
         if not callable(target):
             raise AttributeError(f"{self.name}.{method} is not a method")
+        executor = self._unordered if method in getattr(self.worker, "unordered_methods", ()) else self._executor
 
         def submit(*args: Any, **kwargs: Any) -> asyncio.Future:
-            return asyncio.wrap_future(self._executor.submit(target, *args, **kwargs))
+            return asyncio.wrap_future(executor.submit(target, *args, **kwargs))
 
         return submit
 
     def shutdown(self) -> None:
-        """Drop queued calls and wait for the running one; later calls raise RuntimeError."""
+        """Drop queued calls and wait for the running ones, then ``close()`` the worker if it has
+        one (a generator's server); later calls raise RuntimeError."""
         self._executor.shutdown(wait=True, cancel_futures=True)
+        self._unordered.shutdown(wait=True, cancel_futures=True)
+        close = getattr(self.worker, "close", None)
+        if callable(close):
+            close()
 
 
 class LocalRuntime:

