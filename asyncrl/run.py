@@ -60,7 +60,7 @@ def train(config: RunConfig, *, resume: str | Path | None = None, console: Any =
     tokenizer = _input(build_tokenizer, config)
     model = _input(build_model, config, tokenizer)
     task = _checked_task(config, tokenizer, model)
-    rewards = _input(RewardRunner.from_config, config.rewards, task)
+    rewards = _input(RewardRunner.from_config, config.rewards, task, config.generation.max_new_tokens)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(dump_config(config))
     torch.manual_seed(config.seed)
@@ -146,7 +146,8 @@ def build_rollout_worker(config: RunConfig) -> Any:
     tokenizer = build_tokenizer(config)
     task = build_task(config.data, tokenizer)
     generator = build_generator(config, build_model(config, tokenizer), tokenizer)
-    return _rollout_worker(config, generator, RewardRunner.from_config(config.rewards, task), tokenizer)
+    rewards = RewardRunner.from_config(config.rewards, task, max_new_tokens=config.generation.max_new_tokens)
+    return _rollout_worker(config, generator, rewards, tokenizer)
 
 
 def _rollout_worker(config: RunConfig, generator: Any, rewards: RewardRunner, tokenizer: Any) -> Any:
@@ -314,7 +315,7 @@ def evaluate(config: RunConfig, *, checkpoint: str | Path | None = None) -> dict
         _checkpoint_input(load_weights, model, checkpoint_dir)
     else:
         warm_start(model, tokenizer, task.train, config.warm_start, seed=config.seed, model_path=config.model.path)
-    rewards = _input(RewardRunner.from_config, config.rewards, task)
+    rewards = _input(RewardRunner.from_config, config.rewards, task, config.generation.max_new_tokens)
     worker = None
     try:
         worker = RolloutWorker(

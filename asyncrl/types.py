@@ -8,7 +8,7 @@ padding. Per-token tensors are aligned with ``input_ids``: position t describes 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields, replace
 
 import torch
@@ -274,6 +274,11 @@ class TrainBatch:
         return self.map_tensors(move)
 
 
+def _row_sum(values: Tensor) -> Tensor:
+    """A sequence's sum on one rank: its whole row is here."""
+    return values.sum(-1)
+
+
 @dataclass
 class TokenLossInputs:
     """The per-token tensors of one micro-batch (or one context-parallel shard of it), in one
@@ -289,3 +294,4 @@ class TokenLossInputs:
     weights: Tensor  # local_it * m_it
     num_tokens: Tensor
     num_sequences: Tensor
+    sequence_sum: Callable[[Tensor], Tensor] = _row_sum  # per-row sum over the whole sequence

@@ -45,6 +45,7 @@ Plant = Literal[
     "double-count-tokens",
     "whole-step-normalizer",
     "recompute-proximal",
+    "cp-shard-mean",
 ]
 PLANTS: tuple[str, ...] = (
     "per-microbatch-mean",
@@ -54,10 +55,12 @@ PLANTS: tuple[str, ...] = (
     "double-count-tokens",
     "whole-step-normalizer",
     "recompute-proximal",
+    "cp-shard-mean",
 )
 UPDATE_PLANTS = ("whole-step-normalizer", "recompute-proximal")  # mistakes that need several updates
-CP_PLANTS = ("shift-after-shard", "double-count-tokens")  # mistakes that only exist across CP ranks
+CP_PLANTS = ("shift-after-shard", "double-count-tokens", "cp-shard-mean")  # mistakes that only exist across CP ranks
 RANK_PLANTS = (*CP_PLANTS, "per-shard-mean", "average-without-compensation")  # need more than one rank
+RATIO_LEVELS = ("token", "sequence")
 DTYPES = {"float64": torch.float64, "float32": torch.float32}
 WRAPS = ("fsdp", "ddp")
 NUM_GROUPS, GROUP_SIZE = 4, 4
@@ -88,6 +91,7 @@ class Case:
     dtype: str = "float64"
     plant: str | None = None
     wrap: str = "fsdp"
+    ratio_level: str = "token"
 
 
 @dataclass
@@ -201,6 +205,13 @@ class DoubleCountCP(ContextParallel):
         return batch.response_mask.sum(), (batch.response_lengths > 0).sum().to(response_mask.dtype)
 
 
+class ShardMeanCP(ContextParallel):
+    """The planted mistake: each CP shard takes its own mean for the sequence ratio (GSPO)."""
+
+    def sequence_sum(self, values: Tensor) -> Tensor:
+        return values.sum(-1)
+
+
 class UncompensatedParallel(ParallelContext):
     """The planted mistake: the wrapper's gradient average over ranks is left in place."""
 
@@ -213,6 +224,8 @@ def _planted(parallel: ParallelContext, plant: str | None) -> ParallelContext:
         return replace(parallel, context=ShiftAfterShardCP(parallel.context.group))
     if plant == "double-count-tokens":
         return replace(parallel, context=DoubleCountCP(parallel.context.group))
+    if plant == "cp-shard-mean":
+        return replace(parallel, context=ShardMeanCP(parallel.context.group))
     if plant == "average-without-compensation":
         return UncompensatedParallel(parallel.mesh, parallel.ranks_mesh, parallel.wrap, parallel.context)
     return parallel
@@ -282,7 +295,9 @@ def rank_micro_batches(batch: TrainBatch, *, dp: int, dp_rank: int, micro_batche
     return uneven_split(shares[dp_rank], micro_batches, torch.Generator().manual_seed(seed + 2 + dp_rank))
 
 
-def build_problem(mode: str, dtype: torch.dtype, seed: int, vocab_size: int = 48, updates: int = 1):
+def build_problem(
+    mode: str, dtype: torch.dtype, seed: int, vocab_size: int = 48, updates: int = 1, ratio_level: str = "token"
+):
     """(model, batch, loss config, trainer config) of one check; the same for every process.
 
     With several updates the learning rate is large enough that the later updates' ratios leave
@@ -294,6 +309,7 @@ def build_problem(mode: str, dtype: torch.dtype, seed: int, vocab_size: int = 48
         norm_constant=16.0 if mode == "seq-mean-token-sum-norm" else None,
         kl_coef=0.05,
         entropy_coef=0.01,
+        ratio_level=ratio_level,
     )
     trainer_cfg = TrainerConfig(lr=1e-3 if updates == 1 else 1e-2, max_grad_norm=1.0, dtype="float64" if dtype == torch.float64 else "float32")
     return model, batch, loss_cfg, trainer_cfg
@@ -412,10 +428,12 @@ def compare(
     )
 
 
-def _reference(mode: str, dtype: torch.dtype, seed: int, vocab_size: int = 48, updates: int = 1) -> StepOutcome:
+def _reference(
+    mode: str, dtype: torch.dtype, seed: int, vocab_size: int = 48, updates: int = 1, ratio_level: str = "token"
+) -> StepOutcome:
     """The monolithic step: each update is one micro-batch holding its whole mini-batch; with
     several updates, proximal logprobs are the whole batch's, scored at once at step start."""
-    model, batch, loss_cfg, trainer_cfg = build_problem(mode, dtype, seed, vocab_size, updates)
+    model, batch, loss_cfg, trainer_cfg = build_problem(mode, dtype, seed, vocab_size, updates, ratio_level)
     trainer = _trainer(PolicyTrainer, model, loss_cfg, trainer_cfg)
     if updates > 1:
         batch.prox_logprobs = trainer.compute_logprobs(batch)
@@ -442,17 +460,19 @@ def verify_mode(
     seed: int = 0,
     vocab_size: int = 48,
     updates: int = 1,
+    ratio_level: str = "token",
 ) -> Comparison:
     """Run reference and split steps for one aggregation mode, in this process, and compare them."""
     torch.manual_seed(seed)
-    model, batch, loss_cfg, trainer_cfg = build_problem(mode, dtype, seed, vocab_size, updates)
+    model, batch, loss_cfg, trainer_cfg = build_problem(mode, dtype, seed, vocab_size, updates, ratio_level)
     candidate = _trainer(_candidate_class(plant), model, loss_cfg, trainer_cfg, batch=batch)
     split = [
         uneven_split(part, min(micro_batches, len(part)), torch.Generator().manual_seed(seed + 1 + k))
         for k, part in enumerate(minibatches(batch, updates))
     ]
     outcome = _train(candidate, split, score=_scoring(updates, plant))
-    return compare(mode, _reference(mode, dtype, seed, vocab_size, updates), outcome, dtype, updates=updates)
+    reference = _reference(mode, dtype, seed, vocab_size, updates, ratio_level)
+    return compare(mode, reference, outcome, dtype, updates=updates)
 
 
 # ---- dp x cp ranks -----------------------------------------------------------------------------
@@ -466,7 +486,9 @@ def _rank_check(
     outcomes = []
     for case in cases:
         torch.manual_seed(seed)
-        model, batch, loss_cfg, trainer_cfg = build_problem(case.mode, DTYPES[case.dtype], seed, updates=updates)
+        model, batch, loss_cfg, trainer_cfg = build_problem(
+            case.mode, DTYPES[case.dtype], seed, updates=updates, ratio_level=case.ratio_level
+        )
         planted = _planted(replace(parallel, wrap=case.wrap), case.plant)
         trainer = _trainer(_candidate_class(case.plant), model, loss_cfg, trainer_cfg, planted, batch=batch)
         split = [
@@ -485,8 +507,8 @@ def verify_parallel(
     cases: list[Case], *, dp: int, cp: int, micro_batches: int, seed: int = 0, updates: int = 1
 ) -> list[Comparison]:
     """Check every case on dp·cp local ranks (one launch) against the monolithic step here."""
-    check_layout(dp, cp, micro_batches, [case.plant for case in cases], updates)
     for case in cases:
+        check_layout(dp, cp, micro_batches, [case.plant], updates, case.ratio_level)
         _check_choices(case.mode, case.dtype, case.plant)
         if case.wrap not in WRAPS:
             raise ValueError(f"--wrap: '{case.wrap}' is not one of {', '.join(WRAPS)}")
@@ -495,9 +517,11 @@ def verify_parallel(
     references = {}
     comparisons = []
     for case, outcome in outcomes:
-        key = (case.mode, case.dtype)
+        key = (case.mode, case.dtype, case.ratio_level)
         if key not in references:
-            references[key] = _reference(case.mode, DTYPES[case.dtype], seed, updates=updates)
+            references[key] = _reference(
+                case.mode, DTYPES[case.dtype], seed, updates=updates, ratio_level=case.ratio_level
+            )
         comparisons.append(compare(case.mode, references[key], outcome, DTYPES[case.dtype], case, updates))
     return comparisons
 
@@ -514,7 +538,9 @@ def _check_choices(mode: str, dtype: str, plant: str | None) -> None:
         raise ValueError(f"--mode: '{mode}' is not one of {', '.join(grpo.AGG_MODES)}")
 
 
-def check_layout(dp: int, cp: int, micro_batches: int, plants: list[str | None], updates: int = 1) -> None:
+def check_layout(
+    dp: int, cp: int, micro_batches: int, plants: list[str | None], updates: int = 1, ratio_level: str = "token"
+) -> None:
     """Reject a launch this check cannot run; the message starts with the option it is about.
 
     With several updates each mini-batch is split into at most ``micro_batches`` micro-batches
@@ -536,6 +562,8 @@ def check_layout(dp: int, cp: int, micro_batches: int, plants: list[str | None],
             raise ValueError(f"--plant: {plant} is a multi-rank mistake; it needs --dp or --cp 2 or more")
         if plant in UPDATE_PLANTS and updates == 1:
             raise ValueError(f"--plant: {plant} is a mistake of several updates per step; it needs --updates 2 or more")
+        if plant == "cp-shard-mean" and ratio_level != "sequence":
+            raise ValueError(f"--plant: {plant} is a mistake of the sequence ratio; it needs --ratio-level sequence")
 
 
 def verify(
@@ -549,16 +577,27 @@ def verify(
     cp: int = 1,
     wrap: str = "fsdp",
     updates: int = 1,
+    ratio_level: str = "token",
 ) -> list[Comparison]:
     """Compare split (and, with dp·cp > 1, parallel) steps with the monolithic one for each mode;
     with ``updates`` K > 1 a step is K mini-batch updates against logprobs scored at its start."""
     for mode in modes:
         _check_choices(mode, dtype, plant)
+    if ratio_level not in RATIO_LEVELS:
+        raise ValueError(f"--ratio-level: '{ratio_level}' is not one of {', '.join(RATIO_LEVELS)}")
     if dp * cp > 1:
-        cases = [Case(mode, dtype, plant, wrap) for mode in modes]
+        cases = [Case(mode, dtype, plant, wrap, ratio_level) for mode in modes]
         return verify_parallel(cases, dp=dp, cp=cp, micro_batches=micro_batches, seed=seed, updates=updates)
-    check_layout(dp, cp, micro_batches, [plant], updates)
+    check_layout(dp, cp, micro_batches, [plant], updates, ratio_level)
     return [
-        verify_mode(mode, micro_batches=micro_batches, dtype=DTYPES[dtype], plant=plant, seed=seed, updates=updates)
+        verify_mode(
+            mode,
+            micro_batches=micro_batches,
+            dtype=DTYPES[dtype],
+            plant=plant,
+            seed=seed,
+            updates=updates,
+            ratio_level=ratio_level,
+        )
         for mode in modes
     ]

@@ -299,6 +299,13 @@ def score(completion, answer):
     return float(completion == answer)
 
 
+def by_length(completion, answer, *, num_tokens):
+    return -num_tokens
+
+
+by_length.uses_num_tokens = True
+
+
 def one_argument(completion):
     return 1.0
 
@@ -345,9 +352,11 @@ def test_bad_custom_rewards_are_rejected_at_load_time(tmp_path, capsys, plugins,
 
 
 def test_a_good_custom_reward_loads(plugins):
-    from asyncrl.rewards import resolve_reward
+    from asyncrl.rewards import RewardRunner, resolve_reward
 
     assert resolve_reward("bad_input_plugins:score")("4", "4") == 1.0
+    with RewardRunner([("by_length", resolve_reward("bad_input_plugins:by_length"))]) as runner:
+        assert runner.score(["4"], ["4"], num_tokens=[3]).rewards == [-3.0]
 
 
 @pytest.mark.parametrize(

@@ -214,3 +214,6 @@ def test_minibatch_and_behaviour_clip_rules():
     assert message.startswith("loss.clip_against: behaviour takes one update per step")
     assert error_of(["loss.clip_against=behaviour", "loss.importance_sampling=tis"]).startswith("loss.importance_sampling: tis")
     assert load_config(None, ["loss.clip_against=behaviour", "sampler.max_lag=2"]).importance_sampling == "none"
+    message = error_of(["loss.ratio_level=sequence", "loss.importance_sampling=icepop"])
+    assert message.startswith("loss.importance_sampling: icepop drops single tokens")
+    assert load_config(None, ["loss.ratio_level=sequence", "loss.clip_against=behaviour"]).loss.ratio_level == "sequence"

@@ -14,6 +14,7 @@ from asyncrl.algorithms.grpo import (
     importance_weights,
     kl_k3,
     local_token_weights,
+    sequence_ratio,
     step_normalizer,
     token_loss,
     zero_variance_groups,
@@ -273,6 +274,37 @@ def test_token_loss_requires_inputs_for_its_terms():
         token_loss(lp, lp, lp, lp, cfg=LossTerms(kl_coef=0.1))
     with pytest.raises(ValueError, match="entropy"):
         token_loss(lp, lp, lp, lp, cfg=LossTerms(entropy_coef=0.1))
+
+
+def test_sequence_ratio_is_the_geometric_mean_of_response_token_ratios_clipped_per_sequence():
+    # row 0: token ratios 1.1 and 1.2 (the third token is outside the response) -> s = sqrt(1.32),
+    # inside [0.8, 1.28]: l = -A s on both tokens, d/d lp_0t of their sum = -A s * 2 * (1/2) = -s.
+    # row 1: every ratio 1.5 -> s = 1.5 > 1.28, A > 0: clipped, l = -1.28, no gradient.
+    mask = f64([[1, 1, 0], [1, 1, 1]])
+    logprobs = f64([[math.log(1.1), math.log(1.2), 5.0], [math.log(1.5)] * 3]).requires_grad_()
+    old = torch.zeros_like(logprobs)
+    s0 = math.sqrt(1.32)
+    assert_close(sequence_ratio(logprobs, old, mask), [[s0], [1.5]])
+    cfg = LossTerms(is_mode="none", dual_clip=None, ratio_level="sequence")
+    loss, metrics = token_loss(logprobs, old, old, f64([[1.0], [1.0]]), cfg=cfg, response_mask=mask)
+    assert_close(loss * mask, [[-s0, -s0, 0.0], [-1.28] * 3])
+    assert_close(metrics["clip"], [[0.0] * 3, [1.0] * 3])
+    assert_close(metrics["ratio"], [[s0] * 3, [1.5] * 3])
+    (loss * mask).sum().backward()
+    assert_close(logprobs.grad, [[-s0, -s0, 0.0], [0.0] * 3])
+    with pytest.raises(ValueError, match="response_mask"):
+        token_loss(logprobs, old, old, f64([[1.0], [1.0]]), cfg=cfg)
+
+
+def test_sequence_ratio_sums_rows_with_the_given_sequence_sum():
+    # two halves of one row, each summed "across shards" by a sum that also adds the other half
+    lp, mask = f64([[0.2, 0.4]]), f64([[1.0, 1.0]])
+    other = {"lr": f64([0.6]), "mask": f64([2.0])}  # the other shard: log ratios 0.2 and 0.4, 2 tokens
+
+    def shard_sum(values):
+        return values.sum(-1) + (other["mask"] if values is mask else other["lr"])
+
+    assert_close(sequence_ratio(lp, torch.zeros_like(lp), mask, shard_sum), [[math.exp(1.2 / 4)]])
 
 
 # ---- aggregation weights ---------------------------------------------------------------------

@@ -8,7 +8,7 @@ import pytest
 
 from asyncrl.config import ConfigError, RewardConfig, load_config
 from asyncrl.data import Task
-from asyncrl.rewards import FormatReward, RewardRunner, exact_match, numeric_match, resolve_reward
+from asyncrl.rewards import FormatReward, OverlongPenalty, RewardRunner, exact_match, numeric_match, resolve_reward
 
 TIMEOUT = 0.2
 
@@ -273,6 +273,32 @@ def test_from_config_takes_the_format_pattern_from_config_then_task():
         r.close()
 
 
+def test_overlong_penalty_is_zero_then_falls_linearly_to_minus_one_at_the_limit():
+    # L_max = 20, L_cache = 4: 0 up to 16 tokens, -(n - 16) / 4 up to 20, -1 beyond
+    penalty = OverlongPenalty(20, 4)
+    lengths = [0, 16, 17, 18, 20, 25]
+    assert [penalty("", "", num_tokens=n) for n in lengths] == [0.0, 0.0, -0.25, -0.5, -1.0, -1.0]
+    with pytest.raises(ValueError, match="^rewards.overlong_cache"):
+        OverlongPenalty(20, 21)
+
+
+def test_overlong_is_configured_beside_other_rewards_and_scored_on_token_counts():
+    cfg = load_config(None, ["rewards.functions=[exact_match,overlong]", "rewards.overlong_cache=4", "rewards.weights=[1,0.5]"])
+    with RewardRunner.from_config(cfg.rewards, max_new_tokens=cfg.generation.max_new_tokens) as runner:
+        result = runner.score(["19", "19", "x"], ["19", "19", "19"], num_tokens=[3, 14, 16])
+        assert result.per_function["overlong"] == [0.0, -0.5, -1.0]
+        assert result.rewards == [1.0, 0.75, -0.5] and result.correct == [True, True, False]
+        with pytest.raises(ValueError, match="overlong needs num_tokens"):
+            runner.score(["19"], ["19"])
+    for overrides, message in [
+        (["rewards.functions=[overlong]"], "rewards.overlong_cache: the overlong reward needs a cache length"),
+        (["rewards.functions=[overlong]", "rewards.overlong_cache=17"], "rewards.overlong_cache: 17 is more than"),
+    ]:
+        with pytest.raises(ConfigError) as info:
+            load_config(None, overrides)
+        assert str(info.value).startswith(message)
+
+
 @pytest.mark.parametrize(
     "override, message",
     [
@@ -328,3 +354,24 @@ def test_a_pickled_runner_scores_the_same_on_its_own_threads(name):
     runner.close()
     assert copy.score(["19"], ["19"]).rewards == [2.0]  # independent of the closed original
     copy.close()
+
+
+def test_the_rollout_worker_scores_the_overlong_penalty_on_response_token_counts():
+    from asyncrl.data import Prompt
+    from asyncrl.generation import SamplingParams
+    from asyncrl.models import build_char_tokenizer
+    from asyncrl.rollout import RolloutWorker
+    from asyncrl.types import Rollout
+
+    class FixedLengths:  # a generator whose i-th response has lengths[i] tokens
+        version = 0
+
+        def generate(self, requests, sampling):
+            return [Rollout(r.prompt_ids, [5] * n, [0.0] * n, "stop") for r, n in zip(requests, [2, 7, 8])]
+
+    runner = RewardRunner([("overlong", OverlongPenalty(8, 4))])
+    tokenizer = build_char_tokenizer()
+    worker = RolloutWorker(FixedLengths(), runner, tokenizer, run_seed=0, group_size=1, sampling=SamplingParams(max_new_tokens=8))
+    with runner:
+        result = worker.evaluate([Prompt(str(i), "1+1=", "2") for i in range(3)])
+    assert result.reward_mean == pytest.approx((0.0 - 0.75 - 1.0) / 3)

@@ -3,6 +3,7 @@
 Each run is a few seconds: a 2-layer model, 4 prompts x 4 samples per step, short answers.
 """
 
+import math
 import threading
 import time
 
@@ -222,3 +223,12 @@ def test_the_multi_token_task_trains_with_a_format_reward(tmp_path):
     )
     assert summary["steps"] == 2 and summary["reward_errors"] == 0
     assert all(0.0 <= m["reward_mean"] <= 1.1 for m in metrics)
+
+
+@pytest.mark.slow
+def test_a_run_trains_with_the_sequence_ratio_and_the_overlong_penalty(tmp_path):
+    overrides = ["loss.ratio_level=sequence", "grpo.num_minibatches=2", "grpo.max_steps=2"]
+    overrides += ["rewards.functions=[exact_match,overlong]", "rewards.overlong_cache=2"]
+    _, metrics, groups = run(tmp_path, "gspo", *overrides)
+    assert len(metrics) == 2 and all(math.isfinite(m["loss"]) for m in metrics)
+    assert any(g["reward_mean"] < 0 for g in groups)  # 4-token responses that reach the limit are penalized

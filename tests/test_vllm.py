@@ -15,6 +15,7 @@ import urllib.request
 import pytest
 import torch
 from conftest import vllm_processes, wait_for_exit
+from test_train import SMALL
 from transformers import AutoModelForCausalLM
 
 from asyncrl.cli import main
@@ -24,7 +25,6 @@ from asyncrl.generation.vllm_process import http_json
 from asyncrl.metrics import read_jsonl
 from asyncrl.models import build_char_tokenizer, build_tiny_model, token_logprobs
 from asyncrl.models.tiny import tiny_config
-from test_train import SMALL
 
 # The first test to use the server may also create the vLLM environment (3 to 5 minutes).
 pytestmark = pytest.mark.timeout(1200)

@@ -22,6 +22,7 @@ any sharding and is never recounted from a shard's mask.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal, get_args
 
@@ -32,6 +33,7 @@ from asyncrl.config import AggMode
 
 AGG_MODES: tuple[str, ...] = get_args(AggMode)
 ISMode = Literal["none", "tis", "icepop"]
+RatioLevel = Literal["token", "sequence"]
 
 # ---- advantages ------------------------------------------------------------------------------
 
@@ -96,9 +98,15 @@ def clipped_surrogate(
     clamped term is strictly larger than -A r, or the dual clip strictly lowered the loss; else 0.0.
     Where both terms are equal (r inside the range, or A = 0) the token is not clipped.
     """
+    return _clip(torch.exp(logprobs - old_logprobs), advantages, clip_low, clip_high, dual_clip)
+
+
+def _clip(
+    ratio: Tensor, advantages: Tensor, clip_low: float, clip_high: float, dual_clip: float | None
+) -> tuple[Tensor, Tensor]:
+    """``clipped_surrogate`` of a given ratio: a token's own, or its sequence's (``sequence_ratio``)."""
     if dual_clip is not None and dual_clip <= 1:
         raise ValueError(f"dual_clip: must be > 1, got {dual_clip}")
-    ratio = torch.exp(logprobs - old_logprobs)
     unclipped = -advantages * ratio
     clamped = -advantages * ratio.clamp(1 - clip_low, 1 + clip_high)
     loss = torch.maximum(unclipped, clamped)
@@ -109,6 +117,23 @@ def clipped_surrogate(
         loss = torch.where(dual_clipped, cap, loss)
         clipped = clipped | dual_clipped
     return loss, clipped.to(loss.dtype)
+
+
+def sequence_ratio(
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    response_mask: Tensor,
+    sequence_sum: Callable[[Tensor], Tensor] = lambda values: values.sum(-1),
+) -> Tensor:
+    """GSPO's sequence ratio s_i = exp(mean_t (lp_it - lp_old_it)) over response tokens, as [B, 1].
+
+    ``sequence_sum`` sums each row over the whole sequence; under context parallelism it reduces
+    the shards of the CP group (``ContextParallel.sequence_sum``), so the mean is the sequence's
+    own and not a shard's. The gradient is s_i * mean_t grad lp_it (docs/loss.md).
+    """
+    log_ratio = torch.where(response_mask > 0, logprobs - old_logprobs, 0.0)
+    tokens = sequence_sum(response_mask).clamp(min=1)
+    return torch.exp(sequence_sum(log_ratio) / tokens)[:, None]
 
 
 def importance_weights(
@@ -178,6 +203,7 @@ class LossTerms:
     kl_log_ratio_clamp: float = 20.0
     kl_clamp: float = 10.0
     entropy_coef: float = 0.0
+    ratio_level: RatioLevel = "token"
 
 
 def token_loss(
@@ -189,8 +215,14 @@ def token_loss(
     cfg: LossTerms,
     ref_logprobs: Tensor | None = None,
     entropy: Tensor | None = None,
+    response_mask: Tensor | None = None,
+    sequence_sum: Callable[[Tensor], Tensor] = lambda values: values.sum(-1),
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """The GRPO loss per token, l = w_is * surrogate + kl_coef * k3 - entropy_coef * entropy.
+
+    With ``cfg.ratio_level`` "sequence" (GSPO) the surrogate of every token of sequence i uses
+    ``sequence_ratio`` s_i, which needs ``response_mask`` and the row sum ``sequence_sum``; "clip"
+    and "ratio" are then the sequence's, repeated on each of its tokens.
 
     ``advantages`` is [B, T] or [B, 1]. Returns (l [B, T], metrics): per-token, detached tensors
     "clip", "is_weight", "ratio", "mismatch_kl" (``mismatch_kl``: how far the generator is from the
@@ -201,9 +233,13 @@ def token_loss(
         raise ValueError("ref_logprobs: required when kl_coef != 0")
     if cfg.entropy_coef != 0 and entropy is None:
         raise ValueError("entropy: required when entropy_coef != 0")
-    surrogate, clipped = clipped_surrogate(
-        logprobs, old_logprobs, advantages, clip_low=cfg.clip_low, clip_high=cfg.clip_high, dual_clip=cfg.dual_clip
-    )
+    if cfg.ratio_level == "sequence":
+        if response_mask is None:
+            raise ValueError("response_mask: required when ratio_level is sequence")
+        ratio = sequence_ratio(logprobs, old_logprobs, response_mask, sequence_sum).expand_as(logprobs)
+    else:
+        ratio = torch.exp(logprobs - old_logprobs)
+    surrogate, clipped = _clip(ratio, advantages, cfg.clip_low, cfg.clip_high, cfg.dual_clip)
     is_weight = importance_weights(
         old_logprobs, behaviour_logprobs, mode=cfg.is_mode, cap=cfg.is_cap, low=cfg.is_low, high=cfg.is_high
     )
@@ -212,7 +248,7 @@ def token_loss(
     metrics = {
         "clip": clipped,
         "is_weight": is_weight,
-        "ratio": torch.exp(logprobs - old_logprobs).detach(),
+        "ratio": ratio.detach(),
         "mismatch_kl": mismatch_kl(behaviour_logprobs, old_logprobs, **clamps),
     }
     if ref_logprobs is not None:

@@ -25,9 +25,9 @@ import shutil
 import tempfile
 import threading
 import uuid
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Mapping, Sequence
 
 import torch
 from safetensors.torch import save_file

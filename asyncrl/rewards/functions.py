@@ -8,8 +8,13 @@ Built-ins, by name:
 - ``math``: equivalence checked by math-verify (LaTeX, fractions, boxed answers, ...).
 - ``format``: the stripped completion matches a regex as a whole (``rewards.format_pattern``, or
   the task's own pattern).
+- ``overlong``: DAPO's soft overlong penalty, from the response's length in tokens alone
+  (``OverlongPenalty``; docs/data.md).
 - ``task``: the task's own checker (a reasoning-gym dataset's ``score_answer``).
 - ``package.module:function``: any importable callable taking (completion, answer).
+
+A reward with ``uses_num_tokens = True`` is also given the response's length in tokens, as the
+keyword ``num_tokens``: text alone does not say how many tokens the generator spent.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ from decimal import Decimal, InvalidOperation
 from asyncrl.plugins import import_attribute
 
 RewardFn = Callable[[str, str], float]
-BUILTIN_REWARDS = ("exact_match", "numeric_match", "math", "format", "task")
+BUILTIN_REWARDS = ("exact_match", "numeric_match", "math", "format", "overlong", "task")
 
 _NUMBER = re.compile(r"[+-]?(\d+(\.\d*)?|\.\d+)([eE][+-]?\d+)?")
 
@@ -56,6 +61,23 @@ class FormatReward:
 
     def __call__(self, completion: str, answer: str) -> float:
         return float(self.pattern.fullmatch(completion.strip()) is not None)
+
+
+class OverlongPenalty:
+    """DAPO's soft overlong punishment: 0 up to L_max - L_cache tokens, then falling linearly to -1
+    at L_max (``max_new_tokens``), -1 beyond. A response near the limit is penalized gradually
+    instead of all truncated ones scoring like wrong answers."""
+
+    uses_num_tokens = True
+
+    def __init__(self, max_new_tokens: int, cache: int) -> None:
+        if not 1 <= cache <= max_new_tokens:
+            raise ValueError(f"rewards.overlong_cache: {cache} must be between 1 and generation.max_new_tokens {max_new_tokens}")
+        self.max_new_tokens, self.cache = max_new_tokens, cache
+
+    def __call__(self, completion: str, answer: str, *, num_tokens: int) -> float:
+        over = num_tokens - (self.max_new_tokens - self.cache)
+        return -min(max(over, 0), self.cache) / self.cache
 
 
 class _DropTimeoutNotice(logging.Filter):
@@ -92,7 +114,14 @@ class MathReward:
         return MathReward, ()
 
 
-def resolve_reward(name: str, *, format_pattern: str | None = None, task_score: RewardFn | None = None) -> RewardFn:
+def resolve_reward(
+    name: str,
+    *,
+    format_pattern: str | None = None,
+    task_score: RewardFn | None = None,
+    max_new_tokens: int | None = None,
+    overlong_cache: int | None = None,
+) -> RewardFn:
     """A built-in reward by name, or a ``package.module:function`` path. ``task_score`` is the
     task's own checker, the ``task`` reward."""
     if name == "exact_match":
@@ -105,6 +134,10 @@ def resolve_reward(name: str, *, format_pattern: str | None = None, task_score: 
         if format_pattern is None:
             raise ValueError("rewards.format_pattern: the format reward needs a pattern and the task has none")
         return FormatReward(format_pattern)
+    if name == "overlong":
+        if max_new_tokens is None or overlong_cache is None:
+            raise ValueError("rewards.overlong_cache: the overlong reward needs a cache length and generation.max_new_tokens")
+        return OverlongPenalty(max_new_tokens, overlong_cache)
     if name == "task":
         if task_score is None:
             raise ValueError("rewards.functions: the task reward needs a task with its own checker (data.task reasoning_gym)")
@@ -122,7 +155,7 @@ def resolve_reward(name: str, *, format_pattern: str | None = None, task_score: 
     if inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None)):  # noqa: B004 (not a callable check)
         raise ValueError(f"rewards.functions: '{name}' is async; rewards are called, not awaited: use a plain def")
     try:
-        inspect.signature(fn).bind("completion", "answer")
+        inspect.signature(fn).bind("completion", "answer", **({"num_tokens": 0} if getattr(fn, "uses_num_tokens", False) else {}))
     except TypeError:
         raise ValueError(f"rewards.functions: '{name}' must accept (completion, answer), the two strings it is called with") from None
     except ValueError:

@@ -67,8 +67,9 @@ class RewardCounts:
 class _Call:
     """One function applied to one completion; a worker fills in the outcome."""
 
-    def __init__(self, name: str, fn: RewardFn, completion: str, answer: str) -> None:
+    def __init__(self, name: str, fn: RewardFn, completion: str, answer: str, num_tokens: int | None) -> None:
         self.name, self.fn, self.completion, self.answer = name, fn, completion, answer
+        self.kwargs = {"num_tokens": num_tokens} if getattr(fn, "uses_num_tokens", False) else {}
         self.started: float | None = None
         self.worker: threading.Thread | None = None
         self.done = False
@@ -118,14 +119,22 @@ class RewardRunner:
         self._closed = False
 
     @classmethod
-    def from_config(cls, cfg: RewardConfig, task: Task | None = None) -> RewardRunner:
+    def from_config(
+        cls, cfg: RewardConfig, task: Task | None = None, max_new_tokens: int | None = None
+    ) -> RewardRunner:
         """``task`` supplies the format reward's pattern when ``rewards.format_pattern`` is not set,
-        and the ``task`` reward, its own checker."""
+        and the ``task`` reward, its own checker; ``max_new_tokens`` (generation.max_new_tokens) is
+        the overlong reward's L_max."""
         pattern = cfg.format_pattern
         if pattern is None and task is not None:
             pattern = task.format_pattern
-        score = task.score if task is not None else None
-        functions = [(name, resolve_reward(name, format_pattern=pattern, task_score=score)) for name in cfg.functions]
+        settings = {
+            "format_pattern": pattern,
+            "task_score": task.score if task is not None else None,
+            "max_new_tokens": max_new_tokens,
+            "overlong_cache": cfg.overlong_cache,
+        }
+        functions = [(name, resolve_reward(name, **settings)) for name in cfg.functions]
         return cls(
             functions,
             weights=cfg.weights,
@@ -157,11 +166,21 @@ class RewardRunner:
         with self._progress:
             return len(self._hung)
 
-    def score(self, completions: Sequence[str], answers: Sequence[str]) -> RewardResult:
+    def score(
+        self, completions: Sequence[str], answers: Sequence[str], num_tokens: Sequence[int] | None = None
+    ) -> RewardResult:
+        """``num_tokens``: each response's length in tokens, which rewards with ``uses_num_tokens`` need."""
         if len(completions) != len(answers):
             raise ValueError(f"RewardRunner.score: {len(completions)} completions for {len(answers)} answers")
+        if num_tokens is None:
+            needing = [name for name, fn in zip(self.names, self._functions) if getattr(fn, "uses_num_tokens", False)]
+            if needing:
+                raise ValueError(f"RewardRunner.score: {', '.join(needing)} needs num_tokens, the responses' lengths")
+            num_tokens = [None] * len(completions)
+        elif len(num_tokens) != len(completions):
+            raise ValueError(f"RewardRunner.score: {len(num_tokens)} lengths for {len(completions)} completions")
         calls = {
-            name: [_Call(name, fn, c, a) for c, a in zip(completions, answers)]
+            name: [_Call(name, fn, c, a, n) for c, a, n in zip(completions, answers, num_tokens)]
             for name, fn in zip(self.names, self._functions)
         }
         every_call = [call for row in calls.values() for call in row]
@@ -215,7 +234,7 @@ class RewardRunner:
                 call.started, call.worker = time.monotonic(), me
                 self._progress.notify_all()
             try:
-                call.value = call.fn(call.completion, call.answer)
+                call.value = call.fn(call.completion, call.answer, **call.kwargs)
             except BaseException as err:  # a reward's failure is scored, never propagated into the pool
                 call.error = err
             with self._progress:

@@ -288,6 +288,7 @@ class ContextParallel:
             weights=loss_side(weights),
             num_tokens=num_tokens,
             num_sequences=num_sequences,
+            sequence_sum=self.sequence_sum,
         )
 
     @torch.no_grad()

@@ -158,6 +158,7 @@ class PolicyTrainer:
             kl_log_ratio_clamp=loss_cfg.kl_log_ratio_clamp,
             kl_clamp=loss_cfg.kl_clamp,
             entropy_coef=loss_cfg.entropy_coef,
+            ratio_level=loss_cfg.ratio_level,
         )
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = build_optimizer(self.params, trainer_cfg)
@@ -345,6 +346,8 @@ class PolicyTrainer:
             cfg=self.terms,
             ref_logprobs=inputs.ref_logprobs,
             entropy=inputs.entropy,
+            response_mask=inputs.response_mask,
+            sequence_sum=inputs.sequence_sum,
         )
         if self.loss_cfg.clip_against == "behaviour":  # the generator's distance from the current policy
             metrics["mismatch_kl"] = grpo.mismatch_kl(
