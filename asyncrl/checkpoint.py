@@ -149,7 +149,9 @@ def verify_checkpoint(directory: Path) -> None:
     except (ValueError, TypeError, KeyError, AttributeError):
         written = False
     if not written:
-        raise CheckpointError(f"{MANIFEST_FILE} is damaged (not a manifest of file sizes and checksums as asyncrl writes it)")
+        raise CheckpointError(
+            f"{MANIFEST_FILE} is damaged (not a manifest of file sizes and checksums as asyncrl writes it)"
+        )
     if not any(name == STATE_FILE for name, _, _ in entries) or not any(name == WEIGHTS_FILE for name, _, _ in entries):
         raise CheckpointError(f"{MANIFEST_FILE} is damaged (it does not list {STATE_FILE} and {WEIGHTS_FILE})")
     for name, size, sha256 in entries:
@@ -157,7 +159,9 @@ def verify_checkpoint(directory: Path) -> None:
         if Path(name).name != name or not path.is_file():
             raise CheckpointError(f"{name[:80]} is missing ({MANIFEST_FILE} lists it)")
         if path.stat().st_size != size:
-            raise CheckpointError(f"{name} is damaged ({path.stat().st_size} bytes; {MANIFEST_FILE} says {size} were saved)")
+            raise CheckpointError(
+                f"{name} is damaged ({path.stat().st_size} bytes; {MANIFEST_FILE} says {size} were saved)"
+            )
         if _sha256(path) != sha256:
             raise CheckpointError(f"{name} is damaged (its SHA-256 differs from the one {MANIFEST_FILE} holds)")
 

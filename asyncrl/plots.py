@@ -179,7 +179,15 @@ def _reward_panel(ax, steps: list[dict], evals: list[dict]) -> None:
     if accuracy:
         _plot_steps(ax, accuracy_x, accuracy, "train accuracy", "tab:orange")
     if eval_accuracy:
-        ax.plot(eval_x, eval_accuracy, color="tab:green", marker="o", markersize=7, linestyle="--", label="eval accuracy (held out)")
+        ax.plot(
+            eval_x,
+            eval_accuracy,
+            color="tab:green",
+            marker="o",
+            markersize=7,
+            linestyle="--",
+            label="eval accuracy (held out)",
+        )
         ax.annotate(
             f"{eval_accuracy[-1]:.3f}",
             (eval_x[-1], eval_accuracy[-1]),

@@ -69,7 +69,11 @@ class RolloutWorker:
         """Sample ``group_size`` completions per job, score them, tensorize one group per job."""
         start = time.perf_counter()
         version = self.generator.version
-        stale = [job.slot_id for job in jobs if job.start_version > version or (job.start_version < version and not self.inflight)]
+        stale = [
+            job.slot_id
+            for job in jobs
+            if job.start_version > version or (job.start_version < version and not self.inflight)
+        ]
         if stale:
             raise RuntimeError(
                 f"RolloutWorker.generate: slots {stale} were admitted for another weight version than the "
@@ -84,7 +88,9 @@ class RolloutWorker:
         rollouts = self.generator.generate(requests, self.sampling)
         end_version = self.generator.version if not self.inflight else max(version, *_token_versions(rollouts))
         # One scoring call for the batch: a reward that hangs costs one timeout, not one per group.
-        scores = self.rewards.score([self._decode(r) for r in rollouts], answers, [len(r.response_ids) for r in rollouts])
+        scores = self.rewards.score(
+            [self._decode(r) for r in rollouts], answers, [len(r.response_ids) for r in rollouts]
+        )
         groups = [
             self._group(job, rollouts[j * n : (j + 1) * n], scores, slice(j * n, (j + 1) * n), end_version)
             for j, job in enumerate(jobs)

@@ -101,7 +101,13 @@ def train(config: RunConfig, *, resume: str | Path | None = None, console: Any =
 
 
 def _start_workers(
-    runtime: Any, config: RunConfig, model: Any, tokenizer: Any, rewards: RewardRunner, checkpoint_dir: Path | None, state: dict | None
+    runtime: Any,
+    config: RunConfig,
+    model: Any,
+    tokenizer: Any,
+    rewards: RewardRunner,
+    checkpoint_dir: Path | None,
+    state: dict | None,
 ) -> tuple[TrainerHandle, list[RolloutHandle]]:
     """The trainer and rollout worker handles: actors that build their own workers on Ray,
     in-process objects sharing the driver's model and rewards on the local runtime."""
@@ -118,8 +124,12 @@ def _start_workers(
         return TrainerGroup(ranks), generators
     trainer_worker = TrainerWorker(PolicyTrainer.from_config(config, model), config.grpo, tokenizer)
     if checkpoint_dir is not None:
-        _from_checkpoint(str(checkpoint_dir / STATE_FILE), trainer_worker.load_checkpoint, checkpoint_dir, state["trainer"])
-    rollout_worker = _rollout_worker(config, _input(build_generator, config, copy.deepcopy(model), tokenizer), rewards, tokenizer)
+        _from_checkpoint(
+            str(checkpoint_dir / STATE_FILE), trainer_worker.load_checkpoint, checkpoint_dir, state["trainer"]
+        )
+    rollout_worker = _rollout_worker(
+        config, _input(build_generator, config, copy.deepcopy(model), tokenizer), rewards, tokenizer
+    )
     trainer = runtime.spawn(lambda: inject_trainer_faults(trainer_worker, config.faults), "trainer")
     return trainer, [runtime.spawn(lambda: rollout_worker, "rollout")]
 
@@ -164,7 +174,14 @@ def _rollout_worker(config: RunConfig, generator: Any, rewards: RewardRunner, to
 
 
 def drive(
-    config: RunConfig, trainer: TrainerHandle, rollout_workers: list[RolloutHandle], *, task: Any, state: dict | None, metrics: Any, progress: Any
+    config: RunConfig,
+    trainer: TrainerHandle,
+    rollout_workers: list[RolloutHandle],
+    *,
+    task: Any,
+    state: dict | None,
+    metrics: Any,
+    progress: Any,
 ) -> int:
     """Run the controller over these handles to the end; returns the steps taken in total."""
     controller = SingleController(
@@ -307,7 +324,9 @@ def _summary(run_dir: Path, steps_done: int, wall_seconds: float) -> dict:
 def evaluate(config: RunConfig, *, checkpoint: str | Path | None = None) -> dict:
     """Greedy held-out accuracy of the config's policy (warm start included) or of a checkpoint."""
     transformers.utils.logging.disable_progress_bar()
-    checkpoint_dir = _checkpoint_input(resolve_checkpoint, checkpoint, "--checkpoint") if checkpoint is not None else None
+    checkpoint_dir = (
+        _checkpoint_input(resolve_checkpoint, checkpoint, "--checkpoint") if checkpoint is not None else None
+    )
     tokenizer = _input(build_tokenizer, config)
     model = _input(build_model, config, tokenizer)
     task = _checked_task(config, tokenizer, model)

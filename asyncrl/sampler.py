@@ -173,7 +173,9 @@ def resolve_sampler(name: str) -> type:
     try:
         inspect.signature(cls).bind(prompts_per_step=1, max_lag=0)
     except TypeError:
-        raise ValueError(f"sampler.name: '{name}' must be constructible as {class_name}(prompts_per_step, max_lag)") from None
+        raise ValueError(
+            f"sampler.name: '{name}' must be constructible as {class_name}(prompts_per_step, max_lag)"
+        ) from None
     except ValueError:
         pass  # no inspectable signature (a class implemented in C)
     return cls

@@ -233,7 +233,8 @@ class TrainBatch:
     def map_tensors(self, fn) -> TrainBatch:
         """Apply ``fn(name, tensor)`` to every tensor field."""
         return replace(
-            self, **{f.name: fn(f.name, getattr(self, f.name)) for f in fields(self) if getattr(self, f.name) is not None}
+            self,
+            **{f.name: fn(f.name, getattr(self, f.name)) for f in fields(self) if getattr(self, f.name) is not None},
         )
 
     def select(self, index: Tensor | Sequence[int]) -> TrainBatch:

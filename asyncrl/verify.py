@@ -311,7 +311,9 @@ def build_problem(
         entropy_coef=0.01,
         ratio_level=ratio_level,
     )
-    trainer_cfg = TrainerConfig(lr=1e-3 if updates == 1 else 1e-2, max_grad_norm=1.0, dtype="float64" if dtype == torch.float64 else "float32")
+    trainer_cfg = TrainerConfig(
+        lr=1e-3 if updates == 1 else 1e-2, max_grad_norm=1.0, dtype="float64" if dtype == torch.float64 else "float32"
+    )
     return model, batch, loss_cfg, trainer_cfg
 
 
@@ -390,7 +392,12 @@ def _scalar_error(reference: float, value: float) -> float:
 
 
 def compare(
-    mode: str, reference: StepOutcome, candidate: StepOutcome, dtype: torch.dtype, case: Case | None = None, updates: int = 1
+    mode: str,
+    reference: StepOutcome,
+    candidate: StepOutcome,
+    dtype: torch.dtype,
+    case: Case | None = None,
+    updates: int = 1,
 ) -> Comparison:
     """Errors of ``candidate`` against ``reference`` and whether they are within docs/loss.md.
 
@@ -554,7 +561,9 @@ def check_layout(
     if dp * cp > MAX_RANKS:
         raise ValueError(f"--dp: dp*cp = {dp * cp} local ranks; at most {MAX_RANKS} are launched")
     if micro_batches < 1 or dp * micro_batches > BATCH_ROWS:
-        raise ValueError(f"--micro-batches: {dp} ranks x {micro_batches} must be between 1 and the batch's {BATCH_ROWS} rows")
+        raise ValueError(
+            f"--micro-batches: {dp} ranks x {micro_batches} must be between 1 and the batch's {BATCH_ROWS} rows"
+        )
     for plant in plants:
         if plant in CP_PLANTS and cp == 1:
             raise ValueError(f"--plant: {plant} is a context-parallel mistake; it needs --cp 2 or more")

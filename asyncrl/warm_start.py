@@ -47,7 +47,9 @@ def warm_start(
         return None
     if not prompts:
         raise ValueError("warm_start.steps: the train split is empty")
-    path = Path(cfg.cache_dir).expanduser() / f"{_cache_key(model, model_path, tokenizer, prompts, cfg, seed)}.safetensors"
+    path = (
+        Path(cfg.cache_dir).expanduser() / f"{_cache_key(model, model_path, tokenizer, prompts, cfg, seed)}.safetensors"
+    )
     if path.is_file():
         try:
             load_model(model, path)
@@ -106,7 +108,13 @@ def _cache_key(
     model: nn.Module, model_path: str | None, tokenizer, prompts: Sequence[Prompt], cfg: WarmStartConfig, seed: int
 ) -> str:
     digest = hashlib.sha256()
-    settings = {"steps": cfg.steps, "lr": cfg.lr, "batch_size": cfg.batch_size, "seed": seed, "torch": torch.__version__}
+    settings = {
+        "steps": cfg.steps,
+        "lr": cfg.lr,
+        "batch_size": cfg.batch_size,
+        "seed": seed,
+        "torch": torch.__version__,
+    }
     digest.update(json.dumps(settings, sort_keys=True).encode())
     digest.update(json.dumps(sorted(tokenizer.get_vocab().items())).encode())
     for prompt in prompts:

@@ -135,5 +135,8 @@ def test_context_parallel_refuses_an_architecture_it_was_not_verified_on(checkpo
     assert load_config(None, [f"model.path={checkpoints / 'gemma2'}", *ray]).parallel.cp == 2
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "falcon"}))
     assert load_config(None, [f"model.path={tmp_path}"]).parallel.cp == 1
-    with pytest.raises(ConfigError, match=r"^parallel\.cp: model\.path holds a 'falcon' model; context parallelism is verified for gemma2, "):
+    with pytest.raises(
+        ConfigError,
+        match=r"^parallel\.cp: model\.path holds a 'falcon' model; context parallelism is verified for gemma2, ",
+    ):
         load_config(None, [f"model.path={tmp_path}", *ray])

@@ -67,10 +67,16 @@ def rows(n: int) -> list[dict]:
         ("trainer:\n  lr: -1\n", "trainer.lr: Input should be greater than 0 (got -1)"),
         ("trainer:\n  lr: .inf\n", "trainer.lr: must be a finite number (got .inf)"),
         ("trainer:\n  betas: [0.9]\n", "trainer.betas: too few values (got [0.9])"),
-        ("grpo:\n  max_steps:\n", "grpo.max_steps: cannot be null (an empty value is null); give a value, e.g. the default 800"),
+        (
+            "grpo:\n  max_steps:\n",
+            "grpo.max_steps: cannot be null (an empty value is null); give a value, e.g. the default 800",
+        ),
         ("grpo: 3\n", "grpo: is a section, so it takes keys such as grpo.prompts_per_step, not a value (got 3)"),
         ("sampler:\n  buffer_capacity: 4\n", "sampler.buffer_capacity: 4 < 32 groups required"),
-        ("loss:\n  mode: seq-mean-token-sum-norm\n", "loss.norm_constant: required when loss.mode is seq-mean-token-sum-norm"),
+        (
+            "loss:\n  mode: seq-mean-token-sum-norm\n",
+            "loss.norm_constant: required when loss.mode is seq-mean-token-sum-norm",
+        ),
         ("data:\n  task: jsonl\n", "data.path: required when data.task is jsonl"),
     ],
 )
@@ -90,7 +96,9 @@ def test_unreadable_config_files_name_the_file_and_line(tmp_path, capsys):
     assert error(capsys, "train", "--config", str(tmp_path / "missing.yaml")) == (
         f"--config: no such file '{tmp_path / 'missing.yaml'}'"
     )
-    assert error(capsys, "config", "--config", str(tmp_path)) == f"--config: '{tmp_path}' is a directory, not a YAML file"
+    assert (
+        error(capsys, "config", "--config", str(tmp_path)) == f"--config: '{tmp_path}' is a directory, not a YAML file"
+    )
     path = tmp_path / "run.yaml"
     assert config_error(b"seed: 1\ngrpo: [unclosed\n").startswith(f"--config: '{path}' line 3: invalid YAML")
     assert config_error(b"seed: 1\nseed: 2\n") == f"--config: '{path}' line 2: invalid YAML (key 'seed' is given twice)"
@@ -113,7 +121,10 @@ def test_an_empty_config_file_is_the_defaults(tmp_path, capsys):
 @pytest.mark.parametrize(
     "argv, message",
     [
-        (["grpo.max_steps="], "grpo.max_steps: cannot be null (an empty value is null); give a value, e.g. the default 800"),
+        (
+            ["grpo.max_steps="],
+            "grpo.max_steps: cannot be null (an empty value is null); give a value, e.g. the default 800",
+        ),
         (["trainer.max_grad_norm=", "grpo.max_steps=x"], "grpo.max_steps: Input should be a valid integer"),
         (["grpo=1"], "grpo: is a section, so it takes keys such as grpo.prompts_per_step, not a value (got 1)"),
         (["model="], "model: is a section, so it takes keys such as model.path, not a value (got null)"),
@@ -168,22 +179,46 @@ def jsonl_error(capsys, tmp_path, content, *overrides) -> tuple[str, str]:
 @pytest.mark.parametrize(
     "content, message",
     [
-        ([{"question": "1+1=", "answer": "2"}] * 3, "data.prompt_field: row 1 of {f} has no field 'prompt' (its fields: question, answer)"),
+        (
+            [{"question": "1+1=", "answer": "2"}] * 3,
+            "data.prompt_field: row 1 of {f} has no field 'prompt' (its fields: question, answer)",
+        ),
         ([*rows(2), {"answer": "3"}], "data.prompt_field: row 3 of {f} has no field 'prompt'"),
         ([*rows(2), {"prompt": "3+3="}], "data.answer_field: row 3 of {f} has no field 'answer'"),
         ([*rows(2), {"prompt": " \t", "answer": "1"}], "data.prompt_field: row 3 of {f}: 'prompt' is empty"),
         ([*rows(2), {"prompt": "1+1=", "answer": ""}], "data.answer_field: row 3 of {f}: 'answer' is empty"),
         ([*rows(2), {"prompt": 7, "answer": "1"}], "data.prompt_field: row 3 of {f}: 'prompt' is int, not a string"),
-        ([*rows(2), {"prompt": "x", "answer": {"a": 1}}], "data.answer_field: row 3 of {f}: 'answer' is dict, not a string or number"),
-        ([*rows(2), {"prompt": "x", "answer": True}], "data.answer_field: row 3 of {f}: 'answer' is bool, not a string or number"),
-        (b'{"prompt": "1+1=", "answer": 2}\n\n{"prompt": "2+2=", "answer": NaN}\n', "data.answer_field: row 2 of {f}: 'answer' is nan, not a finite number"),
-        (b'{"prompt": "1+1=", "answer": 2}\n{"prompt": "2+2=", "answer": 4\n', "data.path: line 2 of {f}: invalid JSON (Expecting ',' delimiter at column 31)"),
-        (b'{"prompt": "1+1=", "answer": 2}\n\n["2+2=", 4]\n', "data.path: line 3 of {f}: expected one JSON object per line, got an array"),
-        (b'{"prompt": "1+1=", "answer": 2}\n{"prompt": "2+2\xff=", "answer": 4}\n', "data.path: line 2 of {f}: byte 0xff at column 16 is not UTF-8; save the file as UTF-8"),
+        (
+            [*rows(2), {"prompt": "x", "answer": {"a": 1}}],
+            "data.answer_field: row 3 of {f}: 'answer' is dict, not a string or number",
+        ),
+        (
+            [*rows(2), {"prompt": "x", "answer": True}],
+            "data.answer_field: row 3 of {f}: 'answer' is bool, not a string or number",
+        ),
+        (
+            b'{"prompt": "1+1=", "answer": 2}\n\n{"prompt": "2+2=", "answer": NaN}\n',
+            "data.answer_field: row 2 of {f}: 'answer' is nan, not a finite number",
+        ),
+        (
+            b'{"prompt": "1+1=", "answer": 2}\n{"prompt": "2+2=", "answer": 4\n',
+            "data.path: line 2 of {f}: invalid JSON (Expecting ',' delimiter at column 31)",
+        ),
+        (
+            b'{"prompt": "1+1=", "answer": 2}\n\n["2+2=", 4]\n',
+            "data.path: line 3 of {f}: expected one JSON object per line, got an array",
+        ),
+        (
+            b'{"prompt": "1+1=", "answer": 2}\n{"prompt": "2+2\xff=", "answer": 4}\n',
+            "data.path: line 2 of {f}: byte 0xff at column 16 is not UTF-8; save the file as UTF-8",
+        ),
         (b"", "data.path: '{f}' has no rows"),
         (b"\n  \n\n", "data.path: '{f}' has no rows"),
         (b'[{"prompt": "1+1=", "answer": 2}, 3]', "data.path: row 2 of {f}: expected a JSON object, got a number"),
-        (b'[{"prompt": "1+1=",\n "answer": 2}, {]', "data.path: line 2 of {f}: invalid JSON (Expecting property name enclosed in double quotes at column 17)"),
+        (
+            b'[{"prompt": "1+1=",\n "answer": 2}, {]',
+            "data.path: line 2 of {f}: invalid JSON (Expecting property name enclosed in double quotes at column 17)",
+        ),
     ],
 )
 def test_bad_jsonl_rows_name_the_field_row_or_line(tmp_path, capsys, content, message):
@@ -258,10 +293,18 @@ def test_a_prompt_too_long_for_the_context_is_rejected_by_row(tmp_path, capsys):
         f"data.prompt_field: row 3 of {path}: the prompt is 1012 tokens, and with generation.max_new_tokens 16 "
         "needs 1028 positions, but the model has 1024; shorten it or lower generation.max_new_tokens"
     )
-    held_out = write_parquet(tmp_path / "eval.parquet", {"prompt": ["1+1=", long_prompt["prompt"]], "answer": ["2", "506"]})
+    held_out = write_parquet(
+        tmp_path / "eval.parquet", {"prompt": ["1+1=", long_prompt["prompt"]], "answer": ["2", "506"]}
+    )
     parquet = write_parquet(tmp_path / "train.parquet", {"prompt": ["1+1=", "2+2="], "answer": ["2", "4"]})
     message = error(
-        capsys, "eval", *SMALL, "data.task=parquet", f"data.path={parquet}", f"data.eval_path={held_out}", "generation.max_new_tokens=16"
+        capsys,
+        "eval",
+        *SMALL,
+        "data.task=parquet",
+        f"data.path={parquet}",
+        f"data.eval_path={held_out}",
+        "generation.max_new_tokens=16",
     )
     assert message.startswith(f"data.prompt_field: row 2 of {held_out}: the prompt is 1012 tokens")
     assert train_error(capsys, tmp_path, "generation.max_new_tokens=1024") == (
@@ -289,7 +332,7 @@ def test_a_prompt_that_just_fits_is_accepted():
 # --- custom module:attr rewards and samplers
 
 
-PLUGINS = '''
+PLUGINS = """
 import asyncio
 
 from asyncrl.sampler import WindowedSampler
@@ -322,7 +365,7 @@ class Scorer:
 class NoLag(WindowedSampler):
     def __init__(self, prompts_per_step):
         super().__init__(prompts_per_step, 0)
-'''
+"""
 
 
 @pytest.fixture
@@ -337,18 +380,35 @@ def plugins(tmp_path, monkeypatch):
 @pytest.mark.parametrize(
     "reward, message",
     [
-        ("no_such_module_abc:score", "cannot load 'no_such_module_abc:score' (ModuleNotFoundError: No module named 'no_such_module_abc'); is its directory on PYTHONPATH?"),
-        ("bad_input_plugins:missing", "cannot load 'bad_input_plugins:missing' (AttributeError: module 'bad_input_plugins' has no attribute 'missing')"),
+        (
+            "no_such_module_abc:score",
+            "cannot load 'no_such_module_abc:score' (ModuleNotFoundError: No module named 'no_such_module_abc'); is its directory on PYTHONPATH?",
+        ),
+        (
+            "bad_input_plugins:missing",
+            "cannot load 'bad_input_plugins:missing' (AttributeError: module 'bad_input_plugins' has no attribute 'missing')",
+        ),
         ("bad_input_broken:score", "cannot load 'bad_input_broken:score' (RuntimeError: needs a GPU)"),
         ("bad_input_typo:score", "cannot load 'bad_input_typo:score' (SyntaxError: expected ':'"),
-        ("bad_input_plugins:one_argument", "'bad_input_plugins:one_argument' must accept (completion, answer), the two strings it is called with"),
-        ("bad_input_plugins:awaited", "'bad_input_plugins:awaited' is async; rewards are called, not awaited: use a plain def"),
-        ("bad_input_plugins:Scorer", "'bad_input_plugins:Scorer' is a class; give a function taking (completion, answer), or an instance"),
+        (
+            "bad_input_plugins:one_argument",
+            "'bad_input_plugins:one_argument' must accept (completion, answer), the two strings it is called with",
+        ),
+        (
+            "bad_input_plugins:awaited",
+            "'bad_input_plugins:awaited' is async; rewards are called, not awaited: use a plain def",
+        ),
+        (
+            "bad_input_plugins:Scorer",
+            "'bad_input_plugins:Scorer' is a class; give a function taking (completion, answer), or an instance",
+        ),
         ("bad_input_plugins:asyncio", "'bad_input_plugins:asyncio' is not callable"),
     ],
 )
 def test_bad_custom_rewards_are_rejected_at_load_time(tmp_path, capsys, plugins, reward, message):
-    assert train_error(capsys, tmp_path, f"rewards.functions=[exact_match, '{reward}']").startswith(f"rewards.functions: {message}")
+    assert train_error(capsys, tmp_path, f"rewards.functions=[exact_match, '{reward}']").startswith(
+        f"rewards.functions: {message}"
+    )
 
 
 def test_a_good_custom_reward_loads(plugins):
@@ -362,11 +422,20 @@ def test_a_good_custom_reward_loads(plugins):
 @pytest.mark.parametrize(
     "sampler, message",
     [
-        ("no_such_module_abc:Sampler", "cannot load 'no_such_module_abc:Sampler' (ModuleNotFoundError: No module named 'no_such_module_abc'); is its directory on PYTHONPATH?"),
+        (
+            "no_such_module_abc:Sampler",
+            "cannot load 'no_such_module_abc:Sampler' (ModuleNotFoundError: No module named 'no_such_module_abc'); is its directory on PYTHONPATH?",
+        ),
         ("bad_input_broken:Sampler", "cannot load 'bad_input_broken:Sampler' (RuntimeError: needs a GPU)"),
-        ("bad_input_plugins:Nope", "cannot load 'bad_input_plugins:Nope' (AttributeError: module 'bad_input_plugins' has no attribute 'Nope')"),
+        (
+            "bad_input_plugins:Nope",
+            "cannot load 'bad_input_plugins:Nope' (AttributeError: module 'bad_input_plugins' has no attribute 'Nope')",
+        ),
         ("bad_input_plugins:score", "'bad_input_plugins:score' is not a class"),
-        ("bad_input_plugins:NoLag", "'bad_input_plugins:NoLag' must be constructible as NoLag(prompts_per_step, max_lag)"),
+        (
+            "bad_input_plugins:NoLag",
+            "'bad_input_plugins:NoLag' must be constructible as NoLag(prompts_per_step, max_lag)",
+        ),
     ],
 )
 def test_bad_custom_samplers_are_rejected_when_the_config_loads(capsys, plugins, sampler, message):
@@ -382,7 +451,9 @@ def trained(tmp_path_factory):
     from test_train import run
 
     root = tmp_path_factory.mktemp("trained")
-    run(root, "run", "grpo.max_steps=2", "checkpoint.every_steps=1", "logging.eval_every_steps=null", "data.eval_size=2")
+    run(
+        root, "run", "grpo.max_steps=2", "checkpoint.every_steps=1", "logging.eval_every_steps=null", "data.eval_size=2"
+    )
     return root / "run"
 
 
@@ -425,12 +496,26 @@ def test_a_damaged_newest_checkpoint_names_the_file_and_the_intact_one_resumes(r
 @pytest.mark.parametrize(
     "damage, message",
     [
-        (lambda d: (d / "model.safetensors").write_bytes((d / "model.safetensors").read_bytes()[:-100]), "model.safetensors is damaged ("),
+        (
+            lambda d: (d / "model.safetensors").write_bytes((d / "model.safetensors").read_bytes()[:-100]),
+            "model.safetensors is damaged (",
+        ),
         (lambda d: (d / "model.safetensors").unlink(), "model.safetensors is missing (manifest.json lists it)"),
         (lambda d: (d / "tokenizer.json").write_text("{}"), "tokenizer.json is damaged (2 bytes; manifest.json says "),
-        (lambda d: (d / "config.json").write_bytes(bytes([(d / "config.json").read_bytes()[0] ^ 1]) + (d / "config.json").read_bytes()[1:]), "config.json is damaged (its SHA-256 differs from the one manifest.json holds)"),
-        (lambda d: (d / "manifest.json").write_text("not json"), "manifest.json is damaged (not a manifest of file sizes and checksums as asyncrl writes it)"),
-        (lambda d: (d / "manifest.json").unlink(), "manifest.json is missing, so the checkpoint's files cannot be checked"),
+        (
+            lambda d: (d / "config.json").write_bytes(
+                bytes([(d / "config.json").read_bytes()[0] ^ 1]) + (d / "config.json").read_bytes()[1:]
+            ),
+            "config.json is damaged (its SHA-256 differs from the one manifest.json holds)",
+        ),
+        (
+            lambda d: (d / "manifest.json").write_text("not json"),
+            "manifest.json is damaged (not a manifest of file sizes and checksums as asyncrl writes it)",
+        ),
+        (
+            lambda d: (d / "manifest.json").unlink(),
+            "manifest.json is missing, so the checkpoint's files cannot be checked",
+        ),
     ],
 )
 def test_damaged_checkpoint_files_are_named(run_dir, capsys, damage, message):
@@ -443,8 +528,14 @@ def test_damaged_checkpoint_files_are_named(run_dir, capsys, damage, message):
 def test_checkpoint_paths_that_hold_none_name_the_option(tmp_path, capsys):
     empty = tmp_path / "empty"
     empty.mkdir()
-    assert eval_error(capsys, empty) == f"--checkpoint: no checkpoint found in '{empty}' (expected state.pt or checkpoints/step-*)"
-    assert resume_error(capsys, empty) == f"--resume: no checkpoint found in '{empty}' (expected state.pt or checkpoints/step-*)"
+    assert (
+        eval_error(capsys, empty)
+        == f"--checkpoint: no checkpoint found in '{empty}' (expected state.pt or checkpoints/step-*)"
+    )
+    assert (
+        resume_error(capsys, empty)
+        == f"--resume: no checkpoint found in '{empty}' (expected state.pt or checkpoints/step-*)"
+    )
 
 
 def test_a_checkpoint_of_another_model_shape_names_the_tensor(run_dir, capsys):
@@ -452,7 +543,9 @@ def test_a_checkpoint_of_another_model_shape_names_the_tensor(run_dir, capsys):
     message = resume_error(capsys, run_dir, "model.hidden_size=64")
     assert message.startswith(f"{weights}: does not fit the configured model: model.embed_tokens.weight is [")
     assert message.endswith("set model.* as in the run that saved it")
-    assert eval_error(capsys, run_dir, "model.hidden_size=64").startswith(f"{weights}: does not fit the configured model")
+    assert eval_error(capsys, run_dir, "model.hidden_size=64").startswith(
+        f"{weights}: does not fit the configured model"
+    )
 
 
 class RunsCode:
@@ -533,15 +626,26 @@ def test_yaml_aliases_that_expand_are_refused_with_bounded_output_and_memory(tmp
 
 def test_a_long_value_is_cut_short_in_the_message(capsys):
     message = error(capsys, "config", f"seed={'x' * 5000}")
-    assert message == f"seed: Input should be a valid integer, unable to parse string as an integer (got '{'x' * 199}...)"
+    assert (
+        message == f"seed: Input should be a valid integer, unable to parse string as an integer (got '{'x' * 199}...)"
+    )
 
 
 @pytest.mark.parametrize(
     "override, message",
     [
-        ("generation.temperature=1e-40", "generation.temperature: 1e-40 is so small that logits / temperature can overflow float32"),
-        ("generation.temperature=0", "generation.temperature: temperature 0 (greedy) makes the samples of a prompt identical, so every advantage is 0"),
-        ("generation.top_k=1", "generation.top_k: top_k 1 makes the samples of a prompt identical, so every advantage is 0"),
+        (
+            "generation.temperature=1e-40",
+            "generation.temperature: 1e-40 is so small that logits / temperature can overflow float32",
+        ),
+        (
+            "generation.temperature=0",
+            "generation.temperature: temperature 0 (greedy) makes the samples of a prompt identical, so every advantage is 0",
+        ),
+        (
+            "generation.top_k=1",
+            "generation.top_k: top_k 1 makes the samples of a prompt identical, so every advantage is 0",
+        ),
         ("grpo.generations_per_prompt=1", "grpo.generations_per_prompt: 1 sample per prompt makes every advantage 0"),
         ("rewards.weights=[0.0]", "rewards.weights: all 0, so every reward and every advantage is 0"),
     ],
@@ -570,7 +674,11 @@ def test_a_tokenizer_that_changes_the_text_is_named_by_row_and_character():
 
     lowering = build_char_tokenizer()
     lowering.backend_tokenizer.normalizer = normalizers.Lowercase()
-    task = Task("t", train=[Prompt("train/1", "1+1=", "2"), Prompt("train/2", "Ab=", "1")], heldout=[Prompt("heldout/3", "x", "1")])
+    task = Task(
+        "t",
+        train=[Prompt("train/1", "1+1=", "2"), Prompt("train/2", "Ab=", "1")],
+        heldout=[Prompt("heldout/3", "x", "1")],
+    )
     data = DataConfig(task="jsonl", path="rows.jsonl")
     with pytest.raises(ValueError) as err:
         check_encodable(task, data, lowering)
@@ -603,14 +711,31 @@ def hostile_resume(run_dir, tmp_path):
             (tmp_path / "bomb.yaml").write_text(alias_bomb(9)),
             (["config", "--config", str(tmp_path / "bomb.yaml")], "its aliases expand it past 100000 values"),
         )[1],
-        lambda run_dir, tmp_path: (["config", "generation.temperature=1e-40"], "generation.temperature: 1e-40 is so small"),
         lambda run_dir, tmp_path: (
-            ["train", "--output-dir", str(tmp_path / "out"), *SMALL, "data.task=jsonl", "data.eval_size=1",
-             f"data.path={write_jsonl(tmp_path / 'e.jsonl', [*rows(2), {'prompt': 'x', 'answer': 'é'}])}"],
+            ["config", "generation.temperature=1e-40"],
+            "generation.temperature: 1e-40 is so small",
+        ),
+        lambda run_dir, tmp_path: (
+            [
+                "train",
+                "--output-dir",
+                str(tmp_path / "out"),
+                *SMALL,
+                "data.task=jsonl",
+                "data.eval_size=1",
+                f"data.path={write_jsonl(tmp_path / 'e.jsonl', [*rows(2), {'prompt': 'x', 'answer': 'é'}])}",
+            ],
             "data.answer_field: row 3 of",
         ),
     ],
-    ids=["damaged-checkpoint", "hostile-checkpoint", "output-path", "yaml-aliases", "degenerate-value", "tokenizer-text"],
+    ids=[
+        "damaged-checkpoint",
+        "hostile-checkpoint",
+        "output-path",
+        "yaml-aliases",
+        "degenerate-value",
+        "tokenizer-text",
+    ],
 )
 def test_each_class_through_the_installed_console_script(run_dir, tmp_path, case):
     argv, expected = case(run_dir, tmp_path)
@@ -632,7 +757,13 @@ def test_a_damaged_tokenizer_directory_or_warm_start_cache_is_named(tmp_path, ca
         f"{tokenizer_dir}: cannot be loaded as a tokenizer (JSONDecodeError: "
     )
     cache = tmp_path / "cache"
-    warm = [*SMALL, "warm_start.steps=1", "warm_start.batch_size=2", f"warm_start.cache_dir={cache}", "data.eval_size=1"]
+    warm = [
+        *SMALL,
+        "warm_start.steps=1",
+        "warm_start.batch_size=2",
+        f"warm_start.cache_dir={cache}",
+        "data.eval_size=1",
+    ]
     assert main(["eval", *warm]) == 0
     (cached,) = cache.iterdir()
     cached.write_bytes(cached.read_bytes()[:50])

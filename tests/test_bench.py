@@ -68,7 +68,15 @@ def test_e2e_reports_time_to_target_and_final_accuracy(capsys, tmp_path):
 
 def test_equal_time_accuracy_is_taken_where_the_fastest_run_ended():
     def runs(*finals):
-        return [{"evals": [{"train_wall_s": 0.0, "accuracy": 0.1, "samples": 0}, {"train_wall_s": t, "accuracy": a, "samples": 8}]} for t, a in finals]
+        return [
+            {
+                "evals": [
+                    {"train_wall_s": 0.0, "accuracy": 0.1, "samples": 0},
+                    {"train_wall_s": t, "accuracy": a, "samples": 8},
+                ]
+            }
+            for t, a in finals
+        ]
 
     result = e2e.summarize_runs({"max_lag=0": runs((10.0, 0.5)), "max_lag=1": runs((6.0, 0.4))}, target=0.45)
     assert result["equal_time_s"] == 6.0
@@ -113,7 +121,9 @@ def test_time_to_target_uses_training_time_and_the_first_eval_that_reaches_it():
         {"train_wall_s": 6.0, "accuracy": 0.5},
     ]
     assert e2e.time_to(evals, 0.35) == 2.0 and e2e.time_to(evals, 0.45) == 6.0 and e2e.time_to(evals, 0.6) is None
-    assert e2e.accuracy_at(evals, 5.0) == 0.3 and e2e.accuracy_at(evals, 6.0) == 0.5 and e2e.accuracy_at(evals, 0.0) == 0.1
+    assert (
+        e2e.accuracy_at(evals, 5.0) == 0.3 and e2e.accuracy_at(evals, 6.0) == 0.5 and e2e.accuracy_at(evals, 0.0) == 0.1
+    )
     summary = e2e.summarize([2.0, None, 4.0])
     assert summary["reached"] == "2/3" and summary["mean"] == 3.0 and summary["median"] is None
 
@@ -255,7 +265,14 @@ def test_trl_settings_map_every_shared_setting():
 @pytest.mark.slow
 def test_e2e_variants_add_minibatch_and_dynamic_sampling_rows():
     result = e2e.run(
-        overrides=e2e.QUICK, seeds=(0,), max_steps=2, eval_every=2, target=0.0, against_trl=False, lags=(), variants=e2e.VARIANTS
+        overrides=e2e.QUICK,
+        seeds=(0,),
+        max_steps=2,
+        eval_every=2,
+        target=0.0,
+        against_trl=False,
+        lags=(),
+        variants=e2e.VARIANTS,
     )
     assert set(result["runs"]) == set(e2e.VARIANTS)
     assert all(run["samples"] == 2 * 4 * 4 for run in result["runs"].values())

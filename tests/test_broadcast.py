@@ -59,7 +59,9 @@ def weights(seed: int) -> dict[str, torch.Tensor]:
 
 def mismatches(received: dict, sent: dict) -> list[str]:
     assert received.keys() == sent.keys()
-    return [name for name in sent if received[name].dtype != sent[name].dtype or not torch.equal(received[name], sent[name])]
+    return [
+        name for name in sent if received[name].dtype != sent[name].dtype or not torch.equal(received[name], sent[name])
+    ]
 
 
 def test_a_layout_packs_each_dtype_into_one_buffer_and_unpacks_views():
@@ -86,7 +88,15 @@ def test_a_receiver_that_unpacks_with_another_layout_is_caught(group):
     sent = weights(3)
     layout = rank0.send(sent, 3)
     embed, norm, head, step = layout.entries
-    swapped = Layout((Entry(embed.name, embed.dtype, embed.shape, head.offset), norm, Entry(head.name, head.dtype, head.shape, embed.offset), step), layout.sizes)
+    swapped = Layout(
+        (
+            Entry(embed.name, embed.dtype, embed.shape, head.offset),
+            norm,
+            Entry(head.name, head.dtype, head.shape, embed.offset),
+            step,
+        ),
+        layout.sizes,
+    )
     received = in_threads(BroadcastMember.receive, *[(member, layout) for member in receivers])
     assert mismatches(swapped.unpack(receivers[0].buffers), sent) == ["embed.weight", "lm_head.weight"]
     assert mismatches(received[1], sent) == []

@@ -11,13 +11,19 @@ TOKENIZER = build_char_tokenizer()
 
 
 def tiny(seed):
-    return build_tiny_model(len(TOKENIZER), seed=seed, hidden_size=32, num_layers=1, num_heads=4, num_kv_heads=2, intermediate_size=64)
+    return build_tiny_model(
+        len(TOKENIZER), seed=seed, hidden_size=32, num_layers=1, num_heads=4, num_kv_heads=2, intermediate_size=64
+    )
 
 
 def save(run_dir, step, model, **kwargs):
     return save_checkpoint(
-        run_dir, step, write_model=model.save_pretrained, tokenizer=TOKENIZER,
-        state={"step": step, "tensor": torch.arange(3)}, keep_last=kwargs.get("keep_last", 2),
+        run_dir,
+        step,
+        write_model=model.save_pretrained,
+        tokenizer=TOKENIZER,
+        state={"step": step, "tensor": torch.arange(3)},
+        keep_last=kwargs.get("keep_last", 2),
     )
 
 
@@ -55,7 +61,12 @@ def test_weights_load_with_transformers_and_back_into_a_model(tmp_path):
     assert torch.equal(hf(ids).logits, model(ids).logits)
     assert torch.equal(restored(ids).logits, model(ids).logits)
     with pytest.raises(ValueError, match="weights do not match"):
-        load_weights(build_tiny_model(len(TOKENIZER), seed=0, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=64), path)
+        load_weights(
+            build_tiny_model(
+                len(TOKENIZER), seed=0, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=64
+            ),
+            path,
+        )
 
 
 def test_missing_checkpoint_is_a_one_line_error(tmp_path):
@@ -83,15 +94,33 @@ def test_resaving_a_step_leaves_a_whole_checkpoint_at_every_instant(tmp_path, mo
                 if len(calls) == crash_at:  # noqa: B023
                     raise OSError("killed")
                 return real[name](*args, **kwargs)
+
             return call
 
         monkeypatch.setattr(checkpoint.os, "replace", crashing("replace"))
         monkeypatch.setattr(checkpoint.shutil, "rmtree", crashing("rmtree"))
         with pytest.raises(OSError, match="killed"):
-            save_checkpoint(run_dir, 1, write_model=model.save_pretrained, tokenizer=TOKENIZER, state={"step": 1, "again": True}, keep_last=2)
+            save_checkpoint(
+                run_dir,
+                1,
+                write_model=model.save_pretrained,
+                tokenizer=TOKENIZER,
+                state={"step": 1, "again": True},
+                keep_last=2,
+            )
         monkeypatch.undo()
         assert load_state(resolve_checkpoint(run_dir))["step"] == 1
     assert calls == ["replace", "replace", "rmtree"]  # into place, latest, the superseded one
-    save_checkpoint(run_dir, 1, write_model=model.save_pretrained, tokenizer=TOKENIZER, state={"step": 1, "again": True}, keep_last=2)
-    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["latest", "step-000001-2"]  # both older ones gone
+    save_checkpoint(
+        run_dir,
+        1,
+        write_model=model.save_pretrained,
+        tokenizer=TOKENIZER,
+        state={"step": 1, "again": True},
+        keep_last=2,
+    )
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == [
+        "latest",
+        "step-000001-2",
+    ]  # both older ones gone
     assert load_state(resolve_checkpoint(run_dir))["again"]

@@ -26,13 +26,20 @@ FLIPS_PER_FILE = 12
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     root = tmp_path_factory.mktemp("fuzz")
-    run(root, "run", "grpo.max_steps=2", "checkpoint.every_steps=1", "logging.eval_every_steps=null", "data.eval_size=2")
+    run(
+        root, "run", "grpo.max_steps=2", "checkpoint.every_steps=1", "logging.eval_every_steps=null", "data.eval_size=2"
+    )
     return root / "run"
 
 
 def variants(data: bytes, rng: random.Random) -> list[tuple[str, bytes]]:
     """Truncated, empty, lengthened and byte-flipped copies of ``data``."""
-    out = [("empty", b""), ("half", data[: len(data) // 2]), ("one byte short", data[:-1]), ("one byte more", data + b"\0")]
+    out = [
+        ("empty", b""),
+        ("half", data[: len(data) // 2]),
+        ("one byte short", data[:-1]),
+        ("one byte more", data + b"\0"),
+    ]
     for _ in range(FLIPS_PER_FILE):
         at = rng.randrange(len(data))
         flipped = bytearray(data)
@@ -107,11 +114,19 @@ def test_unparseable_files_with_a_matching_manifest_are_refused_by_the_loaders(t
 
 @pytest.mark.parametrize(
     "state, culprit",
-    [({"trainer": {}, "run": {"version": 2}}, "state.pt: holds a state this version of asyncrl cannot load (KeyError: 'optimizer')"),
-     ({"trainer": {}, "run": {}}, "state.pt: not an asyncrl run state"),
-     ([1, 2], "state.pt: holds a list, not a checkpoint state"),
-     ({"trainer": 3}, "state.pt: not an asyncrl run state"),
-     ("real trainer, foreign run", "the resumed checkpoint's state.pt: holds a state this version of asyncrl cannot load (KeyError: 'data_exhausted')")],
+    [
+        (
+            {"trainer": {}, "run": {"version": 2}},
+            "state.pt: holds a state this version of asyncrl cannot load (KeyError: 'optimizer')",
+        ),
+        ({"trainer": {}, "run": {}}, "state.pt: not an asyncrl run state"),
+        ([1, 2], "state.pt: holds a list, not a checkpoint state"),
+        ({"trainer": 3}, "state.pt: not an asyncrl run state"),
+        (
+            "real trainer, foreign run",
+            "the resumed checkpoint's state.pt: holds a state this version of asyncrl cannot load (KeyError: 'data_exhausted')",
+        ),
+    ],
 )
 def test_a_foreign_state_with_a_matching_manifest_is_refused_by_name(trained, tmp_path, capsys, state, culprit):
     run_dir = tmp_path / "run"

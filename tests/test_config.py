@@ -46,12 +46,16 @@ def test_gated_sampler_capacity_below_requirement_is_rejected():
 
 
 def test_weight_fifo_is_gated_too():
-    message = error_of(["sampler.name=weight_fifo", "grpo.prompts_per_step=3", "sampler.max_lag=1", "sampler.buffer_capacity=5"])
+    message = error_of(
+        ["sampler.name=weight_fifo", "grpo.prompts_per_step=3", "sampler.max_lag=1", "sampler.buffer_capacity=5"]
+    )
     assert message.startswith("sampler.buffer_capacity: 5 < 6")
 
 
 def test_windowed_sampler_needs_only_one_step_of_capacity():
-    config = load_config(None, ["sampler.name=windowed", "grpo.prompts_per_step=4", "sampler.max_lag=3", "sampler.buffer_capacity=4"])
+    config = load_config(
+        None, ["sampler.name=windowed", "grpo.prompts_per_step=4", "sampler.max_lag=3", "sampler.buffer_capacity=4"]
+    )
     assert config.buffer_capacity == 4
     assert error_of(["sampler.name=windowed", "grpo.prompts_per_step=4", "sampler.buffer_capacity=3"]).startswith(
         "sampler.buffer_capacity: 3 < 4"
@@ -209,11 +213,17 @@ def test_shipped_configs_load_and_the_default_one_is_the_embedded_default():
 
 
 def test_minibatch_and_behaviour_clip_rules():
-    assert error_of(["grpo.prompts_per_step=2", "grpo.num_minibatches=3"]).startswith("grpo.num_minibatches: 3 > prompts_per_step 2")
+    assert error_of(["grpo.prompts_per_step=2", "grpo.num_minibatches=3"]).startswith(
+        "grpo.num_minibatches: 3 > prompts_per_step 2"
+    )
     message = error_of(["loss.clip_against=behaviour", "grpo.num_epochs=2"])
     assert message.startswith("loss.clip_against: behaviour takes one update per step")
-    assert error_of(["loss.clip_against=behaviour", "loss.importance_sampling=tis"]).startswith("loss.importance_sampling: tis")
+    assert error_of(["loss.clip_against=behaviour", "loss.importance_sampling=tis"]).startswith(
+        "loss.importance_sampling: tis"
+    )
     assert load_config(None, ["loss.clip_against=behaviour", "sampler.max_lag=2"]).importance_sampling == "none"
     message = error_of(["loss.ratio_level=sequence", "loss.importance_sampling=icepop"])
     assert message.startswith("loss.importance_sampling: icepop drops single tokens")
-    assert load_config(None, ["loss.ratio_level=sequence", "loss.clip_against=behaviour"]).loss.ratio_level == "sequence"
+    assert (
+        load_config(None, ["loss.ratio_level=sequence", "loss.clip_against=behaviour"]).loss.ratio_level == "sequence"
+    )

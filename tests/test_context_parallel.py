@@ -100,8 +100,14 @@ def single_rank_group(tmp_path):
 def run_step(model, batch, loss_cfg, trainer_cfg, parallel):
     """At a sampling temperature of 0.7: every path scores softmax(logits / T), the shards' too."""
     trainer = PolicyTrainer(
-        copy.deepcopy(model), trainer_cfg, loss_cfg, importance_sampling="tis", total_steps=10,
-        reference_model=copy.deepcopy(model), parallel=parallel, temperature=0.7,
+        copy.deepcopy(model),
+        trainer_cfg,
+        loss_cfg,
+        importance_sampling="tis",
+        total_steps=10,
+        reference_model=copy.deepcopy(model),
+        parallel=parallel,
+        temperature=0.7,
     )
     trainer.begin_train_step()
     for micro in uneven_split(batch, 3, torch.Generator().manual_seed(1)):

@@ -459,7 +459,9 @@ def fuzz_once(sampler_cls: type, scenario: Scenario, buffer_cls: type = CheckedB
     """Run the controller under one schedule and check every invariant; returns what it exercised."""
     config = run_config(sampler_cls.name, scenario)
     sampler = sampler_cls(scenario.prompts_per_step, scenario.max_lag)
-    capacity = sampler.required_capacity(scenario.prompts_per_step) + (scenario.refill_budget or 0) + scenario.extra_capacity
+    capacity = (
+        sampler.required_capacity(scenario.prompts_per_step) + (scenario.refill_budget or 0) + scenario.extra_capacity
+    )
     ledger = Ledger()
     scheduler = Scheduler(random.Random(scenario.schedule_seed))
     prompts = [Prompt(uid=f"p{i}", text=f"q{i}", answer="0") for i in range(scenario.num_prompts)]

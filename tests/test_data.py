@@ -162,11 +162,26 @@ def test_parquet_files_load_the_same_way(tmp_path, no_network):
     "rows, message",
     [
         ([{"prompt": "a", "answer": "1"}, {"answer": "2"}], "data.prompt_field: row 2 of {f} has no field 'prompt'"),
-        ([{"prompt": "a", "answer": "1"}, {"prompt": "  ", "answer": "2"}], "data.prompt_field: row 2 of {f}: 'prompt' is empty"),
-        ([{"prompt": "a", "answer": "1"}, {"prompt": ["a"], "answer": "2"}], "data.prompt_field: row 2 of {f}: 'prompt' is list, not a string"),
-        ([{"prompt": "a", "answer": "1"}, {"prompt": "b", "answer": None}], "data.answer_field: row 2 of {f} has no field 'answer'"),
-        ([{"prompt": "a", "answer": [1]}, {"prompt": "b", "answer": "2"}], "data.answer_field: row 1 of {f}: 'answer' is list, not a string or number"),
-        ([{"question": "a", "answer": "1"}], "data.prompt_field: row 1 of {f} has no field 'prompt' (its fields: question, answer)"),
+        (
+            [{"prompt": "a", "answer": "1"}, {"prompt": "  ", "answer": "2"}],
+            "data.prompt_field: row 2 of {f}: 'prompt' is empty",
+        ),
+        (
+            [{"prompt": "a", "answer": "1"}, {"prompt": ["a"], "answer": "2"}],
+            "data.prompt_field: row 2 of {f}: 'prompt' is list, not a string",
+        ),
+        (
+            [{"prompt": "a", "answer": "1"}, {"prompt": "b", "answer": None}],
+            "data.answer_field: row 2 of {f} has no field 'answer'",
+        ),
+        (
+            [{"prompt": "a", "answer": [1]}, {"prompt": "b", "answer": "2"}],
+            "data.answer_field: row 1 of {f}: 'answer' is list, not a string or number",
+        ),
+        (
+            [{"question": "a", "answer": "1"}],
+            "data.prompt_field: row 1 of {f} has no field 'prompt' (its fields: question, answer)",
+        ),
     ],
 )
 def test_bad_rows_name_the_field_row_and_file(tmp_path, rows, message):

@@ -72,7 +72,9 @@ def test_a_train_step_that_keeps_failing_stops_with_a_checkpoint_that_resumes_ex
 
 def test_a_non_finite_step_is_skipped_and_counted(tmp_path):
     _, clean, _ = run(tmp_path, "clean", "sampler.max_lag=0", "grpo.max_steps=2")
-    summary, metrics, groups = run(tmp_path, "nan", "sampler.max_lag=0", "grpo.max_steps=3", "faults.nonfinite_steps=[1]")
+    summary, metrics, groups = run(
+        tmp_path, "nan", "sampler.max_lag=0", "grpo.max_steps=3", "faults.nonfinite_steps=[1]"
+    )
     assert [m["skipped"] for m in metrics] == [False, True, False]
     assert [m["nonfinite_steps"] for m in metrics] == [0, 1, 1]
     assert metrics[1]["grad_norm"] is None  # NaN is not JSON
@@ -97,7 +99,9 @@ def first_prompt(tmp_path) -> str:
 
 def test_a_prompt_that_always_fails_is_skipped_and_replaced(tmp_path):
     uid = first_prompt(tmp_path)
-    summary, metrics, groups = run(tmp_path, "skip", f"faults.failing_prompts=['{uid}']", "runtime.on_rollout_failure=skip")
+    summary, metrics, groups = run(
+        tmp_path, "skip", f"faults.failing_prompts=['{uid}']", "runtime.on_rollout_failure=skip"
+    )
     assert summary["steps"] == 4 and [m["num_groups"] for m in metrics] == [4] * 4
     assert metrics[-1]["skipped_prompts"] == 1
     assert uid not in {g["prompt_uid"].rsplit("/", 1)[0] for g in groups}
@@ -129,7 +133,9 @@ def test_a_weight_sync_past_its_timeout_checkpoints_the_step_it_follows(tmp_path
 
 def test_generation_longer_than_the_sync_timeout_does_not_fail_the_sync(tmp_path):
     # max_lag 1: step 1's batches (calls 2 and 3) run while step 0's sync waits; call 2 takes 1.5 s
-    summary, metrics, _ = run(tmp_path, "long", "faults.hang_generate_calls=[2]", "faults.hang_s=1.5", "sync.timeout_s=0.5")
+    summary, metrics, _ = run(
+        tmp_path, "long", "faults.hang_generate_calls=[2]", "faults.hang_s=1.5", "sync.timeout_s=0.5"
+    )
     assert summary["steps"] == 4 and metrics[0]["time/sync_pause_s"] > 0.5
 
 
@@ -208,12 +214,16 @@ def test_injected_nan_gradients_reach_every_parameter():
     assert inject_trainer_faults(worker.worker, FaultsConfig()) is worker.worker
 
 
-def test_a_failed_evaluation_is_retried_and_one_that_keeps_failing_stops_with_a_checkpoint_that_resumes_exactly(tmp_path):
+def test_a_failed_evaluation_is_retried_and_one_that_keeps_failing_stops_with_a_checkpoint_that_resumes_exactly(
+    tmp_path,
+):
     _, clean, clean_groups = run(tmp_path, "clean", "sampler.max_lag=0")
     clean_evals = read_jsonl(tmp_path / "clean" / "eval.jsonl")
     _, retried, _ = run(tmp_path, "retried", "sampler.max_lag=0", "faults.eval_errors=[1]")
     assert without(retried) == without(clean)
-    assert [strip_timing(e) for e in read_jsonl(tmp_path / "retried" / "eval.jsonl")] == [strip_timing(e) for e in clean_evals]
+    assert [strip_timing(e) for e in read_jsonl(tmp_path / "retried" / "eval.jsonl")] == [
+        strip_timing(e) for e in clean_evals
+    ]
     # evaluation call 1 is step 2's: it fails on every attempt (runtime.max_rollout_retries=2)
     with pytest.raises(EvaluationFailedError, match=r"evaluation at step 2 failed 3 times") as err:
         run(tmp_path, "part", "sampler.max_lag=0", "faults.eval_errors=[1, 2, 3]")
@@ -224,4 +234,6 @@ def test_a_failed_evaluation_is_retried_and_one_that_keeps_failing_stops_with_a_
     assert summary["steps"] == 4
     assert without(resumed) == without(clean)
     assert resumed_groups == clean_groups
-    assert [strip_timing(e) for e in read_jsonl(tmp_path / "part" / "eval.jsonl")] == [strip_timing(e) for e in clean_evals]
+    assert [strip_timing(e) for e in read_jsonl(tmp_path / "part" / "eval.jsonl")] == [
+        strip_timing(e) for e in clean_evals
+    ]

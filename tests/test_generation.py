@@ -34,9 +34,7 @@ def generator(seed: int = 0, *, dtype: torch.dtype = torch.float32, batch_size: 
 
 
 def requests(prompts=PROMPTS, samples: int = 2, run_seed: int = 0) -> list[SampleRequest]:
-    return [
-        SampleRequest(TOKENIZER.encode(p), sample_seed(run_seed, p, i)) for p in prompts for i in range(samples)
-    ]
+    return [SampleRequest(TOKENIZER.encode(p), sample_seed(run_seed, p, i)) for p in prompts for i in range(samples)]
 
 
 def assert_same_samples(actual, expected, atol: float = 1e-5):
@@ -198,9 +196,9 @@ def test_chunks_run_in_order_of_at_most_batch_size_rows():
     gen = generator(batch_size=3)
     prefill_rows = []
     gen.model.register_forward_pre_hook(
-        lambda _, args, kwargs: prefill_rows.append(kwargs["input_ids"].shape[0])
-        if kwargs["past_key_values"] is None
-        else None,
+        lambda _, args, kwargs: (
+            prefill_rows.append(kwargs["input_ids"].shape[0]) if kwargs["past_key_values"] is None else None
+        ),
         with_kwargs=True,
     )
     gen.generate(requests(samples=1), SamplingParams(max_new_tokens=2))

@@ -47,7 +47,9 @@ def test_mean_baseline_scaled_by_unbiased_std():
 def test_leave_one_out_baseline():
     # [1, 0, 0, 1]: b for a 1 is (2 - 1)/3 = 1/3 -> r - b = 2/3; b for a 0 is 2/3 -> r - b = -2/3
     rewards = f64([1.0, 0.0, 0.0, 1.0])
-    assert_close(group_advantages(rewards, baseline="leave_one_out", scale_by_std=False), [2 / 3, -2 / 3, -2 / 3, 2 / 3])
+    assert_close(
+        group_advantages(rewards, baseline="leave_one_out", scale_by_std=False), [2 / 3, -2 / 3, -2 / 3, 2 / 3]
+    )
     # divided by std 1/sqrt(3): 2 sqrt(3) / 3
     a = 2 * SQRT3 / 3
     assert_close(group_advantages(rewards, baseline="leave_one_out", eps=0.0), [a, -a, -a, a])
@@ -110,7 +112,12 @@ RATIOS = [0.9, 1.5, 0.5, 1.5, 0.5, 4.0]
 def surrogate(dual_clip, logprobs=None):
     logprobs = f64(RATIOS).log() if logprobs is None else logprobs
     return clipped_surrogate(
-        logprobs, torch.zeros(6, dtype=torch.float64), f64(ADVANTAGES), clip_low=0.2, clip_high=0.28, dual_clip=dual_clip
+        logprobs,
+        torch.zeros(6, dtype=torch.float64),
+        f64(ADVANTAGES),
+        clip_low=0.2,
+        clip_high=0.28,
+        dual_clip=dual_clip,
     )
 
 

@@ -12,6 +12,8 @@ def test_four_minibatch_updates_clip_and_the_clip_bound_changes_the_run(tmp_path
     _, metrics, _ = run(tmp_path, "k4", "grpo.num_minibatches=4", "grpo.max_steps=4", *WARM)
     assert [m["num_updates"] for m in metrics] == [4, 4, 4, 4]
     assert sum(m["clip_fraction"] > 0 for m in metrics) >= 3
-    _, tighter, _ = run(tmp_path, "k4-tight", "grpo.num_minibatches=4", "grpo.max_steps=4", "loss.clip_high=0.01", *WARM)
+    _, tighter, _ = run(
+        tmp_path, "k4-tight", "grpo.num_minibatches=4", "grpo.max_steps=4", "loss.clip_high=0.01", *WARM
+    )
     assert deterministic(tighter) != deterministic(metrics)
     assert any(a["clip_fraction"] != b["clip_fraction"] for a, b in zip(tighter, metrics))

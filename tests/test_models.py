@@ -196,7 +196,7 @@ def test_the_example_checkpoint_has_a_released_checkpoints_files(tmp_path, capsy
     assert json.loads((tmp_path / "generation_config.json").read_text())["eos_token_id"] == end_ids
     assert tokenizer("12+30=")["input_ids"][0] == tokenizer.bos_token_id
     assert tokenizer.convert_ids_to_tokens(tokenizer("12+30=", add_special_tokens=False)["input_ids"]) == list("12+30=")
-    assert tokenizer.apply_chat_template([{"role": "user", "content": "1+1="}], add_generation_prompt=True, tokenize=False) == (
-        "<|begin_of_text|><|user|>1+1=<|end_of_turn|><|assistant|>"
-    )
+    assert tokenizer.apply_chat_template(
+        [{"role": "user", "content": "1+1="}], add_generation_prompt=True, tokenize=False
+    ) == ("<|begin_of_text|><|user|>1+1=<|end_of_turn|><|assistant|>")
     assert len(tokenizer) == load_model(tmp_path).get_input_embeddings().num_embeddings

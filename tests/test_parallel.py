@@ -67,7 +67,9 @@ def test_dp2_cp2_matches_in_every_mode_and_every_planted_mistake_fails():
 
 @pytest.mark.slow
 def test_dp2_cp2_two_updates_match_in_every_mode_and_their_planted_mistakes_fail():
-    cases = [Case(mode) for mode in AGG_MODES] + [Case(mode, plant=plant) for plant in UPDATE_PLANTS for mode in AGG_MODES]
+    cases = [Case(mode) for mode in AGG_MODES] + [
+        Case(mode, plant=plant) for plant in UPDATE_PLANTS for mode in AGG_MODES
+    ]
     results = verify_parallel(cases, dp=2, cp=2, micro_batches=2, updates=2)
     assert_float64_parity([r for r in results if r.case.plant is None])
     for r in results:
@@ -90,8 +92,13 @@ def two_step_trainer(parallel=None):
     model, _, _, trainer_cfg = build_problem("token-mean", torch.float64, 0)
     loss_cfg = LossConfig(mode="seq-mean-token-mean", kl_coef=0.05, entropy_coef=0.01)
     trainer = PolicyTrainer(
-        model, trainer_cfg, loss_cfg, importance_sampling="tis", total_steps=10,
-        reference_model=copy.deepcopy(model), parallel=parallel,
+        model,
+        trainer_cfg,
+        loss_cfg,
+        importance_sampling="tis",
+        total_steps=10,
+        reference_model=copy.deepcopy(model),
+        parallel=parallel,
     )
     batches = [random_batch(model, num_groups=4, group_size=4, vocab_size=48, seed=step) for step in range(STEPS)]
     return trainer, batches
@@ -159,13 +166,20 @@ def test_real_trainer_on_dp2_and_cp2_ranks_matches_the_single_process_trainer_fo
         for rank, rank_out in enumerate(payloads):
             got = rank_out[name]
             for result, want in zip(got["results"], expected):
-                assert (result.version, result.num_tokens, result.num_sequences) == (want.version, want.num_tokens, want.num_sequences)
+                assert (result.version, result.num_tokens, result.num_sequences) == (
+                    want.version,
+                    want.num_tokens,
+                    want.num_sequences,
+                )
                 assert abs(result.loss - want.loss) <= FLOAT64 * abs(want.loss), name
                 assert abs(result.grad_norm - want.grad_norm) <= FLOAT64 * want.grad_norm, name
                 assert result.metrics.keys() == want.metrics.keys()
                 for key, value in want.metrics.items():
                     assert abs(result.metrics[key] - value) <= FLOAT64 * max(abs(value), 1e-12), (name, key)
-            assert relative(got["logprobs"], expected_lp) <= FLOAT64 and relative(got["ref_logprobs"], expected_ref) <= FLOAT64
+            assert (
+                relative(got["logprobs"], expected_lp) <= FLOAT64
+                and relative(got["ref_logprobs"], expected_ref) <= FLOAT64
+            )
             version, weights = got["weights"]
             assert version == STEPS and weights.keys() == (expected_weights.keys() if rank == 0 else set())
             for key, value in weights.items():
@@ -209,7 +223,10 @@ def test_cli_verify_on_ranks_passes_and_a_planted_mistake_exits_nonzero(capsys):
     assert main(["verify", "--cp", "2", "--micro-batches", "2", "--mode", "token-mean"]) == 0
     out = capsys.readouterr().out
     assert "dp 1 x cp 2 ranks" in out and out.strip().endswith("PASS")
-    assert main(["verify", "--dp", "2", "--cp", "2", "--mode", "seq-mean-token-sum", "--plant", "double-count-tokens"]) == 1
+    assert (
+        main(["verify", "--dp", "2", "--cp", "2", "--mode", "seq-mean-token-sum", "--plant", "double-count-tokens"])
+        == 1
+    )
     out = capsys.readouterr().out
     assert "planted: double-count-tokens" in out and out.strip().endswith("FAIL")
 
@@ -232,7 +249,12 @@ def test_cli_rejects_layouts_it_cannot_check_in_one_line(capsys, argv, message):
 
 def test_parallel_config_defaults_to_one_rank_and_checks_its_neighbours():
     config = load_config()
-    assert (config.parallel.dp, config.parallel.cp, config.parallel.wrap, config.parallel.backend) == (1, 1, "fsdp", "auto")
+    assert (config.parallel.dp, config.parallel.cp, config.parallel.wrap, config.parallel.backend) == (
+        1,
+        1,
+        "fsdp",
+        "auto",
+    )
     assert load_config(None, ["runtime.name=ray", "parallel.dp=2", "parallel.cp=2"]).parallel.world_size == 4
     for overrides, message in [
         (["parallel.dp=2"], "parallel.dp: dp*cp = 2 trainer ranks need runtime.name ray"),

@@ -64,7 +64,9 @@ def test_report_is_a_png_drawn_from_the_run_files(tmp_path):
 def test_missing_keys_and_files_other_than_metrics_are_fine(tmp_path):
     run_dir = tmp_path / "sparse"
     run_dir.mkdir()
-    write_jsonl(run_dir / "metrics.jsonl", [{"step": 1}, {"step": 2, "loss": None, "lag_histogram": {}}], tail='{"step": 3, "lo')
+    write_jsonl(
+        run_dir / "metrics.jsonl", [{"step": 1}, {"step": 2, "loss": None, "lag_histogram": {}}], tail='{"step": 3, "lo'
+    )
     assert_png(write_report(run_dir))
 
 

@@ -66,12 +66,16 @@ def test_bfloat16_trains_float32_masters_that_move_like_a_float32_run(monkeypatc
 
 
 def test_bfloat16_trainer_keeps_float32_state_and_exports_bfloat16():
-    model = build_tiny_model(VOCAB, seed=0, dtype=torch.bfloat16, hidden_size=32, num_heads=4, num_layers=1, intermediate_size=64)
+    model = build_tiny_model(
+        VOCAB, seed=0, dtype=torch.bfloat16, hidden_size=32, num_heads=4, num_layers=1, intermediate_size=64
+    )
     trainer = trainer_for(model, "bfloat16")
     batch = random_batch(trainer.model, num_groups=2, group_size=2, vocab_size=VOCAB, seed=1)
     trainer.train_step(batch)
     assert {p.dtype for p in trainer.model.parameters()} == {torch.float32}
-    assert {t.dtype for state in trainer.optimizer.state.values() for t in state.values() if t.numel() > 1} == {torch.float32}
+    assert {t.dtype for state in trainer.optimizer.state.values() for t in state.values() if t.numel() > 1} == {
+        torch.float32
+    }
     _, weights = trainer.export_weights()
     assert {t.dtype for t in weights.values()} == {torch.bfloat16}
 
@@ -114,7 +118,9 @@ def test_on_two_fsdp_ranks_bfloat16_trains_float32_masters_and_recomputation_kee
 
 
 def test_trainer_scores_the_distribution_the_generator_samples_from():
-    model = build_tiny_model(VOCAB, seed=0, dtype=torch.float64, hidden_size=32, num_heads=4, num_layers=1, intermediate_size=64)
+    model = build_tiny_model(
+        VOCAB, seed=0, dtype=torch.float64, hidden_size=32, num_heads=4, num_layers=1, intermediate_size=64
+    )
     ids = torch.randint(1, VOCAB, (3, 6), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         logits = model(input_ids=ids).logits[:, -1]
@@ -136,7 +142,12 @@ def test_an_on_policy_run_at_temperature_0_7_needs_no_correction(tmp_path):
     from tests.test_train import run
 
     _, metrics, _ = run(
-        tmp_path, "t07", "sampler.max_lag=0", "generation.temperature=0.7", "loss.importance_sampling=tis", "grpo.max_steps=3"
+        tmp_path,
+        "t07",
+        "sampler.max_lag=0",
+        "generation.temperature=0.7",
+        "loss.importance_sampling=tis",
+        "grpo.max_steps=3",
     )
     assert len(metrics) == 3
     for record in metrics:
@@ -165,7 +176,9 @@ def test_auto_importance_sampling_is_on_whenever_the_distributions_can_differ(ov
 
 
 def dropout_model():
-    model = build_tiny_model(VOCAB, seed=0, dtype=torch.float64, hidden_size=32, num_heads=4, num_layers=2, intermediate_size=64)
+    model = build_tiny_model(
+        VOCAB, seed=0, dtype=torch.float64, hidden_size=32, num_heads=4, num_layers=2, intermediate_size=64
+    )
     model.config.attention_dropout = 0.5
     for layer in model.model.layers:
         layer.self_attn.attention_dropout = 0.5

@@ -84,7 +84,10 @@ def test_the_weight_transport_broadcasts_between_gpus_by_default_and_only_on_ray
     assert load_config(None, []).weight_transport == "in_process"
     assert load_config(None, [RAY]).weight_transport == "object_store"
     gpus = [RAY, "runtime.trainer_gpus=1", "runtime.generator_gpus=1"]
-    assert (load_config(None, gpus).weight_transport, load_config(None, gpus).broadcast_backend) == ("broadcast", "nccl")
+    assert (load_config(None, gpus).weight_transport, load_config(None, gpus).broadcast_backend) == (
+        "broadcast",
+        "nccl",
+    )
     assert load_config(None, [*gpus, "trainer.device=cpu"]).weight_transport == "object_store"
     assert load_config(None, [*gpus, "runtime.generator_gpus=0"]).broadcast_backend == "gloo"
     shared = load_config(None, [*gpus, "runtime.generator_gpus=0.5"])  # NCCL refuses two members on one GPU
@@ -246,7 +249,10 @@ def test_a_generator_that_misses_a_broadcast_loads_rank0s_copy_and_the_broadcast
         return [group.fetch() for group in (await generator.generate(jobs)).groups]
 
     def same(groups, other):
-        return all(torch.equal(a.input_ids, b.input_ids) and torch.equal(a.behaviour_logprobs, b.behaviour_logprobs) for a, b in zip(groups, other))
+        return all(
+            torch.equal(a.input_ids, b.input_ids) and torch.equal(a.behaviour_logprobs, b.behaviour_logprobs)
+            for a, b in zip(groups, other)
+        )
 
     try:
         [rank0] = runtime.spawn_trainer_ranks(lambda rank, init: partial(build_trainer_rank, config, rank, init), 1)
@@ -268,7 +274,10 @@ def test_a_generator_that_misses_a_broadcast_loads_rank0s_copy_and_the_broadcast
         ray.get(generator.actor.alive.remote())  # restarted
         assert asyncio.run(sync(generator)) == "broadcast"  # rank 0 broadcast; the generator missed it
         # Ray may report the restart to the join itself, or the restarted actor refuses it.
-        assert re.match(r"rollout worker 0 (died|missed weight version 0: .*not in the weight broadcast group)", generator.broadcast.stopped)
+        assert re.match(
+            r"rollout worker 0 (died|missed weight version 0: .*not in the weight broadcast group)",
+            generator.broadcast.stopped,
+        )
         assert same(asyncio.run(generate(generator)), before)
         assert asyncio.run(sync(generator)) == "object_store"
     finally:
@@ -317,12 +326,24 @@ def test_an_interrupted_cli_run_on_ray_leaves_no_ray_process_behind(tmp_path):
     """The CLI starts its own cluster; Ctrl-C checkpoints, stops, and the cluster goes with it."""
     before = ray_server_processes()
     run_dir = tmp_path / "cli"
-    command = [sys.executable, "-m", "asyncrl", "train", "--output-dir", str(run_dir), *SMALL, RAY, "grpo.max_steps=500"]
+    command = [
+        sys.executable,
+        "-m",
+        "asyncrl",
+        "train",
+        "--output-dir",
+        str(run_dir),
+        *SMALL,
+        RAY,
+        "grpo.max_steps=500",
+    ]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 120
         metrics = run_dir / "metrics.jsonl"
-        while not (metrics.is_file() and read_jsonl(metrics)) and process.poll() is None and time.monotonic() < deadline:
+        while (
+            not (metrics.is_file() and read_jsonl(metrics)) and process.poll() is None and time.monotonic() < deadline
+        ):
             time.sleep(0.2)
         assert ray_server_processes() - before, "the CLI run started no cluster of its own"
         for argv in dashboard_command_lines():  # the dashboard: no web frontend, loopback only

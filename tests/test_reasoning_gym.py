@@ -46,11 +46,17 @@ def test_splits_are_seeded_disjoint_and_in_the_char_alphabet(dataset):
 
 
 def test_repeated_questions_are_dropped_so_no_held_out_question_is_trained_on():
-    task = build_task(chain_sum("data.dataset_config={min_terms: 2, max_terms: 2, max_digits: 1}", "data.eval_size=50").data)
+    task = build_task(
+        chain_sum("data.dataset_config={min_terms: 2, max_terms: 2, max_digits: 1}", "data.eval_size=50").data
+    )
     assert len(task.train) + len(task.heldout) <= 10 * 10 * 2  # two one-digit terms, + or -
     assert not {p.text for p in task.heldout} & {p.text for p in task.train}
-    with pytest.raises(ValueError, match=r"^data.eval_size: 300 held-out problems leave none to train on \(chain_sum gave"):
-        build_task(chain_sum("data.dataset_config={min_terms: 2, max_terms: 2, max_digits: 1}", "data.eval_size=300").data)
+    with pytest.raises(
+        ValueError, match=r"^data.eval_size: 300 held-out problems leave none to train on \(chain_sum gave"
+    ):
+        build_task(
+            chain_sum("data.dataset_config={min_terms: 2, max_terms: 2, max_digits: 1}", "data.eval_size=300").data
+        )
 
 
 def test_the_task_reward_is_the_datasets_own_checker_inside_the_runner():
@@ -84,10 +90,16 @@ def test_the_loader_resumes_a_reasoning_gym_split():
 @pytest.mark.parametrize(
     "overrides, message",
     [
-        (["data.task=reasoning_gym", "rewards.functions=[task]"], "data.dataset: required when data.task is reasoning_gym"),
+        (
+            ["data.task=reasoning_gym", "rewards.functions=[task]"],
+            "data.dataset: required when data.task is reasoning_gym",
+        ),
         (["data.dataset=chain_sum"], "data.dataset: set, but data.task is 'arithmetic'"),
         (["data.dataset_config={max_terms: 2}"], "data.dataset_config: set, but data.task is 'arithmetic'"),
-        (["data.task=reasoning_gym", "data.dataset=chain_sum"], "rewards.functions: data.task reasoning_gym is scored by"),
+        (
+            ["data.task=reasoning_gym", "data.dataset=chain_sum"],
+            "rewards.functions: data.task reasoning_gym is scored by",
+        ),
         (["rewards.functions=[task]"], "rewards.functions: the task reward needs a task with its own checker"),
         ([*CHAIN_SUM, "data.path=x.jsonl"], "data.path: set, but data.task 'reasoning_gym' is built in"),
     ],
@@ -107,20 +119,38 @@ def one_line_error(capsys, argv) -> str:
 
 def test_unknown_dataset_bad_settings_and_a_missing_package_are_one_line_errors(capsys, monkeypatch, tmp_path):
     train = ["train", "--output-dir", str(tmp_path / "run"), *SMALL, *CHAIN_SUM]
-    assert "data.dataset: unknown reasoning-gym dataset 'chain_sums'" in one_line_error(capsys, [*train, "data.dataset=chain_sums"])
+    assert "data.dataset: unknown reasoning-gym dataset 'chain_sums'" in one_line_error(
+        capsys, [*train, "data.dataset=chain_sums"]
+    )
     bad = one_line_error(capsys, [*train, "data.dataset_config={min_termz: 2}"])
     assert bad.startswith("error: data.dataset_config: invalid settings for chain_sum")
     quotes = one_line_error(capsys, [*train, "data.dataset=letter_counting", "data.dataset_config={}"])
     assert "of reasoning_gym: '\"' (U+0022)" in quotes and "not in the tokenizer's vocabulary" in quotes
     monkeypatch.setitem(sys.modules, "reasoning_gym", None)  # import reasoning_gym now raises ImportError
     missing = one_line_error(capsys, train)
-    assert missing == "error: data.task: reasoning_gym needs the reasoning-gym package; run pip install 'asyncrl[reasoning-gym]'\n"
+    assert (
+        missing
+        == "error: data.task: reasoning_gym needs the reasoning-gym package; run pip install 'asyncrl[reasoning-gym]'\n"
+    )
 
 
 @pytest.mark.slow
 def test_a_short_run_is_scored_by_the_task_reward(tmp_path, capsys):
     run_dir = tmp_path / "run"
-    assert main(["train", "--output-dir", str(run_dir), *SMALL, *CHAIN_SUM, "generation.max_new_tokens=6", "data.eval_size=16"]) == 0
+    assert (
+        main(
+            [
+                "train",
+                "--output-dir",
+                str(run_dir),
+                *SMALL,
+                *CHAIN_SUM,
+                "generation.max_new_tokens=6",
+                "data.eval_size=16",
+            ]
+        )
+        == 0
+    )
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 4 and all(row["reward_errors"] == row["reward_timeouts"] == 0 for row in rows)
     summary = json.loads((run_dir / "summary.json").read_text())

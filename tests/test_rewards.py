@@ -71,7 +71,12 @@ def test_FormatReward_matches_the_whole_stripped_completion():
 
 def test_math_reward_checks_equivalence_off_the_main_thread():
     math_reward = resolve_reward("math")
-    cases = [("The answer is \\boxed{\\frac{1}{2}}", "0.5", 1.0), ("$19$", "19", 1.0), ("18", "19", 0.0), ("", "19", 0.0)]
+    cases = [
+        ("The answer is \\boxed{\\frac{1}{2}}", "0.5", 1.0),
+        ("$19$", "19", 1.0),
+        ("18", "19", 0.0),
+        ("", "19", 0.0),
+    ]
     with RewardRunner([("math", math_reward)], timeout_s=30.0) as runner:
         result = runner.score([c for c, _, _ in cases], [a for _, a, _ in cases])
     assert result.per_function["math"] == [s for _, _, s in cases]
@@ -267,7 +272,10 @@ def test_from_config_takes_the_format_pattern_from_config_then_task():
         RewardConfig(functions=["exact_match", "operator:eq"], weights=[1.0, 0.5], timeout_s=2.0, threads=3)
     )
     assert (runner.names, runner.weights, runner.timeout_s, runner.threads) == (
-        ["exact_match", "operator:eq"], [1.0, 0.5], 2.0, 3,
+        ["exact_match", "operator:eq"],
+        [1.0, 0.5],
+        2.0,
+        3,
     )
     for r in (from_task, configured, runner):
         r.close()
@@ -283,7 +291,9 @@ def test_overlong_penalty_is_zero_then_falls_linearly_to_minus_one_at_the_limit(
 
 
 def test_overlong_is_configured_beside_other_rewards_and_scored_on_token_counts():
-    cfg = load_config(None, ["rewards.functions=[exact_match,overlong]", "rewards.overlong_cache=4", "rewards.weights=[1,0.5]"])
+    cfg = load_config(
+        None, ["rewards.functions=[exact_match,overlong]", "rewards.overlong_cache=4", "rewards.weights=[1,0.5]"]
+    )
     with RewardRunner.from_config(cfg.rewards, max_new_tokens=cfg.generation.max_new_tokens) as runner:
         result = runner.score(["19", "19", "x"], ["19", "19", "19"], num_tokens=[3, 14, 16])
         assert result.per_function["overlong"] == [0.0, -0.5, -1.0]
@@ -371,7 +381,9 @@ def test_the_rollout_worker_scores_the_overlong_penalty_on_response_token_counts
 
     runner = RewardRunner([("overlong", OverlongPenalty(8, 4))])
     tokenizer = build_char_tokenizer()
-    worker = RolloutWorker(FixedLengths(), runner, tokenizer, run_seed=0, group_size=1, sampling=SamplingParams(max_new_tokens=8))
+    worker = RolloutWorker(
+        FixedLengths(), runner, tokenizer, run_seed=0, group_size=1, sampling=SamplingParams(max_new_tokens=8)
+    )
     with runner:
         result = worker.evaluate([Prompt(str(i), "1+1=", "2") for i in range(3)])
     assert result.reward_mean == pytest.approx((0.0 - 0.75 - 1.0) / 3)

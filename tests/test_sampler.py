@@ -197,7 +197,7 @@ def test_builtin_names_resolve(cls):
     assert type(sampler) is cls and (sampler.prompts_per_step, sampler.max_lag) == (3, 2)
 
 
-CUSTOM_MODULE = '''
+CUSTOM_MODULE = """
 from asyncrl.sampler import WindowedSampler
 
 class Newest(WindowedSampler):
@@ -209,7 +209,7 @@ class Partial:
     def select(self, version, buffer, min_k, max_k): ...
 
 not_a_class = 3
-'''
+"""
 
 
 @pytest.fixture

@@ -138,7 +138,10 @@ class SlowExport(Recorder):
 
 @pytest.mark.parametrize(
     "trainer_cls, generator_cls, phase, healthy",
-    [(Recorder, SlowLoad, "loading weights version 1", True), (SlowExport, Recorder, "exporting trainer weights", False)],
+    [
+        (Recorder, SlowLoad, "loading weights version 1", True),
+        (SlowExport, Recorder, "exporting trainer weights", False),
+    ],
 )
 def test_a_slow_export_or_load_fails_the_sync_naming_its_phase(trainer_cls, generator_cls, phase, healthy):
     async def main():

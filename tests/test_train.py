@@ -168,8 +168,11 @@ def test_max_lag_zero_reproduces_a_plain_synchronous_loop(tmp_path):
     trainer = TrainerWorker(PolicyTrainer.from_config(config, model), config.grpo, tokenizer)
     rewards = RewardRunner.from_config(config.rewards, task)
     rollout = RolloutWorker(
-        build_generator(config, copy.deepcopy(model), tokenizer), rewards, tokenizer,
-        run_seed=config.seed, group_size=config.grpo.generations_per_prompt,
+        build_generator(config, copy.deepcopy(model), tokenizer),
+        rewards,
+        tokenizer,
+        run_seed=config.seed,
+        group_size=config.grpo.generations_per_prompt,
         sampling=SamplingParams.from_config(config.generation),
     )
     loader = PromptLoader(task.train, shuffle_seed=config.data.shuffle_seed, epochs=None)
@@ -183,7 +186,9 @@ def test_max_lag_zero_reproduces_a_plain_synchronous_loop(tmp_path):
         report = trainer.finish_step()
         version, weights = trainer.export_weights()
         rollout.load_weights(weights, version)
-        reference.append((report.result.loss, report.result.grad_norm, report.data.reward_sum / report.data.num_samples))
+        reference.append(
+            (report.result.loss, report.result.grad_norm, report.data.reward_sum / report.data.num_samples)
+        )
     rewards.close()
 
     assert [(m["loss"], m["grad_norm"], m["reward_mean"]) for m in metrics] == reference
@@ -212,14 +217,21 @@ def test_the_controller_imports_no_model_code():
     import sys
 
     probe = "import sys, asyncrl.controller; print([m for m in ('transformers', 'asyncrl.models', 'asyncrl.generation') if m in sys.modules])"
-    assert subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout.strip() == "[]"
+    assert (
+        subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout.strip() == "[]"
+    )
 
 
 @pytest.mark.slow
 def test_the_multi_token_task_trains_with_a_format_reward(tmp_path):
     summary, metrics, _ = run(
-        tmp_path, "running_sum", "data.task=running_sum", "generation.max_new_tokens=8",
-        "rewards.functions=[exact_match, format]", "rewards.weights=[1.0, 0.1]", "grpo.max_steps=2",
+        tmp_path,
+        "running_sum",
+        "data.task=running_sum",
+        "generation.max_new_tokens=8",
+        "rewards.functions=[exact_match, format]",
+        "rewards.weights=[1.0, 0.1]",
+        "grpo.max_steps=2",
     )
     assert summary["steps"] == 2 and summary["reward_errors"] == 0
     assert all(0.0 <= m["reward_mean"] <= 1.1 for m in metrics)

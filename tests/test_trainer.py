@@ -15,7 +15,9 @@ VOCAB = 40
 
 
 def make_trainer(seed: int = 0, **trainer_overrides) -> PolicyTrainer:
-    model = build_tiny_model(VOCAB, seed=seed, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=64)
+    model = build_tiny_model(
+        VOCAB, seed=seed, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=64
+    )
     cfg = TrainerConfig(lr=1e-2, **trainer_overrides)
     return PolicyTrainer(model, cfg, LossConfig(), importance_sampling="tis", total_steps=10)
 
@@ -25,8 +27,14 @@ def batch_for(trainer: PolicyTrainer, seed: int):
 
 
 def snapshot(trainer: PolicyTrainer) -> dict:
-    return copy.deepcopy({"model": trainer.model.state_dict(), "optimizer": trainer.optimizer.state_dict(),
-                          "scheduler": trainer.scheduler.state_dict(), "version": trainer.version})
+    return copy.deepcopy(
+        {
+            "model": trainer.model.state_dict(),
+            "optimizer": trainer.optimizer.state_dict(),
+            "scheduler": trainer.scheduler.state_dict(),
+            "version": trainer.version,
+        }
+    )
 
 
 def assert_bit_identical(a, b, path="state"):
@@ -224,7 +232,9 @@ def test_compute_logprobs_matches_across_micro_batch_sizes():
 
 
 def test_kl_penalty_requires_a_reference_model():
-    model = build_tiny_model(VOCAB, seed=0, hidden_size=32, num_layers=1, num_heads=4, num_kv_heads=2, intermediate_size=64)
+    model = build_tiny_model(
+        VOCAB, seed=0, hidden_size=32, num_layers=1, num_heads=4, num_kv_heads=2, intermediate_size=64
+    )
     with pytest.raises(ValueError, match="loss.kl_coef"):
         PolicyTrainer(model, TrainerConfig(), LossConfig(kl_coef=0.1), importance_sampling="none", total_steps=1)
 
@@ -289,9 +299,20 @@ def test_step_loss_and_gradient_equal_the_design_formula(mode):
     from asyncrl.algorithms import grpo
     from asyncrl.models import token_logprobs
 
-    model = build_tiny_model(VOCAB, seed=0, dtype=torch.float64, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=64)
+    model = build_tiny_model(
+        VOCAB,
+        seed=0,
+        dtype=torch.float64,
+        hidden_size=32,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        intermediate_size=64,
+    )
     loss_cfg = LossConfig(mode=mode, norm_constant=3.0 if mode.endswith("norm") else None)
-    trainer = PolicyTrainer(copy.deepcopy(model), TrainerConfig(max_grad_norm=None), loss_cfg, importance_sampling="tis", total_steps=1)
+    trainer = PolicyTrainer(
+        copy.deepcopy(model), TrainerConfig(max_grad_norm=None), loss_cfg, importance_sampling="tis", total_steps=1
+    )
     batch = random_batch(model, num_groups=3, group_size=4, vocab_size=VOCAB, seed=5).to("cpu", torch.float64)
     trainer.begin_train_step()
     for micro in batch.split([5, 7]):
@@ -300,8 +321,12 @@ def test_step_loss_and_gradient_equal_the_design_formula(mode):
 
     logprobs, entropy = token_logprobs(model, batch.input_ids, batch.attention_mask, with_entropy=True)
     per_token, _ = grpo.token_loss(
-        logprobs, batch.prox_logprobs, batch.behaviour_logprobs, batch.advantages[:, None],
-        cfg=trainer.terms, entropy=entropy,
+        logprobs,
+        batch.prox_logprobs,
+        batch.behaviour_logprobs,
+        batch.advantages[:, None],
+        cfg=trainer.terms,
+        entropy=entropy,
     )
     expected = (design_weights(batch, mode, 3.0) * per_token).sum()
     expected.backward(retain_graph=True)
@@ -321,9 +346,20 @@ def test_step_loss_and_gradient_equal_the_design_formula(mode):
 
 
 def test_bfloat16_policy_trains_with_float32_loss_arithmetic():
-    model = build_tiny_model(VOCAB, seed=0, dtype=torch.bfloat16, hidden_size=32, num_layers=1, num_heads=4, num_kv_heads=2, intermediate_size=64)
+    model = build_tiny_model(
+        VOCAB,
+        seed=0,
+        dtype=torch.bfloat16,
+        hidden_size=32,
+        num_layers=1,
+        num_heads=4,
+        num_kv_heads=2,
+        intermediate_size=64,
+    )
     before = [p.detach().float() for p in model.parameters()]
-    trainer = PolicyTrainer(model, TrainerConfig(dtype="bfloat16"), LossConfig(), importance_sampling="tis", total_steps=1)
+    trainer = PolicyTrainer(
+        model, TrainerConfig(dtype="bfloat16"), LossConfig(), importance_sampling="tis", total_steps=1
+    )
     assert trainer.compute_dtype == torch.float32  # the masters are float32 (tests/test_precision.py)
     result = trainer.train_step(batch_for(make_trainer(), 0))
     assert result.version == 1 and torch.isfinite(torch.tensor(result.loss)) and result.grad_norm > 0
@@ -332,8 +368,12 @@ def test_bfloat16_policy_trains_with_float32_loss_arithmetic():
 
 def test_behaviour_clip_takes_the_ratio_to_the_generator_and_one_update_alone_never_clips():
     def step(loss_cfg, importance_sampling, prox):
-        model = build_tiny_model(VOCAB, seed=0, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=64)
-        trainer = PolicyTrainer(model, TrainerConfig(lr=1e-2), loss_cfg, importance_sampling=importance_sampling, total_steps=10)
+        model = build_tiny_model(
+            VOCAB, seed=0, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=64
+        )
+        trainer = PolicyTrainer(
+            model, TrainerConfig(lr=1e-2), loss_cfg, importance_sampling=importance_sampling, total_steps=10
+        )
         batch = batch_for(trainer, 5)
         batch.prox_logprobs = batch.behaviour_logprobs.clone() if prox else None
         return trainer.train_step(batch)

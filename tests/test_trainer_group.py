@@ -71,7 +71,15 @@ def test_group_sends_every_call_to_every_rank_in_order_and_answers_with_rank_0()
         return results
 
     results = run(drive)
-    methods = ["begin_step", "train_groups", "finish_step", "abort_step", "export_weights", "save_checkpoint", "load_checkpoint"]
+    methods = [
+        "begin_step",
+        "train_groups",
+        "finish_step",
+        "abort_step",
+        "export_weights",
+        "save_checkpoint",
+        "load_checkpoint",
+    ]
     assert results == [(m, 0) for m in methods] + [("abort_step", 0), ("begin_step", 0)]
     for rank in ranks:
         assert rank.calls == [
@@ -93,13 +101,17 @@ def test_a_failing_rank_is_named_and_its_error_kept():
     async def drive():
         group = TrainerGroup([LocalHandle(r, f"trainer-{r.rank}") for r in ranks])
         await group.begin_step(0)
-        with pytest.raises(TrainerRankError, match=r"^trainer rank 1: train_groups failed: ValueError: planted failure") as info:
+        with pytest.raises(
+            TrainerRankError, match=r"^trainer rank 1: train_groups failed: ValueError: planted failure"
+        ) as info:
             await group.train_groups(["g"])
         assert info.value.rank == 1 and isinstance(info.value.__cause__, ValueError)
         await group.abort_step()
 
     run(drive)
-    assert [m for m, _ in ranks[0].calls] == [m for m, _ in ranks[1].calls] == ["begin_step", "train_groups", "abort_step"]
+    assert (
+        [m for m, _ in ranks[0].calls] == [m for m, _ in ranks[1].calls] == ["begin_step", "train_groups", "abort_step"]
+    )
 
 
 def test_a_failing_rank_is_reported_while_another_still_waits_in_its_call():
@@ -110,7 +122,9 @@ def test_a_failing_rank_is_reported_while_another_still_waits_in_its_call():
             released.wait(timeout=30)
 
     async def drive():
-        group = TrainerGroup([LocalHandle(Waiting(0), "trainer-0"), LocalHandle(RecordingRank(1, fail="train_groups"), "trainer-1")])
+        group = TrainerGroup(
+            [LocalHandle(Waiting(0), "trainer-0"), LocalHandle(RecordingRank(1, fail="train_groups"), "trainer-1")]
+        )
         with pytest.raises(TrainerRankError, match="^trainer rank 1:"):
             await asyncio.wait_for(group.train_groups(["g"]), timeout=10)
         assert not released.is_set()
@@ -275,7 +289,9 @@ def weight_mismatches(got: dict, want: dict) -> list[str]:
     return [
         name
         for name, value in want.items()
-        if not torch.allclose(got[name], value, rtol=FLOAT32["rtol"], atol=FLOAT32["atol_frac"] * float(value.abs().max()))
+        if not torch.allclose(
+            got[name], value, rtol=FLOAT32["rtol"], atol=FLOAT32["atol_frac"] * float(value.abs().max())
+        )
     ]
 
 
@@ -375,7 +391,13 @@ def test_dp2_ranks_match_the_single_rank_worker_and_resume_across_layouts(tmp_pa
 @pytest.mark.parametrize("dp, cp", [(1, 2), (2, 2)])
 def test_cp_and_dp_cp_ranks_match_the_single_rank_worker(tmp_path, dp, cp):
     single, reports, _ = single_rank_reference(tmp_path)
-    overrides = [*SMALL, f"warm_start.cache_dir={tmp_path / 'warm'}", *RANK_OVERRIDES, f"parallel.dp={dp}", f"parallel.cp={cp}"]
+    overrides = [
+        *SMALL,
+        f"warm_start.cache_dir={tmp_path / 'warm'}",
+        *RANK_OVERRIDES,
+        f"parallel.dp={dp}",
+        f"parallel.cp={cp}",
+    ]
     payloads = rank_payloads(dp * cp, overrides, None, None, str(tmp_path / "ranks"))
     check_ranks_against_single_rank(payloads, reports, single.export_weights()[1], dp=dp)
     check_checkpoint_loads_on_one_rank(tmp_path, payloads)

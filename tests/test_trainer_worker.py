@@ -18,7 +18,9 @@ TOKENIZER = build_char_tokenizer()
 
 
 def make_worker(micro_batch_size=5, kl_coef=0.0, **grpo) -> TrainerWorker:
-    model = build_tiny_model(len(TOKENIZER), seed=0, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=64)
+    model = build_tiny_model(
+        len(TOKENIZER), seed=0, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=64
+    )
     trainer = PolicyTrainer(
         model,
         TrainerConfig(lr=1e-2, micro_batch_size=micro_batch_size),
@@ -41,10 +43,10 @@ def make_groups(seed: int, count: int = 5, n: int = 4, version: int = 0) -> list
             rollouts.append(
                 Rollout(prompt, response, [-rng.random() for _ in response], "stop", reward=float(rng.random() < 0.5))
             )
-        group = RolloutGroup.from_rollouts(f"p{seed}-{g}", rollouts, pad_id=0, start_version=version, target_step=version)
-        groups.append(
-            RolloutGroup(**{**group.__dict__, "correct": group.rewards.clone(), "reward_errors": g % 2})
+        group = RolloutGroup.from_rollouts(
+            f"p{seed}-{g}", rollouts, pad_id=0, start_version=version, target_step=version
         )
+        groups.append(RolloutGroup(**{**group.__dict__, "correct": group.rewards.clone(), "reward_errors": g % 2}))
     return groups
 
 
@@ -137,7 +139,9 @@ def test_checkpoint_round_trip_continues_bit_identically(tmp_path):
 
 def test_a_step_whose_groups_are_all_filtered_takes_no_update_and_does_not_raise():
     worker = make_worker(filter_zero_variance=True)
-    flat = [RolloutGroup(**{**g.__dict__, "rewards": torch.full((4,), float(i % 2))}) for i, g in enumerate(make_groups(4))]
+    flat = [
+        RolloutGroup(**{**g.__dict__, "rewards": torch.full((4,), float(i % 2))}) for i, g in enumerate(make_groups(4))
+    ]
     before = copy.deepcopy(worker.trainer.model.state_dict())
     report = run_step(worker, flat, [2, 3])
     assert report.result.num_updates == 0 and report.result.num_tokens == 0 and not report.result.skipped

@@ -8,7 +8,9 @@ import torch
 from asyncrl.types import Rollout, RolloutGroup, TrainBatch
 
 
-def group(uid: str, prompt: list[int], responses: list[list[int]], rewards: list[float], version: int = 0) -> RolloutGroup:
+def group(
+    uid: str, prompt: list[int], responses: list[list[int]], rewards: list[float], version: int = 0
+) -> RolloutGroup:
     rollouts = [
         Rollout(prompt_ids=prompt, response_ids=r, logprobs=[-0.5] * len(r), finish_reason="stop", reward=w)
         for r, w in zip(responses, rewards)
@@ -108,7 +110,14 @@ def test_concat_restores_a_split_batch_and_rejects_mixed_optional_fields():
     parts = batch.split([1, 2])
     assert parts[0].input_ids.shape[1] < batch.input_ids.shape[1]  # the slice was trimmed
     joined = TrainBatch.concat(parts)
-    for name in ("input_ids", "attention_mask", "response_mask", "behaviour_logprobs", "advantages", "response_lengths"):
+    for name in (
+        "input_ids",
+        "attention_mask",
+        "response_mask",
+        "behaviour_logprobs",
+        "advantages",
+        "response_lengths",
+    ):
         assert torch.equal(getattr(joined, name), getattr(batch, name)), name
     parts[1].ref_logprobs = torch.zeros_like(parts[1].behaviour_logprobs)
     with pytest.raises(ValueError, match="ref_logprobs is set in some batches only"):

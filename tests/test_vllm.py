@@ -115,7 +115,9 @@ def test_samples_depend_on_their_seed_alone(vllm_generator):
 def test_greedy_evaluation_equals_the_hf_backend(vllm_generator):
     model = tiny(21)
     vllm_generator.load_weights(model.state_dict(), 1)
-    hf = HFGenerator(tiny(21), stop_token_ids=[TOKENIZER.eos_token_id], pad_token_id=TOKENIZER.pad_token_id, batch_size=64)
+    hf = HFGenerator(
+        tiny(21), stop_token_ids=[TOKENIZER.eos_token_id], pad_token_id=TOKENIZER.pad_token_id, batch_size=64
+    )
     params = SamplingParams(max_new_tokens=20).greedy()
     served, local = vllm_generator.generate(requests(1), params), hf.generate(requests(1), params)
     assert [r.response_ids for r in served] == [r.response_ids for r in local]

@@ -39,7 +39,9 @@ def test_a_checkpoint_is_keyed_by_its_files_and_the_tiny_model_by_its_weights(ch
         other.model.norm.weight.add_(1.0)
     key = _cache_key(model, str(checkpoint), tokenizer, PROMPTS, cfg, seed=0)
     assert _cache_key(other, str(checkpoint), tokenizer, PROMPTS, cfg, seed=0) == key  # weights' bytes are not read
-    assert _cache_key(load_model(checkpoint, dtype=torch.float32), str(checkpoint), tokenizer, PROMPTS, cfg, seed=0) != key
+    assert (
+        _cache_key(load_model(checkpoint, dtype=torch.float32), str(checkpoint), tokenizer, PROMPTS, cfg, seed=0) != key
+    )
     stat = (checkpoint / "model.safetensors").stat()
     os.utime(checkpoint / "model.safetensors", ns=(stat.st_atime_ns, stat.st_mtime_ns + 1))
     assert _cache_key(model, str(checkpoint), tokenizer, PROMPTS, cfg, seed=0) != key
@@ -60,7 +62,14 @@ def test_the_example_checkpoint_trains_through_model_path_and_warm_starts_only_w
     assert main(plain) == 0
     assert not (tmp_path / "warm").exists()
 
-    example = ["train", "--config", str(ROOT / "configs" / "example-checkpoint.yaml"), "--output-dir", str(tmp_path / "example"), *quick]
+    example = [
+        "train",
+        "--config",
+        str(ROOT / "configs" / "example-checkpoint.yaml"),
+        "--output-dir",
+        str(tmp_path / "example"),
+        *quick,
+    ]
     example += ["warm_start.steps=3", "warm_start.batch_size=4", f"warm_start.cache_dir={tmp_path / 'warm'}"]
     assert main(example) == 0
     assert "after 2 steps" in capsys.readouterr().out

@@ -29,7 +29,9 @@ def run(*, requests: int, updates: int, train_steps: int) -> list[dict]:
     batch = [SampleRequest(tokenizer.encode(f"{i}+{i % 7}="), sample_seed(0, str(i), 0)) for i in range(requests)]
     rows = []
     for backend in ("hf", "vllm"):
-        backend_config = config.model_copy(update={"generation": config.generation.model_copy(update={"backend": backend})})
+        backend_config = config.model_copy(
+            update={"generation": config.generation.model_copy(update={"backend": backend})}
+        )
         generator = build_generator(backend_config, build_model(config, tokenizer), tokenizer)
         try:
             row = {"backend": backend}

@@ -193,7 +193,9 @@ def seed_ratios(runs: dict[str, list[dict]], target: float) -> dict[str, dict[st
     ratios = {}
     for over, under in pairs:
         if over in runs and under in runs:
-            times = zip((time_to(r["evals"], target) for r in runs[over]), (time_to(r["evals"], target) for r in runs[under]))
+            times = zip(
+                (time_to(r["evals"], target) for r in runs[over]), (time_to(r["evals"], target) for r in runs[under])
+            )
             ratios[f"{over} / {under}"] = summarize([a / b if a is not None and b else None for a, b in times])
     return ratios
 
@@ -201,4 +203,8 @@ def seed_ratios(runs: dict[str, list[dict]], target: float) -> dict[str, dict[st
 def _ratio(trl: dict, ours: dict) -> dict[str, Any]:
     trl_median, our_median = trl["time_to_target_s"]["median"], ours["time_to_target_s"]["median"]
     ratio = trl_median / our_median if trl_median is not None and our_median else None
-    return {"ratio": ratio, "goal": GOAL_SPEEDUP_OVER_TRL, "goal_met": ratio is not None and ratio >= GOAL_SPEEDUP_OVER_TRL}
+    return {
+        "ratio": ratio,
+        "goal": GOAL_SPEEDUP_OVER_TRL,
+        "goal_met": ratio is not None and ratio >= GOAL_SPEEDUP_OVER_TRL,
+    }

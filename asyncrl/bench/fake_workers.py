@@ -47,7 +47,9 @@ class DelayRolloutWorker:
         return RolloutBatch(groups=groups, num_tokens=tokens, seconds=time.perf_counter() - start)
 
     def evaluate(self, prompts: Sequence[Prompt]) -> EvalResult:
-        return EvalResult(num_prompts=len(prompts), accuracy=0.0, reward_mean=0.0, response_length_mean=0.0, seconds=0.0)
+        return EvalResult(
+            num_prompts=len(prompts), accuracy=0.0, reward_mean=0.0, response_length_mean=0.0, seconds=0.0
+        )
 
     def _group(self, job: Any) -> RolloutGroup:
         return RolloutGroup(

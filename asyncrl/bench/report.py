@@ -23,7 +23,9 @@ def render(results_dir: Path = RESULTS_DIR) -> str:
         path = results_dir / f"{name}.json"
         if path.is_file():
             result = json.loads(path.read_text())
-            sections.append(f"### `asyncrl bench {_command(name)}`\n\n{_provenance(result)}\n\n{render_section(result)}")
+            sections.append(
+                f"### `asyncrl bench {_command(name)}`\n\n{_provenance(result)}\n\n{render_section(result)}"
+            )
     return "\n\n".join(sections) + "\n"
 
 
@@ -52,23 +54,45 @@ def _overlap(result: dict) -> str:
         ]
         for r in result["results"]
     ]
-    header = ["runtime", "g (s)", "t (s)", "max_lag", "step (s)", "step / max(g,t)", "sync / (g+t)", "speedup vs sync", "goal"]
+    header = [
+        "runtime",
+        "g (s)",
+        "t (s)",
+        "max_lag",
+        "step (s)",
+        "step / max(g,t)",
+        "sync / (g+t)",
+        "speedup vs sync",
+        "goal",
+    ]
     return _table(header, rows)
 
 
 def _controller(result: dict) -> str:
     r = result["results"]
     rows = [
-        ["inline (controller only)", r["inline"]["groups"], f"{r['inline']['controller_us_per_group']:.1f}",
-         f"{r['inline']['groups_per_s']:,.0f}", _goal(r["inline"]["goal_met"], "<= 50 us")],
-        ["local runtime (threads)", r["local_threads"]["groups"], f"{r['local_threads']['controller_us_per_group']:.1f}",
-         f"{r['local_threads']['groups_per_s']:,.0f}", ""],
+        [
+            "inline (controller only)",
+            r["inline"]["groups"],
+            f"{r['inline']['controller_us_per_group']:.1f}",
+            f"{r['inline']['groups_per_s']:,.0f}",
+            _goal(r["inline"]["goal_met"], "<= 50 us"),
+        ],
+        [
+            "local runtime (threads)",
+            r["local_threads"]["groups"],
+            f"{r['local_threads']['controller_us_per_group']:.1f}",
+            f"{r['local_threads']['groups_per_s']:,.0f}",
+            "",
+        ],
     ]
     table = _table(["measured", "groups", "us / group", "groups / s", "goal"], rows)
     costs = _table(
         ["function (controller side)", "calls", "own us / group", "cumulative us / group"],
-        [[f"`{c['function']}`", c["calls"], f"{c['own_us_per_group']:.2f}", f"{c['cumulative_us_per_group']:.2f}"]
-         for c in r["profile_top_by_own_time"][:8]],
+        [
+            [f"`{c['function']}`", c["calls"], f"{c['own_us_per_group']:.2f}", f"{c['cumulative_us_per_group']:.2f}"]
+            for c in r["profile_top_by_own_time"][:8]
+        ],
     )
     return f"{table}\n\nTop costs (cProfile, by own time):\n\n{costs}"
 
@@ -88,7 +112,10 @@ def _weight_sync(result: dict) -> str:
         ]
         for r in result["results"]
     ]
-    return _table(["model", "parameters", "runtime", "transport", "MB / sync", "sync GB/s", "memcpy GB/s", "fraction", "goal"], rows)
+    return _table(
+        ["model", "parameters", "runtime", "transport", "MB / sync", "sync GB/s", "memcpy GB/s", "fraction", "goal"],
+        rows,
+    )
 
 
 def _e2e(result: dict) -> str:
@@ -111,8 +138,15 @@ def _e2e(result: dict) -> str:
             ]
         )
     header = [
-        "run", f"reached {target:g}", "median s to target", "spread s", "final acc (mean)", "spread",
-        f"acc at {r['equal_time_s']:.0f} s (mean)", "train s", "samples",
+        "run",
+        f"reached {target:g}",
+        "median s to target",
+        "spread s",
+        "final acc (mean)",
+        "spread",
+        f"acc at {r['equal_time_s']:.0f} s (mean)",
+        "train s",
+        "samples",
     ]
     lines = [_table(header, rows)]
     goal = r.get("max_lag_1_time_to_sync_final_accuracy_over_sync_time")
@@ -122,15 +156,25 @@ def _e2e(result: dict) -> str:
             f"{_number(goal['median'], '{:.2f}')} of the synchronous run's time (median over seeds; goal <= "
             f"{goal['goal']:g}): {_goal(goal['goal_met'], '')}."
         )
-    per_seed = [[name, *(_number(t, "{:.1f}") for t in run["time_to_target_s"]["values"])] for name, run in r["runs"].items()]
+    per_seed = [
+        [name, *(_number(t, "{:.1f}") for t in run["time_to_target_s"]["values"])] for name, run in r["runs"].items()
+    ]
     seeds = len(per_seed[0]) - 1
     lines.append(_table(["run", *(f"seed {i} s to {target:g}" for i in range(seeds))], per_seed))
     ratios = [
-        [pair, ratio["reached"], _number(ratio["median"], "{:.2f}"), _number(ratio["mean"], "{:.2f}"), _number(ratio["spread"], "{:.2f}")]
+        [
+            pair,
+            ratio["reached"],
+            _number(ratio["median"], "{:.2f}"),
+            _number(ratio["mean"], "{:.2f}"),
+            _number(ratio["spread"], "{:.2f}"),
+        ]
         for pair, ratio in r.get("time_to_target_ratios", {}).items()
     ]
     if ratios:
-        lines.append(_table(["time to target, per seed", "seeds with both", "median ratio", "mean ratio", "spread"], ratios))
+        lines.append(
+            _table(["time to target, per seed", "seeds with both", "median ratio", "mean ratio", "spread"], ratios)
+        )
     for name, ratio in r.get("trl_time_to_target_over_asyncrl", {}).items():
         lines.append(
             f"TRL time to {target:g} / asyncrl {name} time to {target:g}: {_number(ratio['ratio'], '{:.2f}x')} "

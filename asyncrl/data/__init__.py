@@ -6,4 +6,15 @@ from asyncrl.data.prompts import Prompt, Task, encode_prompts
 from asyncrl.data.synthetic import ARITHMETIC_LEVELS, SYNTHETIC_TASKS
 from asyncrl.data.tasks import FILE_TASKS, build_task
 
-__all__ = ["ARITHMETIC_LEVELS", "FILE_TASKS", "SYNTHETIC_TASKS", "Prompt", "PromptLoader", "Task", "build_task", "check_encodable", "check_prompt_lengths", "encode_prompts"]
+__all__ = [
+    "ARITHMETIC_LEVELS",
+    "FILE_TASKS",
+    "SYNTHETIC_TASKS",
+    "Prompt",
+    "PromptLoader",
+    "Task",
+    "build_task",
+    "check_encodable",
+    "check_prompt_lengths",
+    "encode_prompts",
+]

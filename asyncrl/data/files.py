@@ -29,7 +29,9 @@ if TYPE_CHECKING:
 TOKENIZE_BATCH = 4096  # prompts per tokenizer call when checking lengths
 
 
-def file_task(kind: str, path: str, eval_path: str | None, *, prompt_field: str, answer_field: str, eval_size: int) -> Task:
+def file_task(
+    kind: str, path: str, eval_path: str | None, *, prompt_field: str, answer_field: str, eval_size: int
+) -> Task:
     """The train and held-out prompts of a ``kind`` ("jsonl" or "parquet") dataset."""
     if eval_path is not None and Path(eval_path).resolve() == Path(path).resolve():
         raise ValueError(
@@ -38,7 +40,9 @@ def file_task(kind: str, path: str, eval_path: str | None, *, prompt_field: str,
         )
     train = _prompts(_read_rows(kind, path, "data.path"), "train", path, prompt_field, answer_field)
     if eval_path is not None:
-        heldout = _prompts(_read_rows(kind, eval_path, "data.eval_path"), "heldout", eval_path, prompt_field, answer_field)
+        heldout = _prompts(
+            _read_rows(kind, eval_path, "data.eval_path"), "heldout", eval_path, prompt_field, answer_field
+        )
     elif len(train) <= eval_size:
         raise ValueError(
             f"data.eval_size: holding out the last {eval_size} rows of {path} leaves no train rows "
@@ -58,7 +62,11 @@ def _read_rows(kind: str, path: str, field: str) -> list[dict[str, Any]]:
     """The file's rows as dicts; ``field`` names the config key in errors."""
     file = Path(path)
     if not file.is_file():
-        raise ValueError(f"{field}: '{path}' is a directory, not a {kind} file" if file.is_dir() else f"{field}: no such file '{path}'")
+        raise ValueError(
+            f"{field}: '{path}' is a directory, not a {kind} file"
+            if file.is_dir()
+            else f"{field}: no such file '{path}'"
+        )
     try:
         rows = _jsonl_rows(file, field) if kind == "jsonl" else _parquet_rows(file, field)
     except OSError as err:
@@ -88,9 +96,13 @@ def _jsonl_rows(path: Path, field: str) -> list[dict[str, Any]]:
         try:
             row = json.loads(line)
         except json.JSONDecodeError as err:
-            raise ValueError(f"{field}: line {number} of {path}: invalid JSON ({err.msg} at column {err.colno})") from None
+            raise ValueError(
+                f"{field}: line {number} of {path}: invalid JSON ({err.msg} at column {err.colno})"
+            ) from None
         if not isinstance(row, dict):
-            raise ValueError(f"{field}: line {number} of {path}: expected one JSON object per line, got {_json_type(row)}")
+            raise ValueError(
+                f"{field}: line {number} of {path}: expected one JSON object per line, got {_json_type(row)}"
+            )
         rows.append(row)
     return rows
 
@@ -99,7 +111,9 @@ def _json_array_rows(text: str, path: Path, field: str) -> list[dict[str, Any]]:
     try:
         rows = json.loads(text)
     except json.JSONDecodeError as err:
-        raise ValueError(f"{field}: line {err.lineno} of {path}: invalid JSON ({err.msg} at column {err.colno})") from None
+        raise ValueError(
+            f"{field}: line {err.lineno} of {path}: invalid JSON ({err.msg} at column {err.colno})"
+        ) from None
     for number, row in enumerate(rows, start=1):
         if not isinstance(row, dict):
             raise ValueError(f"{field}: row {number} of {path}: expected a JSON object, got {_json_type(row)}")
@@ -123,7 +137,9 @@ def _parquet_rows(path: Path, field: str) -> list[dict[str, Any]]:
         return table.to_pylist()
     except UnicodeDecodeError:
         row, column = _first_non_utf8(table)
-        raise ValueError(f"{field}: row {row} of {path}: field '{column}' is not UTF-8 text; write strings as UTF-8") from None
+        raise ValueError(
+            f"{field}: row {row} of {path}: field '{column}' is not UTF-8 text; write strings as UTF-8"
+        ) from None
 
 
 def _first_non_utf8(table) -> tuple[int, str]:
@@ -143,13 +159,17 @@ def _prompts(rows: list[dict[str, Any]], split: str, path: str, prompt_field: st
         where = f"row {number} of {path}"
         text, answer = row.get(prompt_field), row.get(answer_field)
         if text is None:
-            raise ValueError(f"data.prompt_field: {where} has no field '{prompt_field}'{_fields_hint(rows, row, prompt_field)}")
+            raise ValueError(
+                f"data.prompt_field: {where} has no field '{prompt_field}'{_fields_hint(rows, row, prompt_field)}"
+            )
         if not isinstance(text, str):
             raise ValueError(f"data.prompt_field: {where}: '{prompt_field}' is {type(text).__name__}, not a string")
         if not text.strip():
             raise ValueError(f"data.prompt_field: {where}: '{prompt_field}' is empty")
         if answer is None:
-            raise ValueError(f"data.answer_field: {where} has no field '{answer_field}'{_fields_hint(rows, row, answer_field)}")
+            raise ValueError(
+                f"data.answer_field: {where} has no field '{answer_field}'{_fields_hint(rows, row, answer_field)}"
+            )
         if isinstance(answer, bool) or not isinstance(answer, (str, int, float)):
             raise ValueError(
                 f"data.answer_field: {where}: '{answer_field}' is {type(answer).__name__}, not a string or number"
@@ -218,8 +238,12 @@ def _round_trip_error(text: str, back: str, ids: list[int], tokenizer) -> str:
     char = text[at] if at < len(text) else ""
     shown = f"{char!r} (U+{ord(char):04X}) at character {at + 1}" if char else f"the end (character {at + 1})"
     if tokenizer.unk_token_id is not None and tokenizer.unk_token_id in ids:
-        return f"{shown} is not in the tokenizer's vocabulary; remove it, or set tokenizer.path to a tokenizer that has it"
-    return f"the tokenizer does not reproduce the text: it changes {shown}; the model would see other text than the row's"
+        return (
+            f"{shown} is not in the tokenizer's vocabulary; remove it, or set tokenizer.path to a tokenizer that has it"
+        )
+    return (
+        f"the tokenizer does not reproduce the text: it changes {shown}; the model would see other text than the row's"
+    )
 
 
 def _where(prompt: Prompt, data: DataConfig, field: str = "prompt_field") -> str:

@@ -69,7 +69,9 @@ class PromptLoader:
                 f"this one has {len(self.prompts)}; the dataset changed"
             )
         if not 0 <= state["position"] < len(self.prompts) or state["epoch"] < 0:
-            raise ValueError(f"data: invalid saved loader position (epoch {state['epoch']}, position {state['position']})")
+            raise ValueError(
+                f"data: invalid saved loader position (epoch {state['epoch']}, position {state['position']})"
+            )
         self._epoch, self._position = state["epoch"], state["position"]
         self._order = self._permutation(self._epoch)
 

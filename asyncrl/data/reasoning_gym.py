@@ -49,7 +49,9 @@ def create_dataset(name: str, settings: dict[str, Any], *, seed: int, size: int)
     package = _package()
     datasets = package.factory.DATASETS
     if name not in datasets:
-        raise ValueError(f"data.dataset: unknown reasoning-gym dataset '{name}' ({len(datasets)} exist, e.g. chain_sum)")
+        raise ValueError(
+            f"data.dataset: unknown reasoning-gym dataset '{name}' ({len(datasets)} exist, e.g. chain_sum)"
+        )
     try:
         return package.create_dataset(name, **settings, seed=seed, size=size)
     except (TypeError, ValueError, AssertionError) as err:

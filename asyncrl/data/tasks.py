@@ -37,7 +37,9 @@ def build_task(cfg: DataConfig, tokenizer=None) -> Task:
         from asyncrl.data.reasoning_gym import reasoning_gym_task
 
         if cfg.dataset is None:
-            raise ValueError("data.dataset: required when data.task is reasoning_gym (a reasoning-gym dataset name, e.g. chain_sum)")
+            raise ValueError(
+                "data.dataset: required when data.task is reasoning_gym (a reasoning-gym dataset name, e.g. chain_sum)"
+            )
         task = reasoning_gym_task(
             cfg.dataset, cfg.dataset_config, seed=cfg.task_seed, num_problems=cfg.num_problems, eval_size=cfg.eval_size
         )

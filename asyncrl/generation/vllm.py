@@ -56,7 +56,9 @@ def build_vllm_generator(config: RunConfig, model: PreTrainedModel, stop_token_i
     vocab_size = model.get_input_embeddings().num_embeddings
     options = dict(request_timeout_s=cfg.request_timeout_s, max_restarts=cfg.max_restarts)
     if cfg.url is not None:
-        return VLLMGenerator(shapes=shapes, stop_token_ids=stop_token_ids, vocab_size=vocab_size, url=cfg.url, **options)
+        return VLLMGenerator(
+            shapes=shapes, stop_token_ids=stop_token_ids, vocab_size=vocab_size, url=cfg.url, **options
+        )
     gpu = torch.cuda.is_available()
     head_size = getattr(model.config, "head_dim", None) or model.config.hidden_size // model.config.num_attention_heads
     if not gpu and head_size not in CPU_HEAD_SIZES:
@@ -81,7 +83,12 @@ def build_vllm_generator(config: RunConfig, model: PreTrainedModel, stop_token_i
     )
     try:
         generator = VLLMGenerator(
-            shapes=shapes, stop_token_ids=stop_token_ids, vocab_size=vocab_size, server=server, weights_path=weights_path, **options
+            shapes=shapes,
+            stop_token_ids=stop_token_ids,
+            vocab_size=vocab_size,
+            server=server,
+            weights_path=weights_path,
+            **options,
         )
     except ServerError as err:
         shutil.rmtree(model_dir, ignore_errors=True)

@@ -104,10 +104,14 @@ class VLLMServer:
         deadline = time.monotonic() + self.startup_timeout_s
         while not self.healthy():
             if self.process.poll() is not None:
-                raise ServerError(f"the vLLM server exited with code {self.process.returncode}: {self._last_log_line()}")
+                raise ServerError(
+                    f"the vLLM server exited with code {self.process.returncode}: {self._last_log_line()}"
+                )
             if time.monotonic() > deadline:
                 self.stop()
-                raise ServerError(f"the vLLM server did not answer /health within {self.startup_timeout_s:g}s; see {self.log_path}")
+                raise ServerError(
+                    f"the vLLM server did not answer /health within {self.startup_timeout_s:g}s; see {self.log_path}"
+                )
             time.sleep(0.5)
 
     def healthy(self) -> bool:

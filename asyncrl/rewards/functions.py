@@ -72,7 +72,9 @@ class OverlongPenalty:
 
     def __init__(self, max_new_tokens: int, cache: int) -> None:
         if not 1 <= cache <= max_new_tokens:
-            raise ValueError(f"rewards.overlong_cache: {cache} must be between 1 and generation.max_new_tokens {max_new_tokens}")
+            raise ValueError(
+                f"rewards.overlong_cache: {cache} must be between 1 and generation.max_new_tokens {max_new_tokens}"
+            )
         self.max_new_tokens, self.cache = max_new_tokens, cache
 
     def __call__(self, completion: str, answer: str, *, num_tokens: int) -> float:
@@ -136,11 +138,15 @@ def resolve_reward(
         return FormatReward(format_pattern)
     if name == "overlong":
         if max_new_tokens is None or overlong_cache is None:
-            raise ValueError("rewards.overlong_cache: the overlong reward needs a cache length and generation.max_new_tokens")
+            raise ValueError(
+                "rewards.overlong_cache: the overlong reward needs a cache length and generation.max_new_tokens"
+            )
         return OverlongPenalty(max_new_tokens, overlong_cache)
     if name == "task":
         if task_score is None:
-            raise ValueError("rewards.functions: the task reward needs a task with its own checker (data.task reasoning_gym)")
+            raise ValueError(
+                "rewards.functions: the task reward needs a task with its own checker (data.task reasoning_gym)"
+            )
         return task_score
     if ":" not in name:
         raise ValueError(
@@ -149,15 +155,21 @@ def resolve_reward(
         )
     fn = import_attribute(name, "rewards.functions")
     if isinstance(fn, type):
-        raise ValueError(f"rewards.functions: '{name}' is a class; give a function taking (completion, answer), or an instance")
+        raise ValueError(
+            f"rewards.functions: '{name}' is a class; give a function taking (completion, answer), or an instance"
+        )
     if not callable(fn):
         raise ValueError(f"rewards.functions: '{name}' is not callable")
     if inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None)):  # noqa: B004 (not a callable check)
         raise ValueError(f"rewards.functions: '{name}' is async; rewards are called, not awaited: use a plain def")
     try:
-        inspect.signature(fn).bind("completion", "answer", **({"num_tokens": 0} if getattr(fn, "uses_num_tokens", False) else {}))
+        inspect.signature(fn).bind(
+            "completion", "answer", **({"num_tokens": 0} if getattr(fn, "uses_num_tokens", False) else {})
+        )
     except TypeError:
-        raise ValueError(f"rewards.functions: '{name}' must accept (completion, answer), the two strings it is called with") from None
+        raise ValueError(
+            f"rewards.functions: '{name}' must accept (completion, answer), the two strings it is called with"
+        ) from None
     except ValueError:
         pass  # no inspectable signature (some builtins); a wrong one surfaces as counted errors
     return fn

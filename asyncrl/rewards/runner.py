@@ -193,7 +193,9 @@ class RewardRunner:
             self._wait(every_call)
             per_function, errors, timeouts = self._collect(calls, len(completions))
         first = per_function[self.names[0]]
-        rewards = [sum(w * per_function[name][i] for name, w in zip(self.names, self.weights)) for i in range(len(first))]
+        rewards = [
+            sum(w * per_function[name][i] for name, w in zip(self.names, self.weights)) for i in range(len(first))
+        ]
         return RewardResult(rewards, [s >= 1.0 for s in first], per_function, errors, timeouts)
 
     def close(self) -> None:

@@ -154,7 +154,9 @@ class BroadcastMember:
         """Rank 0's copy of ``version``, for a generator that missed its broadcast."""
         self.stopped()
         if self.version != version or self.layout is None:
-            raise BroadcastError(f"weight version {version} is no longer held by trainer rank 0 (it holds {self.version})")
+            raise BroadcastError(
+                f"weight version {version} is no longer held by trainer rank 0 (it holds {self.version})"
+            )
         return self.layout.unpack(self.buffers)
 
     def stopped(self) -> bool:

@@ -255,7 +255,9 @@ def _from_arrays(weights: dict[str, Any]) -> dict[str, Tensor]:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # torch warns that the arrays are not writable
         return {
-            name: torch.from_numpy(array[0]).view(torch.bfloat16) if isinstance(array, tuple) else torch.from_numpy(array)
+            name: torch.from_numpy(array[0]).view(torch.bfloat16)
+            if isinstance(array, tuple)
+            else torch.from_numpy(array)
             for name, array in weights.items()
         }
 
@@ -443,7 +445,9 @@ class RayRuntime:
         self.builds += [actor.build.remote() for actor in actors]
         return [RayHandle(actor, f"rollout worker {i}") for i, actor in enumerate(actors)]
 
-    def spawn_trainer_ranks(self, build_rank: Callable[[int, str | None], Callable[[], Any]], world_size: int) -> list[RayHandle]:
+    def spawn_trainer_ranks(
+        self, build_rank: Callable[[int, str | None], Callable[[], Any]], world_size: int
+    ) -> list[RayHandle]:
         """``world_size`` trainer rank actors; rank r runs ``build_rank(r, init_method)()``.
 
         With more than one rank they meet at rank 0's node IP and a port free on that node."""
@@ -459,14 +463,18 @@ class RayRuntime:
             ip, port = resolve([actors[0].node_address.remote()])[0]
             init_method = f"tcp://{ip}:{port}"
         self.builds += [actor.build.remote(build_rank(rank, init_method), rank) for rank, actor in enumerate(actors)]
-        return [RayHandle(actor, f"trainer rank {rank}", died=TrainerRankDiedError) for rank, actor in enumerate(actors)]
+        return [
+            RayHandle(actor, f"trainer rank {rank}", died=TrainerRankDiedError) for rank, actor in enumerate(actors)
+        ]
 
     def ready(self) -> None:
         """Wait until every spawned worker is built; a factory that raised raises here."""
         builds, self.builds = self.builds, []
         resolve(builds)
 
-    def connect_broadcast(self, source: RayHandle, generators: Sequence[RayHandle], backend: str, timeout_s: float) -> None:
+    def connect_broadcast(
+        self, source: RayHandle, generators: Sequence[RayHandle], backend: str, timeout_s: float
+    ) -> None:
         """Form the weight broadcast group of trainer rank 0 (``source``) and the generators; from
         now on their handles sync weights through it (``WeightBroadcast``)."""
         members = [source, *generators]

@@ -149,7 +149,9 @@ def _softcapped_attention(
     scores = softcap * torch.tanh(scores / softcap)
     if attention_mask is None:  # causal, the queries being the last columns
         queries, keys = query.shape[2], key.shape[2]
-        attention_mask = torch.ones(queries, keys, dtype=torch.bool, device=query.device).tril(keys - queries)[None, None]
+        attention_mask = torch.ones(queries, keys, dtype=torch.bool, device=query.device).tril(keys - queries)[
+            None, None
+        ]
     scores = scores.masked_fill(~attention_mask, torch.finfo(scores.dtype).min)
     weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
     weights = F.dropout(weights, p=dropout, training=module.training)
@@ -190,9 +192,9 @@ class Shard:
         self.padded_width = cp.padded_width(self.width)
         self.columns = head_tail_columns(self.padded_width, cp.size, cp.rank).to(batch.input_ids.device)
         # K/V arrive gathered in rank order, each rank's columns in its own order
-        self.key_columns = torch.cat(
-            [head_tail_columns(self.padded_width, cp.size, r) for r in range(cp.size)]
-        ).to(self.columns.device)
+        self.key_columns = torch.cat([head_tail_columns(self.padded_width, cp.size, r) for r in range(cp.size)]).to(
+            self.columns.device
+        )
         full_mask = self._pad(batch.attention_mask)
         self.input_ids = self._pad(batch.input_ids)[:, self.columns]
         self.position_ids = position_ids_from_mask(full_mask)[:, self.columns]

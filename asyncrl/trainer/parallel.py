@@ -114,7 +114,9 @@ class ParallelContext:
             return replicate(model, device_mesh=self.ranks_mesh)
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-        precision = MixedPrecisionPolicy(param_dtype=mixed_precision, reduce_dtype=torch.float32 if mixed_precision else None)
+        precision = MixedPrecisionPolicy(
+            param_dtype=mixed_precision, reduce_dtype=torch.float32 if mixed_precision else None
+        )
         for m in (reference_model, model):
             if m is not None:
                 for block in transformer_blocks(m):
@@ -123,7 +125,9 @@ class ParallelContext:
         self.casts_parameters = mixed_precision is not None
         return model
 
-    def reduce_step(self, sums: Tensor, is_weight_min: Tensor, is_weight_max: Tensor) -> tuple[Tensor, tuple[Tensor, Tensor]]:
+    def reduce_step(
+        self, sums: Tensor, is_weight_min: Tensor, is_weight_max: Tensor
+    ) -> tuple[Tensor, tuple[Tensor, Tensor]]:
         """Step counters summed, IS-weight range reduced, over all ranks (two collectives)."""
         group = self.ranks_mesh.get_group()
         sums = sums.clone()
@@ -174,7 +178,9 @@ def launch(fn: Callable[..., bytes], world_size: int, *args, timeout_s: float = 
     with tempfile.TemporaryDirectory(prefix="asyncrl-ranks-") as rendezvous:
         init_method = Path(rendezvous, "store").as_uri()
         ranks = [
-            spawn.Process(target=_run_rank, args=(fn, rank, world_size, init_method, timeout_s, results, args), daemon=True)
+            spawn.Process(
+                target=_run_rank, args=(fn, rank, world_size, init_method, timeout_s, results, args), daemon=True
+            )
             for rank in range(world_size)
         ]
         for process in ranks:
@@ -216,7 +222,9 @@ def _collect(ranks: list, results, deadline: float) -> dict[int, bytes]:
                 if rank not in payloads and process.exitcode not in (None, 0):
                     raise RuntimeError(f"rank {rank} died with exit code {process.exitcode}") from None
             if time.monotonic() > deadline:
-                raise TimeoutError(f"ranks {sorted(set(range(len(ranks))) - set(payloads))} did not finish in time") from None
+                raise TimeoutError(
+                    f"ranks {sorted(set(range(len(ranks))) - set(payloads))} did not finish in time"
+                ) from None
             continue
         if error is not None:
             raise RuntimeError(f"rank {rank} failed:\n{error}")

@@ -275,7 +275,9 @@ class PolicyTrainer:
             else:
                 self.optimizer.step()
         state.updates.append(
-            _Update(loss, grad_norm, lr, totals, is_weight_range, state.num_microbatches, skipped, sums["num_tokens"] == 0)
+            _Update(
+                loss, grad_norm, lr, totals, is_weight_range, state.num_microbatches, skipped, sums["num_tokens"] == 0
+            )
         )
         state.sums = torch.zeros_like(state.sums)
         state.is_weight_min = torch.full_like(state.is_weight_min, float("inf"))
@@ -351,8 +353,10 @@ class PolicyTrainer:
         )
         if self.loss_cfg.clip_against == "behaviour":  # the generator's distance from the current policy
             metrics["mismatch_kl"] = grpo.mismatch_kl(
-                inputs.behaviour_logprobs, inputs.logprobs.detach(),
-                log_ratio_clamp=self.terms.kl_log_ratio_clamp, kl_clamp=self.terms.kl_clamp,
+                inputs.behaviour_logprobs,
+                inputs.logprobs.detach(),
+                log_ratio_clamp=self.terms.kl_log_ratio_clamp,
+                kl_clamp=self.terms.kl_clamp,
             )
         mask = inputs.response_mask
         loss_sum = (inputs.weights * loss).sum()
@@ -432,7 +436,9 @@ class PolicyTrainer:
     # ---- logprobs, weights, checkpoints ---------------------------------------------------
 
     @torch.no_grad()
-    def compute_logprobs(self, batch: TrainBatch, *, reference: bool = False, micro_batch_size: int | None = None) -> Tensor:
+    def compute_logprobs(
+        self, batch: TrainBatch, *, reference: bool = False, micro_batch_size: int | None = None
+    ) -> Tensor:
         """Per-token logprobs of ``batch`` under the policy (proximal) or the frozen reference.
 
         Aligned with ``input_ids`` like every per-token tensor, and 0 on padding.
@@ -450,7 +456,9 @@ class PolicyTrainer:
                 if context is not None:
                     logprobs = context.full_logprobs(model, part, temperature=self.temperature)
                 else:
-                    logprobs, _ = token_logprobs(model, part.input_ids, part.attention_mask, temperature=self.temperature)
+                    logprobs, _ = token_logprobs(
+                        model, part.input_ids, part.attention_mask, temperature=self.temperature
+                    )
             logprobs = logprobs * part.attention_mask
             chunks.append(torch.nn.functional.pad(logprobs, (0, width - logprobs.shape[1])))
         return torch.cat(chunks).cpu()
@@ -470,7 +478,9 @@ class PolicyTrainer:
         for name, value in self.model.state_dict().items():
             whole = _full(value).detach()
             if keep:
-                dtype = self.forward_dtype if self.forward_dtype is not None and whole.is_floating_point() else whole.dtype
+                dtype = (
+                    self.forward_dtype if self.forward_dtype is not None and whole.is_floating_point() else whole.dtype
+                )
                 weights[name] = whole.to(device or whole.device, dtype=dtype, copy=copy)
         return self.version, weights
 
@@ -496,7 +506,10 @@ class PolicyTrainer:
 
     def _snapshot(self) -> dict:
         """Weights and optimizer state, to undo the updates a step has taken before it finished."""
-        return {"params": [p.detach().clone() for p in self.params], "optimizer": copy.deepcopy(self.optimizer.state_dict())}
+        return {
+            "params": [p.detach().clone() for p in self.params],
+            "optimizer": copy.deepcopy(self.optimizer.state_dict()),
+        }
 
     @torch.no_grad()
     def _restore(self, snapshot: dict) -> None:

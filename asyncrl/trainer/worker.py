@@ -228,7 +228,9 @@ class TrainerWorker:
         set_model_state_dict(model, weights, options=_FULL_INTO_SHARDS)
         set_optimizer_state_dict(model, optimizer, trainer_state["optimizer"], options=_FULL_INTO_SHARDS)
         # the rest of the trainer state (schedule, version, RNG); weights and moments are in place
-        self.trainer.load_state_dict({**trainer_state, "model": model.state_dict(), "optimizer": optimizer.state_dict()})
+        self.trainer.load_state_dict(
+            {**trainer_state, "model": model.state_dict(), "optimizer": optimizer.state_dict()}
+        )
 
     # ---- several updates per step ----------------------------------------------------------------
 
