@@ -31,6 +31,8 @@ from asyncrl.warm_start import warm_start
 class RecordingRank:
     """Answers with its rank; remembers the calls it got; fails where told."""
 
+    unordered_methods = ()  # every call in order, as a trainer rank's
+
     def __init__(self, rank: int, fail: str | None = None) -> None:
         self.rank, self.fail, self.calls = rank, fail, []
 
