@@ -192,10 +192,10 @@ def test_an_untied_head_follows_updates_and_a_killed_server_is_restarted_and_res
 
 @pytest.mark.slow
 def test_a_run_starts_its_server_updates_it_in_flight_and_stops_it_on_sigterm(tmp_path, vllm_python):
-    """``asyncrl train`` on the vLLM backend: groups span weight versions (sync.mode inflight, the
-    default; a server that decodes 4 sequences at a time keeps a generation batch running when the
-    trainer finishes its step), the server's log is in the run directory, and SIGTERM leaves no
-    vLLM process."""
+    """``asyncrl train`` on the vLLM backend with in-flight updates (sync.mode inflight, the
+    default): no group ends on an older version than it started, the server's log is in the run
+    directory, and SIGTERM leaves no vLLM process. Whether a group spans versions depends on how
+    long a step takes against a batch, so spanning itself is checked deterministically above."""
     before = vllm_processes()
     run_dir = tmp_path / "run"
     args = [sys.executable, "-m", "asyncrl.cli", "train", "--output-dir", str(run_dir), "generation.backend=vllm",
@@ -211,7 +211,6 @@ def test_a_run_starts_its_server_updates_it_in_flight_and_stops_it_on_sigterm(tm
     _, err = process.communicate(timeout=120)
     assert process.returncode == 128 + signal.SIGTERM, err
     groups = read_jsonl(run_dir / "groups.jsonl")
-    assert any(g["end_version"] > g["start_version"] for g in groups)
-    assert all(g["end_version"] >= g["start_version"] for g in groups)
+    assert groups and all(g["end_version"] >= g["start_version"] for g in groups)
     assert [p.name.startswith("server-") for p in (run_dir / "vllm").iterdir()] == [True]
     assert not wait_for_exit(lambda: vllm_processes() - before)
