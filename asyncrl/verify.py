@@ -22,7 +22,7 @@ from __future__ import annotations
 import copy
 import io
 from dataclasses import dataclass, field, replace
-from typing import Literal
+from typing import Literal, get_args
 
 import torch
 import torch.nn.functional as F
@@ -47,16 +47,7 @@ Plant = Literal[
     "recompute-proximal",
     "cp-shard-mean",
 ]
-PLANTS: tuple[str, ...] = (
-    "per-microbatch-mean",
-    "shift-after-shard",
-    "per-shard-mean",
-    "average-without-compensation",
-    "double-count-tokens",
-    "whole-step-normalizer",
-    "recompute-proximal",
-    "cp-shard-mean",
-)
+PLANTS: tuple[str, ...] = get_args(Plant)
 UPDATE_PLANTS = ("whole-step-normalizer", "recompute-proximal")  # mistakes that need several updates
 CP_PLANTS = ("shift-after-shard", "double-count-tokens", "cp-shard-mean")  # mistakes that only exist across CP ranks
 RANK_PLANTS = (*CP_PLANTS, "per-shard-mean", "average-without-compensation")  # need more than one rank

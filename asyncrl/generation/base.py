@@ -65,6 +65,17 @@ class SampleRequest:
             raise ValueError(f"SampleRequest.seed: must be an integer in [0, 2**{SEED_BITS}), got {self.seed!r}")
 
 
+def check_vocabulary(requests: Sequence[SampleRequest], vocab_size: int) -> None:
+    """Every prompt token indexes the model's embedding table; an id past it would fail deep in a
+    kernel (or silently read another row), so a backend checks before generating."""
+    for index, request in enumerate(requests):
+        if min(request.prompt_ids) < 0 or max(request.prompt_ids) >= vocab_size:
+            raise ValueError(
+                f"SampleRequest.prompt_ids: request {index} has a token id outside the model's vocabulary "
+                f"of {vocab_size}"
+            )
+
+
 def sample_seed(run_seed: int, prompt_uid: str, sample_index: int) -> int:
     """Stable across processes and Python versions (hashlib, not hash()); fits torch.Generator.manual_seed.
 

@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 from transformers import PreTrainedModel
 
-from asyncrl.generation.base import SampleRequest, SamplingParams
+from asyncrl.generation.base import SampleRequest, SamplingParams, check_vocabulary
 from asyncrl.models.logprobs import position_ids_from_mask
 from asyncrl.types import Rollout
 
@@ -57,12 +57,7 @@ class HFGenerator:
 
     def generate(self, requests: Sequence[SampleRequest], params: SamplingParams) -> list[Rollout]:
         """One Rollout per request, in request order."""
-        for index, request in enumerate(requests):
-            if min(request.prompt_ids) < 0 or max(request.prompt_ids) >= self.vocab_size:
-                raise ValueError(
-                    f"SampleRequest.prompt_ids: request {index} has a token id outside the model's vocabulary "
-                    f"of {self.vocab_size}"
-                )
+        check_vocabulary(requests, self.vocab_size)
         rollouts: list[Rollout] = []
         for start in range(0, len(requests), self.batch_size):
             rollouts += self._generate_chunk(requests[start : start + self.batch_size], params)

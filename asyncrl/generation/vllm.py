@@ -35,7 +35,7 @@ from torch import Tensor
 from transformers import PreTrainedModel
 
 from asyncrl.config import RunConfig
-from asyncrl.generation.base import SampleRequest, SamplingParams
+from asyncrl.generation.base import SampleRequest, SamplingParams, check_vocabulary
 from asyncrl.generation.vllm_env import checked_python
 from asyncrl.generation.vllm_process import ServerError, VLLMServer, http_json
 from asyncrl.types import Rollout
@@ -139,12 +139,7 @@ class VLLMGenerator:
 
     def generate(self, requests: Sequence[SampleRequest], params: SamplingParams) -> list[Rollout]:
         """One Rollout per request, in request order; every response token carries its version."""
-        for index, request in enumerate(requests):
-            if min(request.prompt_ids) < 0 or max(request.prompt_ids) >= self.vocab_size:
-                raise ValueError(
-                    f"SampleRequest.prompt_ids: request {index} has a token id outside the model's vocabulary "
-                    f"of {self.vocab_size}"
-                )
+        check_vocabulary(requests, self.vocab_size)
         self._revive()
         version = self.version
         futures = [self._pool.submit(self._sample, request, params, version) for request in requests]
