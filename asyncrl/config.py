@@ -58,7 +58,7 @@ class DataConfig(Section):
     """Where prompts and reference answers come from."""
 
     task: str = Field(
-        "arithmetic",
+        "running_sum",
         description="built-in task (arithmetic, running_sum; docs/data.md), jsonl / parquet for a local file, or reasoning_gym",
     )
     path: str | None = Field(None, description="the jsonl / parquet file")
@@ -68,14 +68,14 @@ class DataConfig(Section):
     prompt_field: str = Field("prompt", description="row field holding the prompt")
     answer_field: str = Field("answer", description="row field holding the reference answer")
     chat_template: bool = Field(False, description="wrap prompts in the tokenizer's chat template")
-    difficulty: int = Field(1, ge=1, description="built-in task difficulty (levels in docs/data.md)")
+    difficulty: int = Field(2, ge=1, description="built-in task difficulty (levels in docs/data.md)")
     task_seed: int = Field(0, description="built-in tasks: seed choosing the problems and their train / held-out split")
     num_problems: int = Field(
         10000, ge=2, description="built-in tasks: distinct problems drawn (held-out first); a level may have fewer"
     )
     shuffle_seed: int = Field(0, description="seed of the prompt order")
     epochs: int | None = Field(None, ge=1, description="passes over the train split; null repeats it forever")
-    eval_size: int = Field(64, ge=1, description="held-out prompts per evaluation")
+    eval_size: int = Field(256, ge=1, description="held-out prompts per evaluation")
     dataset: str | None = Field(
         None,
         description="reasoning_gym: the dataset name, e.g. chain_sum; the char tokenizer "
@@ -227,7 +227,7 @@ class GRPOConfig(Section):
     prompts_per_step: int = Field(16, ge=1, description="P: prompt groups per optimizer step")
     generations_per_prompt: int = Field(8, ge=1, description="n: samples per prompt")
     step_batch_size: int | None = Field(None, ge=1, description="sequences per step; must equal P*n if given")
-    max_steps: int = Field(800, ge=1, description="optimizer steps of the run (also the cosine schedule's length)")
+    max_steps: int = Field(400, ge=1, description="optimizer steps of the run (also the cosine schedule's length)")
     baseline: Literal["mean", "leave_one_out"] = Field("mean", description="advantage baseline within a group")
     scale_by_std: bool = Field(True, description="divide advantages by the group std; false is Dr. GRPO")
     filter_zero_variance: bool = Field(False, description="drop groups whose rewards are all equal")
@@ -344,9 +344,9 @@ class TrainerConfig(Section):
     weight_decay: float = Field(0.0, ge=0.0, description="decoupled weight decay")
     betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas")
     eps: float = Field(1e-8, gt=0.0, description="AdamW epsilon")
-    lr_schedule: Literal["constant", "cosine"] = Field("constant", description="schedule after warmup")
+    lr_schedule: Literal["constant", "cosine"] = Field("cosine", description="schedule after warmup")
     warmup_steps: int = Field(0, ge=0, description="linear warmup steps")
-    min_lr_ratio: float = Field(0.0, ge=0.0, le=1.0, description="cosine floor as a fraction of lr")
+    min_lr_ratio: float = Field(0.1, ge=0.0, le=1.0, description="cosine floor as a fraction of lr")
     micro_batch_size: int = Field(
         128, ge=1, description="sequences per forward/backward (the tiny default model takes a whole step at once)"
     )
@@ -458,7 +458,7 @@ class SyncConfig(Section):
     )
 
 
-TINY_WARM_START_STEPS = 300
+TINY_WARM_START_STEPS = 600
 CONTEXT_PARALLEL_MODEL_TYPES = ("gemma2", "gemma3_text", "gpt2", "llama", "mistral", "phi3", "qwen2", "qwen3")
 
 
@@ -468,7 +468,7 @@ class WarmStartConfig(Section):
     steps: int | None = Field(
         None,
         ge=0,
-        description="supervised steps; 0 skips the warm start; null: 300 for the built-in tiny model, 0 with model.path "
+        description="supervised steps; 0 skips the warm start; null: 600 for the built-in tiny model, 0 with model.path "
         "(a pretrained model would lose its own skills to it), so a checkpoint warm-starts only when this is set",
     )
     lr: float = Field(3e-3, gt=0.0, description="warm start learning rate")
@@ -490,7 +490,7 @@ class LoggingConfig(Section):
         None,
         description="run directory (metrics, checkpoints, report); null: runs/<date>-<time>; must not hold another run",
     )
-    eval_every_steps: int | None = Field(100, ge=1, description="held-out evaluation cadence; null: start and end only")
+    eval_every_steps: int | None = Field(50, ge=1, description="held-out evaluation cadence; null: start and end only")
     tensorboard: bool = Field(True, description="write TensorBoard event files")
     wandb: bool = Field(False, description="log to Weights & Biases when it is installed")
     progress: bool = Field(True, description="live progress display")
