@@ -130,6 +130,11 @@ class VLLMConfig(Section):
     startup_timeout_s: float = Field(600.0, gt=0.0, description="a started server must answer /health within this")
     request_timeout_s: float = Field(600.0, gt=0.0, description="limit of one HTTP call to the server")
     max_restarts: int = Field(3, ge=0, description="times a started server that died is restarted (and re-synced)")
+    weight_transfer: Literal["auto", "file", "collective"] = Field(
+        "auto",
+        description="how weights reach a server: file (safetensors in /dev/shm), collective (a process group with "
+        "the server's worker: NCCL with a GPU, else gloo); auto: collective from a CUDA trainer, else file",
+    )
     extra_args: list[str] = Field(default_factory=list, description="more command-line arguments of a started server")
 
 

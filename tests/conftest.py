@@ -99,11 +99,13 @@ def vllm_python():
 
 @pytest.fixture(scope="session")
 def vllm_config(vllm_python, tmp_path_factory):
-    """A run config on the vLLM backend with the default tiny model (head size 32, tied head)."""
+    """A run config on the vLLM backend with the default tiny model (head size 32, tied head),
+    whose weights go to the server over a gloo group (the collective transfer)."""
     from asyncrl.config import load_config
 
     run_dir = tmp_path_factory.mktemp("vllm-run")
-    return load_config(None, ["generation.backend=vllm", f"logging.output_dir={run_dir}"])
+    overrides = ["generation.backend=vllm", "vllm.weight_transfer=collective", f"logging.output_dir={run_dir}"]
+    return load_config(None, overrides)
 
 
 @pytest.fixture(scope="session")

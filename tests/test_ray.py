@@ -11,6 +11,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import fields
 from functools import partial
@@ -164,6 +165,51 @@ def test_group_payloads_are_owned_by_the_caller_and_outlive_their_generator(ray_
     assert [g.prompt_uid for g in fetched] == ["u0", "u1"] and fetched[0].input_ids.shape[0] == 4
     assert torch.equal(fetched[1].rewards, batch.groups[1].rewards)
     assert batch.groups[0].response_tokens == fetched[0].response_tokens
+
+
+class LoadWaiter:
+    """``wait_for_load`` returns whether ``load_weights`` ran before its wait ended: only a load
+    that runs beside it can end the wait early."""
+
+    def __init__(self, unordered: bool) -> None:
+        self.unordered_methods = ("load_weights",) if unordered else ()
+        self.loaded = threading.Event()
+
+    def wait_for_load(self, timeout_s: float) -> bool:
+        return self.loaded.wait(timeout_s)
+
+    def load_weights(self, weights, version: int) -> None:
+        self.loaded.set()
+
+
+def test_a_rollout_workers_unordered_methods_run_beside_its_calls_and_a_trainer_ranks_in_order(ray_cluster):
+    """A weight load submitted after a call that waits for it: on a rollout-worker actor whose
+    worker lists ``load_weights`` as unordered it runs during that call; otherwise, and always on a
+    trainer rank's actor, after it."""
+    import asyncio
+
+    import ray
+
+    from asyncrl.runtime.ray import RayRuntime, WeightsRef
+
+    runtime = RayRuntime(load_config(None, [*SMALL, RAY]).runtime)
+
+    async def load_during_wait(handle, timeout_s):
+        waited = handle.wait_for_load(timeout_s)
+        await handle.load_weights(WeightsRef(ray.put({}), 0), 1)
+        return await waited
+
+    try:
+        [inflight] = runtime.spawn_generators(partial(LoadWaiter, True), 1)
+        [ordered] = runtime.spawn_generators(partial(LoadWaiter, False), 1)
+        [rank] = runtime.spawn_trainer_ranks(lambda rank, init: partial(LoadWaiter, True), 1)
+        runtime.ready()
+        assert (inflight.unordered, ordered.unordered, rank.unordered) == (("load_weights",), (), ())
+        assert asyncio.run(load_during_wait(inflight, 60.0))
+        assert not asyncio.run(load_during_wait(ordered, 1.0))
+        assert not asyncio.run(load_during_wait(rank, 1.0))
+    finally:
+        runtime.shutdown()
 
 
 @pytest.mark.slow

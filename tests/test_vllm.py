@@ -2,8 +2,11 @@
 
 Every logprob the server returns is checked against the trainer's own scoring
 (``token_logprobs``) of the weights that sampled the token, before and after weight updates.
+The session's server and the untied-head test's take weights over a gloo group (the collective
+transfer); a Ray rollout worker on the session's server and the training run send files.
 """
 
+import asyncio
 import os
 import signal
 import subprocess
@@ -11,6 +14,8 @@ import sys
 import threading
 import time
 import urllib.request
+from functools import partial
+from pathlib import Path
 
 import pytest
 import torch
@@ -19,12 +24,17 @@ from test_train import SMALL
 from transformers import AutoModelForCausalLM
 
 from asyncrl.cli import main
+from asyncrl.config import load_config
+from asyncrl.data.prompts import Prompt
 from asyncrl.generation import HFGenerator, SampleRequest, SamplingParams, build_generator, sample_seed
-from asyncrl.generation.vllm import VLLMGenerator
-from asyncrl.generation.vllm_process import http_json
+from asyncrl.generation.vllm import VLLMGenerator, collective_backend
+from asyncrl.generation.vllm_process import ServerError, http_json
 from asyncrl.metrics import read_jsonl
 from asyncrl.models import build_char_tokenizer, build_tiny_model, token_logprobs
 from asyncrl.models.tiny import tiny_config
+from asyncrl.run import build_rollout_worker
+from asyncrl.runtime.broadcast import Layout
+from asyncrl.types import RolloutJob
 
 # The first test to use the server may also create the vLLM environment (3 to 5 minutes).
 pytestmark = pytest.mark.timeout(1200)
@@ -60,6 +70,14 @@ def test_a_missing_or_unusable_vllm_environment_is_a_one_line_error_naming_the_f
     assert "No module named 'vllm'" in err
 
 
+def test_weight_transfer_auto_is_a_file_without_cuda_and_a_bad_value_is_a_one_line_error(capsys, tmp_path):
+    assert not torch.cuda.is_available()
+    assert collective_backend("auto", "auto") is None and collective_backend("file", "auto") is None
+    assert collective_backend("collective", "cpu") == "gloo"
+    err = one_line_error(capsys, "train", "--output-dir", str(tmp_path / "run"), "vllm.weight_transfer=ipc")
+    assert err.startswith("error: vllm.weight_transfer")
+
+
 def tiny(seed: int, **overrides):
     return build_tiny_model(len(TOKENIZER), seed=seed, **{**DEFAULT, **overrides})
 
@@ -90,6 +108,8 @@ def assert_trainer_logprobs(model, rollouts, atol=1e-5):
 
 @pytest.mark.slow
 def test_logprobs_equal_the_trainers_before_and_after_weight_updates(vllm_generator):
+    """Over the collective transfer (a gloo group with the server's worker), tied head."""
+    assert vllm_generator.collective == "gloo" and vllm_generator.server.weight_engine == "asyncrl_collective"
     params = SamplingParams(max_new_tokens=24)
     for version, seed in enumerate((0, 11, 12, 13)):
         model = tiny(seed)
@@ -99,6 +119,25 @@ def test_logprobs_equal_the_trainers_before_and_after_weight_updates(vllm_genera
         assert all(r.versions == [version] * len(r.response_ids) for r in rollouts)
         assert_trainer_logprobs(model, rollouts)
         assert http_json(f"{vllm_generator.url}/weight_info", timeout=10)["weight_version"] == str(version)
+
+
+@pytest.mark.slow
+def test_a_failed_collective_update_is_reported_and_the_next_one_joins_a_new_group(vllm_generator, monkeypatch):
+    """The server rejects an update (a dtype it does not know) while this side broadcasts: the
+    load raises at once instead of waiting out the group's timeout, and the next load works."""
+    good, bad = tiny(51), tiny(52)
+    vllm_generator.load_weights(good.state_dict(), 6)
+    with monkeypatch.context() as patch:
+        meta = Layout.meta
+        patch.setattr(Layout, "meta", lambda layout: {**meta(layout), "dtype_names": ["none"] * len(layout.entries)})
+        started = time.monotonic()
+        with pytest.raises(ServerError, match="update_weights"):
+            vllm_generator.load_weights(bad.state_dict(), 7)
+        assert time.monotonic() - started < 60 and not vllm_generator.joined
+    assert vllm_generator.version == 6
+    vllm_generator.load_weights(bad.state_dict(), 8)
+    assert vllm_generator.joined
+    assert_trainer_logprobs(bad, vllm_generator.generate(requests(), SamplingParams(max_new_tokens=16)))
 
 
 @pytest.mark.slow
@@ -160,8 +199,9 @@ def test_an_inflight_update_gives_responses_spanning_two_versions(vllm_generator
 
 @pytest.mark.slow
 def test_an_untied_head_follows_updates_and_a_killed_server_is_restarted_and_resynced(vllm_config):
-    """A server of its own (an untied lm_head), killed outright: the next call restarts it and
-    reloads the last weights, with their version; closing it leaves no process behind."""
+    """A server of its own (an untied lm_head, the collective transfer), killed outright: the next
+    call restarts it, joins a new group with it and broadcasts the last weights again (this
+    process's copy), with their version; closing it leaves no process behind."""
     before = vllm_processes()
     config = tiny_config(len(TOKENIZER), **DEFAULT)
     config.tie_word_embeddings = False
@@ -172,6 +212,7 @@ def test_an_untied_head_follows_updates_and_a_killed_server_is_restarted_and_res
             return AutoModelForCausalLM.from_config(config)
 
     generator = build_generator(vllm_config, untied(0), TOKENIZER)
+    assert generator.collective == "gloo"
     try:
         params = SamplingParams(max_new_tokens=16)
         for version in (1, 2):
@@ -214,3 +255,60 @@ def test_a_run_starts_its_server_updates_it_in_flight_and_stops_it_on_sigterm(tm
     assert groups and all(g["end_version"] >= g["start_version"] for g in groups)
     assert [p.name.startswith("server-") for p in (run_dir / "vllm").iterdir()] == [True]
     assert not wait_for_exit(lambda: vllm_processes() - before)
+
+
+def endless_rollout_worker(config, started: Path):
+    """A rollout worker whose responses run to max_new_tokens (no stop token), and that creates
+    ``started`` when a generation batch reaches its generator."""
+    worker = build_rollout_worker(config)
+    worker.generator.stop_token_ids = []
+    generate = worker.generator.generate
+
+    def announced(requests, params):
+        started.touch()
+        return generate(requests, params)
+
+    worker.generator.generate = announced
+    return worker
+
+
+@pytest.mark.slow
+def test_a_ray_rollout_worker_loads_weights_while_it_generates(ray_cluster, vllm_generator, tmp_path):
+    """On the Ray runtime an in-flight rollout worker's load runs beside its generation batch (its
+    actor's concurrency group for unordered methods). The server is paused before the batch, so
+    the batch can only finish after the load that resumes it: the load returns while the batch
+    runs, and the batch's group starts on the old version and ends on the new one. The actor
+    drives the session's server (``vllm.url``, weights as files), so no server is started."""
+    import ray
+
+    from asyncrl.runtime.ray import RayRuntime, WeightsRef, _to_arrays
+
+    config = load_config(
+        None,
+        ["runtime.name=ray", "generation.backend=vllm", f"vllm.url={vllm_generator.url}", "vllm.weight_transfer=file",
+         "sync.mode=inflight", "generation.max_new_tokens=600", "grpo.generations_per_prompt=4"],
+    )  # fmt: skip
+    started = tmp_path / "started"
+    runtime = RayRuntime(config.runtime)
+    old, new = (WeightsRef(ray.put(_to_arrays(tiny(seed).state_dict())), 0) for seed in (61, 62))
+
+    async def load_while_generating(handle):
+        await handle.load_weights(old, 9)
+        http_json(f"{vllm_generator.url}/pause?mode=keep", {}, timeout=30)
+        batch = handle.generate([RolloutJob(0, Prompt("u0", "12+30=", "42"), 9, None)])
+        while not started.exists():
+            await asyncio.sleep(0.05)
+        await asyncio.wait_for(handle.load_weights(new, 10), 60)  # a load queued behind the batch: never
+        return not batch.done(), await batch
+
+    try:
+        [handle] = runtime.spawn_generators(partial(endless_rollout_worker, config, started), 1)
+        runtime.ready()
+        assert handle.unordered == ("load_weights",)
+        loaded_during_batch, batch = asyncio.run(load_while_generating(handle))
+    finally:
+        http_json(f"{vllm_generator.url}/resume", {}, timeout=30)
+        runtime.shutdown()
+    assert loaded_during_batch
+    [group] = batch.groups
+    assert (group.start_version, group.end_version) == (9, 10)

@@ -7,23 +7,27 @@ returns the logprob of every sampled token under the distribution it sampled fro
 ``logprobs_mode=processed_logprobs``), and the spans of output tokens each weight version
 produced, from which every response token gets the version that sampled it.
 
-Weights go through vLLM's weight-transfer API: the state dict is written to one safetensors file
-(in /dev/shm when there is one), then pause (requests in flight are kept), start / update /
-finish with the new ``weight_version``, prefix-cache reset (cached blocks hold keys and values
-of the old weights; running requests are recomputed under the new ones, their sampled tokens
-and logprobs kept), resume. The server then reports the version, which is checked.
+Weights go through vLLM's weight-transfer API: pause (requests in flight are kept), start /
+update / finish with the new ``weight_version``, prefix-cache reset (cached blocks hold keys and
+values of the old weights; running requests are recomputed under the new ones, their sampled
+tokens and logprobs kept), resume. The server then reports the version, which is checked. The
+update either names a safetensors file the state dict was written to (in /dev/shm when there is
+one), or, for a collective transfer, describes the flat buffers this process then broadcasts to
+the server's worker over a process group of the two (``runtime/broadcast.py``: gloo or NCCL).
 
-A server asyncrl started and that died is restarted and re-synced (from the last weights file)
-before the next call, up to ``max_restarts`` times; the failed call itself raises, and the
-rollout loop retries it.
+A server asyncrl started and that died is restarted and re-synced (from the last weights file,
+or this process's copy of the last broadcast) before the next call, up to ``max_restarts``
+times; the failed call itself raises, and the rollout loop retries it.
 """
 
 from __future__ import annotations
 
 import os
 import shutil
+import socket
 import tempfile
 import threading
+import urllib.parse
 import uuid
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -38,6 +42,7 @@ from asyncrl.config import RunConfig
 from asyncrl.generation.base import SampleRequest, SamplingParams, check_vocabulary
 from asyncrl.generation.vllm_env import checked_python
 from asyncrl.generation.vllm_process import ServerError, VLLMServer, http_json
+from asyncrl.runtime.broadcast import BroadcastMember, Rendezvous
 from asyncrl.types import Rollout
 
 SHM = Path("/dev/shm")
@@ -52,9 +57,10 @@ def build_vllm_generator(config: RunConfig, model: PreTrainedModel, stop_token_i
     a ValueError naming ``vllm.python`` and the log's last line.
     """
     cfg = config.vllm
+    collective = collective_backend(cfg.weight_transfer, config.trainer.device)
     shapes = {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}
     vocab_size = model.get_input_embeddings().num_embeddings
-    options = dict(request_timeout_s=cfg.request_timeout_s, max_restarts=cfg.max_restarts)
+    options = dict(request_timeout_s=cfg.request_timeout_s, max_restarts=cfg.max_restarts, collective=collective)
     if cfg.url is not None:
         return VLLMGenerator(
             shapes=shapes, stop_token_ids=stop_token_ids, vocab_size=vocab_size, url=cfg.url, **options
@@ -79,6 +85,7 @@ def build_vllm_generator(config: RunConfig, model: PreTrainedModel, stop_token_i
         kv_cache_mib=cfg.kv_cache_mib,
         startup_timeout_s=cfg.startup_timeout_s,
         extra_args=cfg.extra_args,
+        weight_transfer="file" if collective is None else "collective",
         remove_on_exit=(model_dir, weights_path),
     )
     try:
@@ -97,9 +104,21 @@ def build_vllm_generator(config: RunConfig, model: PreTrainedModel, stop_token_i
     return generator
 
 
+def collective_backend(weight_transfer: str, trainer_device: str) -> str | None:
+    """The group backend of a collective transfer (NCCL where this process sees a GPU, else gloo),
+    or None for a file; ``auto`` is collective from a CUDA trainer only: gloo is no faster than a
+    file in /dev/shm."""
+    gpu = torch.cuda.is_available()
+    if weight_transfer == "file" or (weight_transfer == "auto" and not (gpu and trainer_device != "cpu")):
+        return None
+    return "nccl" if gpu else "gloo"
+
+
 class VLLMGenerator:
     """Drives one server: ``server`` (started here) or the one at ``url`` (someone else's).
 
+    ``collective``: the group backend ("gloo", "nccl") of a collective weight transfer, whose
+    server runs the asyncrl_collective engine; None: weights go through a file.
     A response ends with one of ``stop_token_ids`` (kept, finish reason "stop") or at
     ``max_new_tokens`` ("length"); with no stop ids, only at ``max_new_tokens``.
     """
@@ -116,6 +135,7 @@ class VLLMGenerator:
         max_restarts: int = 3,
         max_concurrency: int = 256,
         weights_path: Path | None = None,
+        collective: str | None = None,
     ) -> None:
         if (server is None) == (url is None):
             raise ValueError("VLLMGenerator: give exactly one of server (to start) and url (to use)")
@@ -130,12 +150,16 @@ class VLLMGenerator:
         self.version = 0
         self.model_dir: Path | None = None  # the server's initial checkpoint, removed by close()
         self.weights_path = weights_path or new_weights_path()
+        self.collective = collective
+        self.member: BroadcastMember | None = None  # this process's end of the group with the server
+        self.joined = False  # whether the server's worker is in ``member``'s group
+        self.sent_version: int | None = None  # of the weights last sent: what a restarted server gets
         self._pool = ThreadPoolExecutor(max_workers=max_concurrency, thread_name_prefix="vllm-request")
         self._lock = threading.Lock()  # one weight update at a time; a restart waits for it
         if server is not None:
             server.start()
             self.url = server.url
-        self._call("/init_weight_transfer_engine", {"init_info": {}})
+        self._connect()
 
     def generate(self, requests: Sequence[SampleRequest], params: SamplingParams) -> list[Rollout]:
         """One Rollout per request, in request order; every response token carries its version."""
@@ -161,13 +185,19 @@ class VLLMGenerator:
                     f"{tuple(tensor.shape)}, the model's has {self.shapes[name]}"
                 )
         with self._lock:
-            _write_weights(state_dict, self.weights_path)
             self._revive_locked()
-            self._update(version)
+            if self.collective is None:
+                _write_weights(state_dict, self.weights_path)
+            elif not self.joined:
+                self._connect()
+            self.sent_version = version
+            self._update(version, state_dict)
 
     def close(self) -> None:
         """Stop the server this generator started and remove its weights file; safe to call twice."""
         self._pool.shutdown(wait=False, cancel_futures=True)
+        if self.member is not None:
+            self.member.group.abort()
         if self.server is not None:
             self.server.stop()
         self.weights_path.unlink(missing_ok=True)
@@ -197,11 +227,30 @@ class VLLMGenerator:
             versions=_token_versions(choice.get("weight_versions"), len(tokens), version),
         )
 
-    def _update(self, version: int) -> None:
+    def _connect(self) -> None:
+        """Initialize the server's weight-transfer engine; for a collective transfer, in a new group
+        with this process as rank 0 (it hosts the store; the server's call returns once its worker
+        joined)."""
+        if self.collective is None:
+            self._call("/init_weight_transfer_engine", {"init_info": {}})
+            return
+        if self.member is not None:
+            self.member.group.abort()
+        host = _local_address(self.url)
+        with socket.socket() as probe:
+            probe.bind((host, 0))
+            port = probe.getsockname()[1]
+        member = self._pool.submit(BroadcastMember, Rendezvous(host, port, 2, self.collective, self.timeout), 0)
+        init_info = {"host": host, "port": port, "backend": self.collective, "timeout_s": self.timeout}
+        self._call("/init_weight_transfer_engine", {"init_info": init_info})
+        self.member, self.joined = member.result(), True
+
+    def _update(self, version: int, weights: Mapping[str, Tensor] | None) -> None:
+        """Load ``version`` into the server: ``weights`` through the group, or the weights file."""
         self._call("/pause?mode=keep", {})
         try:
             self._call("/start_weight_update", {})
-            self._call("/update_weights", {"update_info": {"path": str(self.weights_path)}})
+            self._transfer(version, weights)
             self._call("/finish_weight_update", {"weight_version": str(version)})
             if not self._call("/reset_prefix_cache?reset_running_requests=true", {}).get("success"):
                 raise ServerError(f"{self.url}: the prefix cache could not be reset after loading version {version}")
@@ -212,12 +261,25 @@ class VLLMGenerator:
             raise ServerError(f"{self.url}: reports weight version {reported!r} after loading version {version}")
         self.version = version
 
+    def _transfer(self, version: int, weights: Mapping[str, Tensor] | None) -> None:
+        if self.collective is None:
+            self._call("/update_weights", {"update_info": {"path": str(self.weights_path)}})
+            return
+        layout = self.member.send(_distinct(weights), version)
+        try:
+            self._call("/update_weights", {"update_info": layout.meta()})
+        except ServerError:
+            self.member.group.abort()  # the broadcast would wait for the worker until the timeout
+            self.joined = False
+            raise
+        self.member.drain()
+
     def _revive(self) -> None:
         with self._lock:
             self._revive_locked()
 
     def _revive_locked(self) -> None:
-        """Restart a started server that died and load the last weights into it (counted)."""
+        """Restart a started server that died and load the last weights sent into it (counted)."""
         if self.server is None or self.server.alive():
             return
         if self.restarts >= self.max_restarts:
@@ -229,9 +291,12 @@ class VLLMGenerator:
         self.server.stop()
         self.server.start()
         self.url = self.server.url
-        self._call("/init_weight_transfer_engine", {"init_info": {}})
-        if self.weights_path.is_file():
-            self._update(self.version)
+        if self.sent_version is None:
+            self._connect()
+            return
+        held = None if self.collective is None else self.member.held(self.sent_version)
+        self._connect()
+        self._update(self.sent_version, held)
 
     def _call(self, route: str, body: dict | None = None) -> dict:
         try:
@@ -245,15 +310,30 @@ def new_weights_path() -> Path:
     return (SHM if SHM.is_dir() else Path(tempfile.gettempdir())) / f"asyncrl-{uuid.uuid4().hex}.safetensors"
 
 
-def _write_weights(state_dict: Mapping[str, Tensor], path: Path) -> None:
-    """float32 safetensors, written aside and renamed; a tensor tied to an earlier one is written once."""
+def _local_address(url: str) -> str:
+    """This host's address on the route to the server at ``url``: where its worker finds the group's store."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        probe.connect((urllib.parse.urlsplit(url).hostname, 80))
+        return probe.getsockname()[0]
+
+
+def _distinct(state_dict: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """The state dict without tensors tied to an earlier one (a tied head): the server loads each once."""
     tensors, seen = {}, set()
     for name, tensor in state_dict.items():
         key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape))
-        if key in seen:
-            continue
-        seen.add(key)
-        tensors[name] = tensor.detach().to(device="cpu", dtype=torch.float32).contiguous()
+        if key not in seen:
+            seen.add(key)
+            tensors[name] = tensor.detach()
+    return tensors
+
+
+def _write_weights(state_dict: Mapping[str, Tensor], path: Path) -> None:
+    """float32 safetensors of the distinct tensors, written aside and renamed."""
+    tensors = {
+        name: tensor.to(device="cpu", dtype=torch.float32).contiguous()
+        for name, tensor in _distinct(state_dict).items()
+    }
     partial = path.with_suffix(".partial")
     save_file(tensors, str(partial))
     partial.replace(path)

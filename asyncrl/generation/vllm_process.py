@@ -21,7 +21,7 @@ import urllib.request
 from pathlib import Path
 
 SERVER_SCRIPT = Path(__file__).with_name("vllm_server.py")
-WEIGHT_ENGINE = "asyncrl_file"  # the engine vllm_server.py registers
+WEIGHT_ENGINES = {"file": "asyncrl_file", "collective": "asyncrl_collective"}  # registered by vllm_server.py
 SERVED_NAME = "policy"
 
 
@@ -54,10 +54,13 @@ class VLLMServer:
         kv_cache_mib: int,
         startup_timeout_s: float,
         extra_args: list[str],
+        weight_transfer: str = "file",
         remove_on_exit: tuple[Path, ...] = (),
     ) -> None:
-        """``remove_on_exit``: files the server removes if the process that started it dies first."""
+        """``weight_transfer``: file or collective (``WEIGHT_ENGINES``); ``remove_on_exit``: files
+        the server removes if the process that started it dies first."""
         self.python = Path(python)
+        self.weight_engine = WEIGHT_ENGINES[weight_transfer]
         self.remove_on_exit = remove_on_exit
         self.model_dir = Path(model_dir)
         self.log_path = Path(log_path)
@@ -82,7 +85,7 @@ class VLLMServer:
             "--max-model-len", str(self.max_model_len),
             "--kv-cache-memory-bytes", str(self.kv_cache_mib * 2**20),
             "--logprobs-mode", "processed_logprobs",
-            "--weight-transfer-config", json.dumps({"backend": WEIGHT_ENGINE}),
+            "--weight-transfer-config", json.dumps({"backend": self.weight_engine}),
             *self.extra_args,
         ]  # fmt: skip
 

@@ -1,14 +1,19 @@
-"""Runs inside the vLLM environment: registers asyncrl's file weight-transfer engine, then serves.
+"""Runs inside the vLLM environment: registers asyncrl's weight-transfer engines, then serves.
 
 Started by the vLLM venv's interpreter as a script (``python vllm_server.py <api_server args>``),
 so it imports only vLLM, torch, safetensors and the standard library, never asyncrl's own
-environment. The registration runs at import: the engine-core process, forked or spawned from
+environment (the collective engine's group code, ``runtime/broadcast.py``, is loaded by path:
+it needs only torch). The registration runs at import: the engine-core process, forked or spawned from
 this one, finds it in vLLM's registry too. The server leads its own process group and ends it
 when the process that started it is gone (``exit_with_parent``).
 
-The engine ("asyncrl_file") is the CPU path of vLLM's weight-transfer API: the trainer writes its
-state dict to a safetensors file (in /dev/shm when there is one) and sends its path with
-``update_weights``. vLLM's built-in engines (nccl, ipc) need CUDA. A weight update must redo the
+Two engines, chosen at start by ``--weight-transfer-config``. "asyncrl_file": the trainer writes
+its state dict to a safetensors file (in /dev/shm when there is one) and sends its path with
+``update_weights``. "asyncrl_collective": ``init_weight_transfer_engine`` joins the worker to a
+process group of two with the trainer's side (``BroadcastMember``: gloo on CPU, NCCL on GPU), and
+``update_weights`` carries the names, dtypes and shapes of the tensors the trainer then broadcasts
+as one flat buffer per dtype; it takes a file too, so a client outside the group can still load.
+vLLM's built-in engines (nccl, ipc) need CUDA. A weight update must redo the
 weight post-processing that loading did: on CPU, linear weights are repacked for oneDNN and the
 original parameter emptied, so the update runs vLLM's layerwise reload around ``load_weights``.
 A tied ``lm_head`` shares the embedding's parameter but keeps its own packed copy, which the
@@ -18,10 +23,12 @@ output head is repacked afterwards, or logits would stay on the old weights.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import runpy
 import shutil
 import signal
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -37,8 +44,21 @@ from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
 from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
 
-ENGINE_NAME = "asyncrl_file"
 REMOVE_ON_EXIT = "ASYNCRL_VLLM_REMOVE_ON_EXIT"  # paths, os.pathsep-separated
+
+
+def load_broadcast():
+    """asyncrl's ``runtime/broadcast.py`` as a module of its own (asyncrl itself is not installed here)."""
+    spec = importlib.util.spec_from_file_location(
+        "asyncrl_broadcast", Path(__file__).resolve().parents[1] / "runtime" / "broadcast.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while the file runs
+    spec.loader.exec_module(module)
+    return module
+
+
+broadcast = load_broadcast()
 
 
 @dataclass
@@ -49,6 +69,27 @@ class FileInitInfo(WeightTransferInitInfo):
 @dataclass
 class FileUpdateInfo(WeightTransferUpdateInfo):
     path: str  # a safetensors file holding every weight, named as in the HF checkpoint
+
+
+@dataclass
+class CollectiveInitInfo(WeightTransferInitInfo):
+    """Where the trainer's side hosts the group's store (it is rank 0, the worker rank 1); no
+    host: a client that sends files."""
+
+    host: str | None = None
+    port: int = 0
+    backend: str = "gloo"  # or "nccl"
+    timeout_s: float = 600.0
+
+
+@dataclass
+class CollectiveUpdateInfo(WeightTransferUpdateInfo):
+    """The tensors of one broadcast in its order (``Layout.meta``); or, with ``path``, a file."""
+
+    names: list[str] | None = None
+    dtype_names: list[str] | None = None
+    shapes: list[list[int]] | None = None
+    path: str | None = None
 
 
 class FileWeightTransferEngine(WeightTransferEngine[FileInitInfo, FileUpdateInfo]):
@@ -75,7 +116,39 @@ class FileWeightTransferEngine(WeightTransferEngine[FileInitInfo, FileUpdateInfo
         """No connection to release."""
 
 
-WeightTransferEngineFactory.register_engine(ENGINE_NAME, FileWeightTransferEngine)
+class CollectiveWeightTransferEngine(FileWeightTransferEngine):
+    """The file engine's reload around a broadcast from the trainer's side."""
+
+    init_info_cls = CollectiveInitInfo
+    update_info_cls = CollectiveUpdateInfo
+    member = None
+
+    def init_transfer_engine(self, init_info: CollectiveInitInfo) -> None:
+        """Join a new group, replacing the one before (its client reconnects after a failed update);
+        a client that sends files leaves it alone."""
+        if init_info.host is None:
+            return
+        self.shutdown()
+        rendezvous = broadcast.Rendezvous(init_info.host, init_info.port, 2, init_info.backend, init_info.timeout_s)
+        self.member = broadcast.BroadcastMember(rendezvous, rank=1)
+
+    def receive_weights(self, update_info: CollectiveUpdateInfo) -> None:
+        if update_info.path is not None:
+            super().receive_weights(update_info)
+        elif self.member is None:
+            raise RuntimeError("asyncrl_collective: update_weights before init_weight_transfer_engine")
+        else:
+            layout = broadcast.Layout.describe(zip(update_info.names, update_info.dtype_names, update_info.shapes))
+            self.model.load_weights(self.member.receive(layout).items())
+
+    def shutdown(self) -> None:
+        if self.member is not None:
+            self.member.group.abort()
+            self.member = None
+
+
+WeightTransferEngineFactory.register_engine("asyncrl_file", FileWeightTransferEngine)
+WeightTransferEngineFactory.register_engine("asyncrl_collective", CollectiveWeightTransferEngine)
 
 
 def exit_with_parent() -> None:

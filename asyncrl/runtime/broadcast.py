@@ -10,6 +10,11 @@ into its buffers and only starts the broadcast, so its call returns before any g
 joined; the generators join when their ``receive`` call runs (after the batches queued before it).
 The copy is kept until the next version: a generator that missed the broadcast (it died, or
 restarted) loads that version from it through the object store instead.
+
+The vLLM backend's collective weight transfer uses the same group, of two members: the process
+that holds the weights and the server's worker. The server runs in vLLM's own environment and
+loads this file by path (generation/vllm_server.py), so it imports only torch and the standard
+library.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from __future__ import annotations
 import datetime
 import math
 import time
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,13 +56,27 @@ class Layout:
 
     @classmethod
     def of(cls, weights: dict[str, Tensor]) -> Layout:
+        return cls.describe(
+            (name, str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape)) for name, tensor in weights.items()
+        )
+
+    @classmethod
+    def describe(cls, tensors: Iterable[tuple[str, str, Sequence[int]]]) -> Layout:
+        """The layout of ``(name, dtype, shape)`` in this order: what a receiver rebuilds from ``meta``."""
         entries, sizes = [], {}
-        for name, tensor in weights.items():
-            dtype = str(tensor.dtype).removeprefix("torch.")
+        for name, dtype, shape in tensors:
             offset = sizes.get(dtype, 0)
-            entries.append(Entry(name, dtype, tuple(tensor.shape), offset))
-            sizes[dtype] = offset + tensor.numel()
+            entries.append(Entry(name, dtype, tuple(shape), offset))
+            sizes[dtype] = offset + math.prod(shape)
         return cls(tuple(entries), tuple(sizes.items()))
+
+    def meta(self) -> dict[str, list]:
+        """Names, dtypes and shapes as JSON lists, the form vLLM's weight-transfer update info takes."""
+        return {
+            "names": [entry.name for entry in self.entries],
+            "dtype_names": [entry.dtype for entry in self.entries],
+            "shapes": [list(entry.shape) for entry in self.entries],
+        }
 
     def empty(self, device: torch.device | str) -> dict[str, Tensor]:
         return {dtype: torch.empty(size, dtype=getattr(torch, dtype), device=device) for dtype, size in self.sizes}
@@ -116,11 +136,7 @@ class BroadcastMember:
 
         The previous version's broadcast is finished first (its receivers have all loaded it by
         the time the next sync exports; one that failed was reported by its receiver)."""
-        for work in self.pending:
-            try:
-                work.wait()
-            except RuntimeError:
-                pass
+        self.drain()
         layout = Layout.of(weights)
         if layout != self.layout:
             self.layout, self.buffers = layout, layout.empty(self.device)
@@ -129,6 +145,15 @@ class BroadcastMember:
         self.version = version
         self.pending = [self.group.broadcast(self.buffers[dtype], 0) for dtype, _ in layout.sizes]
         return layout
+
+    def drain(self) -> None:
+        """Wait for the broadcasts rank 0 started; a failed one was reported by its receiver."""
+        pending, self.pending = self.pending, []
+        for work in pending:
+            try:
+                work.wait()
+            except RuntimeError:
+                pass
 
     def receive(self, layout: Layout) -> dict[str, Tensor]:
         """Join the broadcast of ``layout``'s version; the weights, as views of this member's buffers.

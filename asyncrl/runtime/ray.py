@@ -2,7 +2,9 @@
 
 The controller sees the same handles as on the local runtime: ``handle.method(*args)`` submits at
 once and returns an awaitable, and calls to one actor run in submission order (one caller, a
-synchronous actor, one call at a time). Three things differ from threads in one process:
+synchronous actor, one call at a time), except the methods a rollout worker lists in
+``unordered_methods`` (an in-flight weight load): they run in a concurrency group of their own,
+beside the queued calls. Three things differ from threads in one process:
 
 - workers are built inside their actors by picklable module-level factories, never pickled from
   the driver; a factory that raises surfaces as the same exception the local runtime would raise;
@@ -28,6 +30,7 @@ import logging
 import math
 import os
 import socket
+import threading
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields, replace
@@ -42,6 +45,8 @@ from asyncrl.runtime.broadcast import BroadcastError, BroadcastMember, Layout, R
 from asyncrl.types import RolloutGroup
 
 logger = logging.getLogger(__name__)
+
+UNORDERED = "unordered"  # a rollout-worker actor's concurrency group for its worker's unordered methods
 
 
 class WorkerDiedError(RuntimeError):
@@ -168,12 +173,15 @@ class WorkerActor:
         self.weights_version: int | None = None
         self.rank = 0
         self.member: BroadcastMember | None = None  # in the weight broadcast group
+        self.building = threading.Lock()  # an unordered call may arrive first after a restart
 
-    def build(self, factory: Callable[[], Any] | None = None, rank: int = 0) -> None:
-        """Build the worker now (from ``factory``, or the one given at creation), so errors surface."""
+    def build(self, factory: Callable[[], Any] | None = None, rank: int = 0) -> tuple[str, ...]:
+        """Build the worker now (from ``factory``, or the one given at creation), so errors surface;
+        returns its ``unordered_methods``."""
         self.factory = factory or self.factory
         self.rank = rank
         self.worker = self.factory()
+        return tuple(getattr(self.worker, "unordered_methods", ()))
 
     def alive(self) -> None:
         """Answers once the actor is up (after a restart: once it is up again)."""
@@ -232,8 +240,9 @@ class WorkerActor:
         return self.member
 
     def _ready(self, sent: _SentWeights | None) -> Any:
-        if self.worker is None:
-            self.build()
+        with self.building:
+            if self.worker is None:
+                self.build()
         if sent is not None and sent.version != self.weights_version:
             ref = sent.ref if sent.ref is not None else sent.source.publish_weights.remote(sent.version)
             self.load_weights(resolve([ref])[0], sent.version)
@@ -276,7 +285,9 @@ class RayHandle:
     current when it was made, even on an actor restarted since. A rollout worker's actor is
     restartable: Ray retries its calls through a restart, except a generation batch, which fails
     when its actor dies so the controller retries it and counts it. Batches submitted while the
-    actor restarts wait for it rather than fail again.
+    actor restarts wait for it rather than fail again. A method in ``unordered`` (the rollout
+    worker's ``unordered_methods``, known once it is built) runs in the actor's ``UNORDERED``
+    concurrency group, beside the calls in order.
     """
 
     def __init__(self, actor: Any, name: str, *, died: type[Exception] = WorkerDiedError) -> None:
@@ -286,15 +297,21 @@ class RayHandle:
         self.sent: _SentWeights | None = None
         self.revival: asyncio.Future | None = None  # pending while the actor restarts
         self.broadcast: WeightBroadcast | None = None  # set on trainer rank 0 and the generators
+        self.unordered: tuple[str, ...] = ()
 
     def __getattr__(self, method: str) -> Callable[..., asyncio.Future]:
         if method.startswith("__"):
             raise AttributeError(method)
 
         def submit(*args: Any, **kwargs: Any) -> asyncio.Future:
-            return self._future(self.actor.call.remote(self.sent, method, args, kwargs))
+            return self._future(self._method("call", method).remote(self.sent, method, args, kwargs))
 
         return submit
+
+    def _method(self, name: str, worker_method: str) -> Any:
+        """The actor's ``name``, in the unordered group when it serves the worker's ``worker_method`` there."""
+        remote = getattr(self.actor, name)
+        return remote.options(concurrency_group=UNORDERED) if worker_method in self.unordered else remote
 
     def generate(self, jobs: Sequence[Any]) -> asyncio.Future:
         if self.revival is not None and not self.revival.done():
@@ -329,11 +346,13 @@ class RayHandle:
             self.sent = _SentWeights(version, None, weights.channel.source)
             return asyncio.ensure_future(self._receive(weights, version))
         self.sent = _SentWeights(version, weights.ref)
-        return self._future(self.actor.load_weights.remote(weights.ref, version), survive_death=True)
+        loaded = self._method("load_weights", "load_weights").remote(weights.ref, version)
+        return self._future(loaded, survive_death=True)
 
     async def _receive(self, weights: BroadcastWeights, version: int) -> None:
         """Join the broadcast; if that fails, stop broadcasting and load rank 0's copy instead."""
-        joined = self.actor.receive_weights.options(max_task_retries=0).remote(weights.layout, version)
+        joined = self._method("receive_weights", "load_weights").options(max_task_retries=0)
+        joined = joined.remote(weights.layout, version)
         try:
             return await self._result(joined, None, revive=True)
         except Exception as err:
@@ -341,7 +360,8 @@ class RayHandle:
         ref = weights.channel.held(version)
         if self.sent is not None and self.sent.version == version:
             self.sent = _SentWeights(version, ref)
-        return await self._result(self.actor.load_weights.remote(ref, version), None, survive_death=True)
+        loaded = self._method("load_weights", "load_weights").remote(ref, version)
+        return await self._result(loaded, None, survive_death=True)
 
     def export_weights(self) -> asyncio.Future:
         """(version, WeightsRef): rank 0's weights stay in the object store, owned by this caller;
@@ -408,7 +428,7 @@ class RayRuntime:
 
         self.cfg = cfg
         self.actors: list[Any] = []
-        self.builds: list[Any] = []  # workers being built in their actors: ``ready`` waits for them
+        self.builds: list[tuple[RayHandle | None, Any]] = []  # (a generator's handle, its build): ``ready``
         self.connected = not ray.is_initialized()
         if self.connected:
             options: dict[str, Any] = {}
@@ -425,6 +445,7 @@ class RayRuntime:
                 **options,
             )
         self._worker_actor = ray.remote(WorkerActor)
+        self._generator_actor = ray.remote(concurrency_groups={UNORDERED: 1})(WorkerActor)
         self._controller_actor = ray.remote(ControllerActor)
 
     def spawn_generators(self, factory: Callable[[], Any], count: int) -> list[RayHandle]:
@@ -433,7 +454,7 @@ class RayRuntime:
         Like ``spawn_trainer_ranks`` it returns once the builds are under way, so the actors of
         both kinds start together; ``ready`` waits for them and raises a build's error."""
         actors = [
-            self._worker_actor.options(
+            self._generator_actor.options(
                 num_cpus=self.cfg.generator_cpus,
                 num_gpus=self.cfg.generator_gpus,
                 max_restarts=self.cfg.generator_restarts,
@@ -442,8 +463,9 @@ class RayRuntime:
             for _ in range(count)
         ]
         self.actors += actors
-        self.builds += [actor.build.remote() for actor in actors]
-        return [RayHandle(actor, f"rollout worker {i}") for i, actor in enumerate(actors)]
+        handles = [RayHandle(actor, f"rollout worker {i}") for i, actor in enumerate(actors)]
+        self.builds += [(handle, handle.actor.build.remote()) for handle in handles]
+        return handles
 
     def spawn_trainer_ranks(
         self, build_rank: Callable[[int, str | None], Callable[[], Any]], world_size: int
@@ -462,15 +484,20 @@ class RayRuntime:
         if world_size > 1:
             ip, port = resolve([actors[0].node_address.remote()])[0]
             init_method = f"tcp://{ip}:{port}"
-        self.builds += [actor.build.remote(build_rank(rank, init_method), rank) for rank, actor in enumerate(actors)]
+        self.builds += [
+            (None, actor.build.remote(build_rank(rank, init_method), rank)) for rank, actor in enumerate(actors)
+        ]
         return [
             RayHandle(actor, f"trainer rank {rank}", died=TrainerRankDiedError) for rank, actor in enumerate(actors)
         ]
 
     def ready(self) -> None:
-        """Wait until every spawned worker is built; a factory that raised raises here."""
+        """Wait until every spawned worker is built; a factory that raised raises here. A generator's
+        handle learns its worker's unordered methods (a trainer rank's calls all stay in order)."""
         builds, self.builds = self.builds, []
-        resolve(builds)
+        for (handle, _), unordered in zip(builds, resolve([build for _, build in builds])):
+            if handle is not None:
+                handle.unordered = unordered
 
     def connect_broadcast(
         self, source: RayHandle, generators: Sequence[RayHandle], backend: str, timeout_s: float
