@@ -44,3 +44,7 @@ class RolloutHandle(Protocol):
 
     def load_weights(self, weights: Any, version: int) -> Awaitable[None]:
         """Load what ``TrainerHandle.export_weights`` returned as ``weights``."""
+
+    @property
+    def loads_while_generating(self) -> bool:
+        """A load runs beside a generation batch in progress, not after it (``unordered_methods``)."""

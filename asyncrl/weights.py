@@ -10,8 +10,11 @@ never drift apart. A sync then:
 2. ``drain``: waits until no dispatched group is still generating (failed batches are retried
    meanwhile); ``inflight``: does not, the trainer exports while the running batches finish on the
    old weights;
-3. exports the trainer's weights once and, once no generation batch is running, loads them into
-   every generator with their version (a load would queue behind a running batch anyway);
+3. exports the trainer's weights once and loads them into every generator with their version.
+   A load waits until no generation batch is running (it would queue behind one anyway), except
+   under ``inflight`` when every generator takes weights while it generates
+   (``RolloutHandle.loads_while_generating``, the vLLM backend): a running batch then continues on
+   the new weights, and each of its tokens records the version that produced it;
 4. reopens the gate at the new version.
 
 ``sync.timeout_s`` bounds the sync's own phases, each on its own: closing the gate, the export and
@@ -159,11 +162,12 @@ class WeightSync:
             await self.gate.drained()
         self.gate.loading = True
         export = asyncio.ensure_future(self._export())
-        try:
-            await self.gate.generators_idle()
-        except BaseException:
-            export.cancel()
-            raise
+        if not (self.mode == "inflight" and all(g.loads_while_generating for g in self.generators)):
+            try:
+                await self.gate.generators_idle()
+            except BaseException:
+                export.cancel()
+                raise
         version, weights, export_s = await export
         load_start = time.perf_counter()
         loads = asyncio.gather(*(g.load_weights(weights, version) for g in self.generators))

@@ -194,6 +194,8 @@ class FakeRolloutWorker:
     real worker; it fails every batch holding a poisoned prompt, and any other batch when the
     fuzzer says so and each of its jobs may still be retried (so no healthy prompt is given up)."""
 
+    loads_while_generating = False
+
     def __init__(self, name: str, scheduler: Scheduler, ledger: Ledger, scenario: Scenario) -> None:
         self.name = name
         self.scheduler = scheduler

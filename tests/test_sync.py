@@ -161,3 +161,27 @@ def test_a_slow_export_or_load_fails_the_sync_naming_its_phase(trainer_cls, gene
 def test_sync_mode_is_validated():
     with pytest.raises(ValueError, match="sync.mode"):
         WeightSync(None, [], RolloutGate(0, Changes(), wait_for_admissions=False), mode="eager", timeout_s=1)
+
+
+class LoadsWhileGenerating(Recorder):
+    unordered_methods = ("load_weights",)
+
+
+@pytest.mark.parametrize("worker_cls, overlaps", [(LoadsWhileGenerating, True), (Recorder, False)])
+def test_an_inflight_sync_loads_beside_a_running_batch_only_into_a_generator_that_takes_loads_so(worker_cls, overlaps):
+    async def main():
+        runtime = LocalRuntime()
+        trainer = runtime.spawn(lambda: Recorder([]), "trainer")
+        generator = runtime.spawn(lambda: worker_cls([]), "gen")
+        gate = RolloutGate(0, Changes(), wait_for_admissions=False)
+        gate.add_running(1)  # a batch still generating
+        sync = asyncio.create_task(WeightSync(trainer, [generator], gate, mode="inflight", timeout_s=5).sync())
+        await asyncio.sleep(0.3)
+        done_while_running = sync.done()
+        gate.add_running(-1)
+        report = await asyncio.wait_for(sync, 5)
+        runtime.shutdown()
+        return done_while_running, report
+
+    done_while_running, report = asyncio.run(main())
+    assert done_while_running == overlaps and report.version == 1

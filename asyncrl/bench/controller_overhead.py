@@ -28,6 +28,8 @@ GOAL_US = 50.0
 class InlineHandle:
     """``await handle.method(*args)`` runs the call right away, in the event loop, and times it."""
 
+    loads_while_generating = False
+
     def __init__(self, worker: Any) -> None:
         self.worker = worker
         self.seconds = 0.0

@@ -37,6 +37,10 @@ class LocalHandle:
 
         return submit
 
+    @property
+    def loads_while_generating(self) -> bool:
+        return "load_weights" in getattr(self.worker, "unordered_methods", ())
+
     def shutdown(self) -> None:
         """Drop queued calls and wait for the running ones, then ``close()`` the worker if it has
         one (a generator's server); later calls raise RuntimeError."""

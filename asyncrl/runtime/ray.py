@@ -308,6 +308,10 @@ class RayHandle:
 
         return submit
 
+    @property
+    def loads_while_generating(self) -> bool:
+        return "load_weights" in self.unordered
+
     def _method(self, name: str, worker_method: str) -> Any:
         """The actor's ``name``, in the unordered group when it serves the worker's ``worker_method`` there."""
         remote = getattr(self.actor, name)
