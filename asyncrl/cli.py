@@ -357,12 +357,19 @@ def bench_e2e(
     variants: bool = typer.Option(
         False, "--variants", help="also max_lag 1 with 4 mini-batch updates per step, and with dynamic sampling"
     ),
+    lags: str = typer.Option("0,1,2", "--lags", help="the max_lag settings to train, comma-separated"),
     output: Path | None = typer.Option(None, "--output", help=OUTPUT_HELP),
     overrides: list[str] | None = typer.Argument(None, help="config overrides applied to every run"),
 ) -> None:
     """Wall time to a held-out accuracy for max_lag 0, 1 and 2 (and TRL with --against trl)."""
     if against not in (None, "trl"):
         raise typer.BadParameter(f"unknown baseline '{against}'; the one available is trl", param_hint="--against")
+    try:
+        lag_values = tuple(sorted({int(lag) for lag in lags.split(",")}))
+    except ValueError:
+        raise typer.BadParameter(f"'{lags}' is not a comma-separated list of integers", param_hint="--lags") from None
+    if any(lag < 0 for lag in lag_values):
+        raise typer.BadParameter("a max_lag is 0 or more", param_hint="--lags")
     from asyncrl.bench import common, e2e
 
     if against == "trl":
@@ -377,6 +384,7 @@ def bench_e2e(
         "target_accuracy": target,
         "against": against,
         "variants": e2e.VARIANTS if variants else {},
+        "lags": list(lag_values),
     }
     load_config(None, settings["overrides"])  # a bad override fails here, before any run
     result = e2e.run(
@@ -387,6 +395,7 @@ def bench_e2e(
         target=target,
         against_trl=against == "trl",
         variants=settings["variants"],
+        lags=lag_values,
     )
     common.write_result("e2e-trl" if against else "e2e", settings, result, output)
 
