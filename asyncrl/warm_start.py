@@ -28,8 +28,6 @@ from asyncrl.config import ConfigError, WarmStartConfig
 from asyncrl.data import Prompt, encode_prompts
 from asyncrl.models.logprobs import token_logprobs
 
-WARM_START_MIN_LR_RATIO = 0.1  # the lr decays to this fraction, so the run starts from a settled point
-
 
 def warm_start(
     model: nn.Module,
@@ -63,9 +61,6 @@ def warm_start(
         return path
     examples = [_encode(tokenizer, p) for p in prompts]
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
-    schedule = torch.optim.lr_scheduler.CosineAnnealingLR(
-        optimizer, T_max=cfg.steps, eta_min=cfg.lr * WARM_START_MIN_LR_RATIO
-    )
     generator = torch.Generator().manual_seed(seed)
     device = next(model.parameters()).device
     was_training = model.training
@@ -79,7 +74,6 @@ def warm_start(
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
-        schedule.step()
         if on_progress is not None:
             on_progress(step + 1, cfg.steps, loss.item())
     model.train(was_training)
@@ -118,7 +112,6 @@ def _cache_key(
         "steps": cfg.steps,
         "lr": cfg.lr,
         "batch_size": cfg.batch_size,
-        "schedule": f"cosine:{WARM_START_MIN_LR_RATIO}",
         "seed": seed,
         "torch": torch.__version__,
     }
