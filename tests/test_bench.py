@@ -210,7 +210,8 @@ def test_trl_settings_map_every_shared_setting():
     from asyncrl.bench.trl_baseline import trl_settings
     from asyncrl.config import load_config
 
-    base = trl_settings(load_config(None, ["sampler.max_lag=0"]))
+    constant = ["sampler.max_lag=0", "trainer.lr_schedule=constant"]
+    base = trl_settings(load_config(None, constant))
     kwargs = base["kwargs"]
     assert kwargs["per_device_train_batch_size"] == 16 * 8 and kwargs["num_generations"] == 8
     assert kwargs["gradient_accumulation_steps"] == kwargs["num_iterations"] == kwargs["steps_per_generation"] == 1
@@ -248,7 +249,7 @@ def test_trl_settings_map_every_shared_setting():
         ("loss.mode=seq-mean-token-sum-norm", "loss_type", "dr_grpo"),
     ]
     for override, key, value in changes:
-        changed = trl_settings(load_config(None, ["sampler.max_lag=0", "loss.norm_constant=16", override]))["kwargs"]
+        changed = trl_settings(load_config(None, [*constant, "loss.norm_constant=16", override]))["kwargs"]
         assert changed[key] == value != kwargs[key], override
     cosine = trl_settings(load_config(None, ["trainer.lr_schedule=cosine", "trainer.min_lr_ratio=0.1"]))["kwargs"]
     assert cosine["lr_scheduler_kwargs"] == {"min_lr_rate": 0.1}

@@ -6,7 +6,7 @@ import socket
 
 import pytest
 
-from asyncrl.config import ConfigError, DataConfig, load_config
+from asyncrl.config import ConfigError, DataConfig, RunConfig, load_config
 from asyncrl.data import ARITHMETIC_LEVELS, Prompt, PromptLoader, build_task, encode_prompts
 from asyncrl.data.prompts import apply_chat_template
 from asyncrl.data.synthetic import evaluate
@@ -15,7 +15,8 @@ from asyncrl.models.tokenizer import DEFAULT_ALPHABET, build_char_tokenizer
 
 
 def config(**fields) -> DataConfig:
-    return DataConfig(**fields)
+    """Arithmetic difficulty 1 with 64 held out, unless told otherwise: the small task most tests here read."""
+    return DataConfig(**{"task": "arithmetic", "difficulty": 1, "eval_size": 64, **fields})
 
 
 def texts(prompts) -> list[str]:
@@ -28,8 +29,8 @@ def texts(prompts) -> list[str]:
 @pytest.mark.parametrize("task, levels", [("arithmetic", range(1, 6)), ("running_sum", range(1, 5))])
 def test_builtin_tasks_are_seeded_disjoint_unique_and_in_the_char_alphabet(task, levels):
     for difficulty in levels:
-        built = build_task(config(task=task, difficulty=difficulty))
-        assert built == build_task(config(task=task, difficulty=difficulty))
+        built = build_task(config(task=task, difficulty=difficulty, eval_size=64))
+        assert built == build_task(config(task=task, difficulty=difficulty, eval_size=64))
         assert len(built.heldout) == 64 and len(built.train) >= 300
         everything = [*built.train, *built.heldout]
         assert len({p.text for p in everything}) == len({p.uid for p in everything}) == len(everything)
@@ -70,11 +71,19 @@ def test_arithmetic_levels_set_terms_operand_range_and_operators(difficulty):
     assert largest == level.max_operand
 
 
-def test_difficulty_one_is_the_small_demo_task():
+def test_difficulty_one_is_the_small_arithmetic_task():
     task = build_task(config())
     assert task.name == "arithmetic"
     assert all(re.fullmatch(r"\d{1,2}\+\d{1,2}=", p.text) for p in task.train)
     assert {len(build_task(config()).train), len(task.heldout)} == {336, 64}  # all 400 sums of 0..19
+
+
+def test_the_default_task_is_too_large_to_memorize_in_a_default_run():
+    task = build_task(DataConfig())
+    assert (task.name, len(task.heldout), len(task.train)) == ("running_sum", 256, 10_000 - 256)
+    assert all(re.fullmatch(r"running sum( \d){4}:", p.text) for p in task.heldout)
+    defaults = RunConfig()
+    assert defaults.grpo.max_steps * defaults.grpo.prompts_per_step <= len(task.train)  # no prompt is seen twice
 
 
 def test_running_sum_writes_out_every_partial_sum():
@@ -101,9 +110,10 @@ def test_too_few_problems_for_the_held_out_split_is_a_config_error():
     "overrides, message",
     [
         (["data.task=sums"], "data.task: unknown task 'sums'"),
-        (["data.difficulty=6"], "data.difficulty: arithmetic has levels 1-5, got 6"),
-        (["data.path=x.jsonl"], "data.path: set, but data.task 'arithmetic' is built in"),
-        (["data.eval_path=x.jsonl"], "data.eval_path: set, but data.task 'arithmetic' is built in"),
+        (["data.task=arithmetic", "data.difficulty=6"], "data.difficulty: arithmetic has levels 1-5, got 6"),
+        (["data.difficulty=0"], "data.difficulty"),
+        (["data.path=x.jsonl"], "data.path: set, but data.task 'running_sum' is built in"),
+        (["data.eval_path=x.jsonl"], "data.eval_path: set, but data.task 'running_sum' is built in"),
         (["data.task=jsonl"], "data.path: required when data.task is jsonl"),
     ],
 )

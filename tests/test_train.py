@@ -15,7 +15,9 @@ from asyncrl.controller import RolloutFailedError
 from asyncrl.metrics import read_jsonl, strip_timing
 from asyncrl.run import train
 
-SMALL = [
+SMALL = [  # the small arithmetic task: short answers, so 4 new tokens complete them
+    "data.task=arithmetic",
+    "data.difficulty=1",
     "model.hidden_size=32",
     "model.num_layers=2",
     "model.num_heads=4",

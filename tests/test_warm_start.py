@@ -24,8 +24,8 @@ def checkpoint(tmp_path_factory):
     return write_example_checkpoint(tmp_path_factory.mktemp("example"))
 
 
-def test_warm_start_steps_default_to_300_on_the_tiny_model_and_to_none_with_a_checkpoint():
-    assert load_config(None, []).warm_start.steps == 300
+def test_warm_start_steps_default_to_600_on_the_tiny_model_and_to_none_with_a_checkpoint():
+    assert load_config(None, []).warm_start.steps == 600
     assert load_config(None, ["model.path=/models/x"]).warm_start.steps == 0
     assert load_config(None, ["model.path=/models/x", "warm_start.steps=7"]).warm_start.steps == 7
     assert load_config(None, ["warm_start.steps=0"]).warm_start.steps == 0
