@@ -69,7 +69,7 @@ def rows(n: int) -> list[dict]:
         ("trainer:\n  betas: [0.9]\n", "trainer.betas: too few values (got [0.9])"),
         (
             "grpo:\n  max_steps:\n",
-            "grpo.max_steps: cannot be null (an empty value is null); give a value, e.g. the default 800",
+            "grpo.max_steps: cannot be null (an empty value is null); give a value, e.g. the default 400",
         ),
         ("grpo: 3\n", "grpo: is a section, so it takes keys such as grpo.prompts_per_step, not a value (got 3)"),
         ("sampler:\n  buffer_capacity: 4\n", "sampler.buffer_capacity: 4 < 32 groups required"),
@@ -112,7 +112,7 @@ def test_an_empty_config_file_is_the_defaults(tmp_path, capsys):
     path = tmp_path / "run.yaml"
     path.write_text("# nothing set\n")
     assert main(["config", "--config", str(path)]) == 0
-    assert "max_steps: 800" in capsys.readouterr().out
+    assert "max_steps: 400" in capsys.readouterr().out
 
 
 # --- the command line
@@ -123,7 +123,7 @@ def test_an_empty_config_file_is_the_defaults(tmp_path, capsys):
     [
         (
             ["grpo.max_steps="],
-            "grpo.max_steps: cannot be null (an empty value is null); give a value, e.g. the default 800",
+            "grpo.max_steps: cannot be null (an empty value is null); give a value, e.g. the default 400",
         ),
         (["trainer.max_grad_norm=", "grpo.max_steps=x"], "grpo.max_steps: Input should be a valid integer"),
         (["grpo=1"], "grpo: is a section, so it takes keys such as grpo.prompts_per_step, not a value (got 1)"),
@@ -325,7 +325,7 @@ def test_a_prompt_that_just_fits_is_accepted():
     check_prompt_lengths(fits, config, build_char_tokenizer(), 1024)
     check_prompt_lengths(fits, config, build_char_tokenizer(), None)  # a model without a position limit
     too_long = Task("t", train=fits.train, heldout=[Prompt("heldout/2", "y" * 1021, "1")])
-    with pytest.raises(ValueError, match=r"^data.task: prompt 'heldout/2' of arithmetic: the prompt is 1021 tokens"):
+    with pytest.raises(ValueError, match=r"^data.task: prompt 'heldout/2' of running_sum: the prompt is 1021 tokens"):
         check_prompt_lengths(too_long, config, build_char_tokenizer(), 1024)
 
 

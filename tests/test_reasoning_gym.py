@@ -94,8 +94,8 @@ def test_the_loader_resumes_a_reasoning_gym_split():
             ["data.task=reasoning_gym", "rewards.functions=[task]"],
             "data.dataset: required when data.task is reasoning_gym",
         ),
-        (["data.dataset=chain_sum"], "data.dataset: set, but data.task is 'arithmetic'"),
-        (["data.dataset_config={max_terms: 2}"], "data.dataset_config: set, but data.task is 'arithmetic'"),
+        (["data.dataset=chain_sum"], "data.dataset: set, but data.task is 'running_sum'"),
+        (["data.dataset_config={max_terms: 2}"], "data.dataset_config: set, but data.task is 'running_sum'"),
         (
             ["data.task=reasoning_gym", "data.dataset=chain_sum"],
             "rewards.functions: data.task reasoning_gym is scored by",

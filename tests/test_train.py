@@ -30,6 +30,7 @@ SMALL = [  # the small arithmetic task: short answers, so 4 new tokens complete 
     "generation.batch_size=8",
     "trainer.micro_batch_size=6",
     "trainer.lr=0.01",
+    "trainer.lr_schedule=constant",  # a resumed run may then extend max_steps and still match exactly
     "data.eval_size=8",
     "warm_start.steps=0",
     "logging.eval_every_steps=2",
