@@ -17,6 +17,7 @@ from rich.table import Table
 
 from asyncrl.config import AggMode, ConfigError, config_reference, dump_config, load_config
 from asyncrl.errors import RunStopped
+from asyncrl.plants import PLANTS
 
 app = typer.Typer(
     add_completion=False,
@@ -37,19 +38,7 @@ def _choices(name: str, values: tuple[str, ...]) -> type[Enum]:
 
 ModeChoice = _choices("ModeChoice", AGG_MODES)
 DTypeChoice = _choices("DTypeChoice", ("float64", "float32"))
-PlantChoice = _choices(
-    "PlantChoice",
-    (
-        "per-microbatch-mean",
-        "shift-after-shard",
-        "per-shard-mean",
-        "average-without-compensation",
-        "double-count-tokens",
-        "whole-step-normalizer",
-        "recompute-proximal",
-        "cp-shard-mean",
-    ),
-)
+PlantChoice = _choices("PlantChoice", PLANTS)
 WrapChoice = _choices("WrapChoice", ("fsdp", "ddp"))
 RatioLevelChoice = _choices("RatioLevelChoice", ("token", "sequence"))
 

@@ -22,7 +22,6 @@ from __future__ import annotations
 import copy
 import io
 from dataclasses import dataclass, field, replace
-from typing import Literal, get_args
 
 import torch
 import torch.nn.functional as F
@@ -31,23 +30,13 @@ from torch import Tensor
 from asyncrl.algorithms import grpo
 from asyncrl.config import LossConfig, ParallelConfig, TrainerConfig
 from asyncrl.models import build_tiny_model, token_logprobs
+from asyncrl.plants import PLANTS, Plant
 from asyncrl.trainer import PolicyTrainer, StepResult
 from asyncrl.trainer.context_parallel import ContextParallel, Shard
 from asyncrl.trainer.parallel import ParallelContext, init_parallel, launch
 from asyncrl.trainer.worker import split_evenly
 from asyncrl.types import TrainBatch
 
-Plant = Literal[
-    "per-microbatch-mean",
-    "shift-after-shard",
-    "per-shard-mean",
-    "average-without-compensation",
-    "double-count-tokens",
-    "whole-step-normalizer",
-    "recompute-proximal",
-    "cp-shard-mean",
-]
-PLANTS: tuple[str, ...] = get_args(Plant)
 UPDATE_PLANTS = ("whole-step-normalizer", "recompute-proximal")  # mistakes that need several updates
 CP_PLANTS = ("shift-after-shard", "double-count-tokens", "cp-shard-mean")  # mistakes that only exist across CP ranks
 RANK_PLANTS = (*CP_PLANTS, "per-shard-mean", "average-without-compensation")  # need more than one rank

@@ -1,0 +1,19 @@
+"""The planted mistakes of ``asyncrl verify --plant``, by name.
+
+Kept free of torch so that the CLI can list them without importing the verifier; docs/loss.md
+says what each one gets wrong.
+"""
+
+from typing import Literal, get_args
+
+Plant = Literal[
+    "per-microbatch-mean",
+    "shift-after-shard",
+    "per-shard-mean",
+    "average-without-compensation",
+    "double-count-tokens",
+    "whole-step-normalizer",
+    "recompute-proximal",
+    "cp-shard-mean",
+]
+PLANTS: tuple[str, ...] = get_args(Plant)
