@@ -524,6 +524,9 @@ class FaultsConfig(Section):
         default_factory=list, description="train steps whose gradients are made NaN, on every attempt"
     )
     slow_sync_s: float = Field(0.0, ge=0.0, description="every weight load into a generator first sleeps this long")
+    load_errors: list[int] = Field(
+        default_factory=list, description="weight loads into a rollout worker (0-based, in call order) that raise"
+    )
     kill_in_checkpoint: int | None = Field(
         None, ge=1, description="the process kills itself (SIGKILL) while writing the checkpoint of this step"
     )

@@ -61,7 +61,7 @@ from asyncrl.handles import RolloutHandle, TrainerHandle
 from asyncrl.metrics import RunCounters, StepClock, step_record
 from asyncrl.sampler import Sampler
 from asyncrl.types import RolloutGroup, RolloutJob
-from asyncrl.weights import Changes, RolloutGate, SyncReport, SyncTimeoutError, WeightSync
+from asyncrl.weights import Changes, RolloutGate, SyncReport, SyncTimeoutError, WeightLoadError, WeightSync
 
 if TYPE_CHECKING:  # worker-side types; the controller never imports model code
     from asyncrl.rollout import RolloutBatch
@@ -99,6 +99,11 @@ class SyncTimedOut(RunStopped, SyncTimeoutError):
     def __init__(self, err: SyncTimeoutError) -> None:
         super().__init__(str(err))
         self.trainer_healthy = self.saves_checkpoint = err.trainer_healthy
+
+
+class WeightLoadFailedError(RunStopped):
+    """A generator could not load the weights of a complete step, its backend's own restarts
+    included; the run checkpoints that step."""
 
 
 class EvaluationFailedError(RunStopped):
@@ -368,10 +373,15 @@ class SingleController:
                     break
                 self.version = report.result.version  # the trainer's: a checkpoint from here on holds the step
                 self.waiting["train loop"] = f"the weight sync after step {self.version}"
+                sync_start = time.perf_counter()
                 try:
                     sync = await self.weight_sync.sync()
-                except SyncTimeoutError as err:
-                    raise SyncTimedOut(err) from None
+                except (SyncTimeoutError, WeightLoadError) as err:
+                    failed = SyncReport.failed(self.version - 1, time.perf_counter() - sync_start)
+                    self._log_step(report, failed, time.perf_counter() - step_start)  # the step itself is done
+                    if isinstance(err, SyncTimeoutError):
+                        raise SyncTimedOut(err) from None
+                    raise WeightLoadFailedError(str(err)) from err.__cause__
                 self.last_progress = time.monotonic()
                 self._count_nonfinite(report)
                 self.empty_steps += report.result.num_tokens == 0

@@ -28,6 +28,7 @@ def inject_rollout_faults(worker: Any, faults: FaultsConfig) -> Any:
         or faults.failing_prompts
         or faults.hang_generate_calls
         or faults.slow_sync_s
+        or faults.load_errors
         or faults.eval_errors
     ):
         return FaultyRolloutWorker(worker, faults)
@@ -57,6 +58,7 @@ class FaultyRolloutWorker(_Wrapper):
         super().__init__(worker, faults)
         self.calls = 0
         self.eval_calls = 0
+        self.load_calls = 0
 
     def generate(self, jobs: Sequence[Any]) -> Any:
         call, self.calls = self.calls, self.calls + 1
@@ -76,7 +78,10 @@ class FaultyRolloutWorker(_Wrapper):
         return self.worker.evaluate(prompts)
 
     def load_weights(self, weights: Any, version: int) -> None:
+        call, self.load_calls = self.load_calls, self.load_calls + 1
         time.sleep(self.faults.slow_sync_s)
+        if call in self.faults.load_errors:
+            raise InjectedFault(f"weight load {call} failed (faults.load_errors)")
         self.worker.load_weights(weights, version)
 
 

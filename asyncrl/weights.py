@@ -42,13 +42,22 @@ class SyncTimeoutError(RuntimeError):
         self.trainer_healthy = trainer_healthy
 
 
+class WeightLoadError(RuntimeError):
+    """A generator failed to load a version, after whatever restarts its backend makes itself."""
+
+
 @dataclass(frozen=True)
 class SyncReport:
     version: int
     pause_s: float  # gate closed: no new rollouts admitted
     transfer_s: float  # export from the trainer + load into every generator
     bytes: int
-    transport: str  # in_process, object_store or broadcast (runtime/ray.py)
+    transport: str  # in_process, object_store or broadcast (runtime/ray.py); failed: see failed()
+
+    @classmethod
+    def failed(cls, held_version: int, seconds: float) -> SyncReport:
+        """A sync that stopped the run: the step before it is still logged, with this in its place."""
+        return cls(version=held_version, pause_s=seconds, transfer_s=seconds, bytes=0, transport="failed")
 
 
 class Changes:
@@ -171,7 +180,14 @@ class WeightSync:
         version, weights, export_s = await export
         load_start = time.perf_counter()
         loads = asyncio.gather(*(g.load_weights(weights, version) for g in self.generators))
-        await self._phase(f"loading weights version {version} into the generators", loads)
+        try:
+            await self._phase(f"loading weights version {version} into the generators", loads)
+        except SyncTimeoutError:
+            raise
+        except Exception as err:
+            raise WeightLoadError(
+                f"loading weights version {version} into the generators failed: {type(err).__name__}: {err}"
+            ) from err
         transfer_s = export_s + time.perf_counter() - load_start
         self.gate.open(version)
         return SyncReport(

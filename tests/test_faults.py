@@ -16,7 +16,13 @@ from test_train import SMALL, run
 
 from asyncrl.checkpoint import load_state, resolve_checkpoint
 from asyncrl.cli import main
-from asyncrl.controller import EvaluationFailedError, NonFiniteStepsError, StallError, TrainStepError
+from asyncrl.controller import (
+    EvaluationFailedError,
+    NonFiniteStepsError,
+    StallError,
+    TrainStepError,
+    WeightLoadFailedError,
+)
 from asyncrl.metrics import read_jsonl, strip_timing
 from asyncrl.weights import SyncTimeoutError
 
@@ -129,6 +135,18 @@ def test_a_weight_sync_past_its_timeout_checkpoints_the_step_it_follows(tmp_path
     assert state["run"]["version"] == state["trainer"]["version"] == 1
     code, err = cli(capsys, tmp_path, "slow-cli", "faults.slow_sync_s=1", "sync.timeout_s=0.3")
     assert code == 1 and "\n" not in err and "checkpoint saved to" in err
+
+
+def test_a_weight_load_that_fails_checkpoints_the_step_it_follows_and_resumes(tmp_path, capsys):
+    message = r"^loading weights version 1 into the generators failed: InjectedFault: weight load 1 failed"
+    with pytest.raises(WeightLoadFailedError, match=message) as err:
+        run(tmp_path, "broken", "faults.load_errors=[1]")  # load 0 is the run's initial one
+    assert err.value.checkpoint == tmp_path / "broken" / "checkpoints" / "step-000001"
+    code, err = cli(capsys, tmp_path, "broken-cli", "faults.load_errors=[1]")
+    assert code == 1 and "\n" not in err and "checkpoint saved to" in err
+    code, err = cli(capsys, tmp_path, "resumed", "faults.load_errors=[]", resume=tmp_path / "broken")
+    assert code == 0, err
+    assert len(read_jsonl(tmp_path / "broken" / "metrics.jsonl")) == 4
 
 
 def test_generation_longer_than_the_sync_timeout_does_not_fail_the_sync(tmp_path):

@@ -44,6 +44,14 @@ DEFAULT = dict(hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2, inter
 PROMPTS = ["1+1=", "12+30=", "7*8=", "(3+4)*2=", "9-5="]
 
 
+def engine_core(pid: int) -> bool:
+    """Whether ``pid`` is a vLLM engine-core process (the one that runs the scheduler)."""
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().startswith(b"VLLM::EngineCore")
+    except OSError:
+        return False
+
+
 def one_line_error(capsys, *argv) -> str:
     assert main(list(argv)) == 2
     err = capsys.readouterr().err
@@ -151,6 +159,18 @@ def test_samples_depend_on_their_seed_alone(vllm_generator):
 
 
 @pytest.mark.slow
+def test_a_burst_of_long_seeded_prompts_is_served_without_splitting_a_prompt(vllm_generator):
+    """48 prompts of 300 tokens exceed one scheduler step. vLLM's CPU engine dies when a seeded
+    request's prompt is split across steps (a CPU generator cannot be rewound), so the server
+    asyncrl starts on CPU prefills every prompt whole."""
+    restarts = vllm_generator.restarts
+    text = "12+34=" * 50
+    burst = [SampleRequest(TOKENIZER.encode(text[i:] + text[:i]), sample_seed(0, str(i), 0)) for i in range(48)]
+    rollouts = vllm_generator.generate(burst, SamplingParams(max_new_tokens=4))
+    assert [len(r.prompt_ids) for r in rollouts] == [300] * 48 and vllm_generator.restarts == restarts
+
+
+@pytest.mark.slow
 def test_greedy_evaluation_equals_the_hf_backend(vllm_generator):
     model = tiny(21)
     vllm_generator.load_weights(model.state_dict(), 1)
@@ -199,9 +219,10 @@ def test_an_inflight_update_gives_responses_spanning_two_versions(vllm_generator
 
 @pytest.mark.slow
 def test_an_untied_head_follows_updates_and_a_killed_server_is_restarted_and_resynced(vllm_config):
-    """A server of its own (an untied lm_head, the collective transfer), killed outright: the next
-    call restarts it, joins a new group with it and broadcasts the last weights again (this
-    process's copy), with their version; closing it leaves no process behind."""
+    """A server of its own (an untied lm_head, the collective transfer) whose engine process is
+    killed: the server follows it down, the next call restarts it from the files the client left
+    (the dying server must not remove them), joins a new group with it and broadcasts the last
+    weights again (this process's copy), with their version; closing it leaves no process behind."""
     before = vllm_processes()
     config = tiny_config(len(TOKENIZER), **DEFAULT)
     config.tie_word_embeddings = False
@@ -220,7 +241,9 @@ def test_an_untied_head_follows_updates_and_a_killed_server_is_restarted_and_res
             assert model.lm_head.weight.data_ptr() != model.model.embed_tokens.weight.data_ptr()
             generator.load_weights(model.state_dict(), version)
             assert_trainer_logprobs(model, generator.generate(requests(), params))
-        os.killpg(generator.server.process.pid, signal.SIGKILL)
+        [engine] = [pid for pid in vllm_processes() - before if engine_core(pid)]
+        os.kill(engine, signal.SIGKILL)
+        generator.server.process.wait(timeout=30)
         rollouts = generator.generate(requests(), params)
         assert generator.restarts == 1
         assert all(r.versions == [2] * len(r.response_ids) for r in rollouts)

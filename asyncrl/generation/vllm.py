@@ -87,6 +87,7 @@ def build_vllm_generator(config: RunConfig, model: PreTrainedModel, stop_token_i
         extra_args=cfg.extra_args,
         weight_transfer="file" if collective is None else "collective",
         remove_on_exit=(model_dir, weights_path),
+        cpu=not gpu,
     )
     try:
         generator = VLLMGenerator(
@@ -191,7 +192,13 @@ class VLLMGenerator:
             elif not self.joined:
                 self._connect()
             self.sent_version = version
-            self._update(version, state_dict)
+            try:
+                self._update(version, state_dict)
+            except ServerError:
+                if self.server is None or self.server.alive():
+                    raise  # the server refused the update; it did not die
+                self._restart_locked()  # it died during the update: a new one gets this version
+                self._update(version, None if self.collective is None else state_dict)
 
     def close(self) -> None:
         """Stop the server this generator started and remove its weights file; safe to call twice."""
@@ -282,6 +289,13 @@ class VLLMGenerator:
         """Restart a started server that died and load the last weights sent into it (counted)."""
         if self.server is None or self.server.alive():
             return
+        held = None if self.collective is None or self.sent_version is None else self.member.held(self.sent_version)
+        self._restart_locked()
+        if self.sent_version is not None:
+            self._update(self.sent_version, held)
+
+    def _restart_locked(self) -> None:
+        """A new server process in place of the dead one, with its weight-transfer engine (counted)."""
         if self.restarts >= self.max_restarts:
             raise ServerError(
                 f"the vLLM server died and vllm.max_restarts={self.max_restarts} restarts are used up; "
@@ -291,12 +305,7 @@ class VLLMGenerator:
         self.server.stop()
         self.server.start()
         self.url = self.server.url
-        if self.sent_version is None:
-            self._connect()
-            return
-        held = None if self.collective is None else self.member.held(self.sent_version)
         self._connect()
-        self._update(self.sent_version, held)
 
     def _call(self, route: str, body: dict | None = None) -> dict:
         try:

@@ -23,6 +23,7 @@ from pathlib import Path
 SERVER_SCRIPT = Path(__file__).with_name("vllm_server.py")
 WEIGHT_ENGINES = {"file": "asyncrl_file", "collective": "asyncrl_collective"}  # registered by vllm_server.py
 SERVED_NAME = "policy"
+WHOLE_PREFILL_MIN_BATCHED_TOKENS = 8192  # tokens per scheduler step on CPU, at least max_model_len
 
 
 class ServerError(RuntimeError):
@@ -56,9 +57,13 @@ class VLLMServer:
         extra_args: list[str],
         weight_transfer: str = "file",
         remove_on_exit: tuple[Path, ...] = (),
+        cpu: bool = False,
     ) -> None:
         """``weight_transfer``: file or collective (``WEIGHT_ENGINES``); ``remove_on_exit``: files
-        the server removes if the process that started it dies first."""
+        the server removes if the process that started it dies first; ``cpu``: the server runs on
+        vLLM's CPU build, where a seeded request whose prompt is split across scheduler steps
+        kills the engine (a CPU ``torch.Generator`` cannot be rewound), so every prompt is
+        prefilled in one step."""
         self.python = Path(python)
         self.weight_engine = WEIGHT_ENGINES[weight_transfer]
         self.remove_on_exit = remove_on_exit
@@ -68,6 +73,7 @@ class VLLMServer:
         self.kv_cache_mib = kv_cache_mib
         self.startup_timeout_s = startup_timeout_s
         self.extra_args = list(extra_args)
+        self.cpu = cpu
         self.process: subprocess.Popen | None = None
         self.port: int | None = None
         atexit.register(self.stop)
@@ -86,8 +92,14 @@ class VLLMServer:
             "--kv-cache-memory-bytes", str(self.kv_cache_mib * 2**20),
             "--logprobs-mode", "processed_logprobs",
             "--weight-transfer-config", json.dumps({"backend": self.weight_engine}),
+            *(self.whole_prefill_args() if self.cpu else []),
             *self.extra_args,
         ]  # fmt: skip
+
+    def whole_prefill_args(self) -> list[str]:
+        """No chunked prefill, and a step budget that holds the longest sequence (vLLM requires it)."""
+        budget = max(self.max_model_len, WHOLE_PREFILL_MIN_BATCHED_TOKENS)
+        return ["--no-enable-chunked-prefill", "--max-num-batched-tokens", str(budget)]
 
     def start(self) -> None:
         """Start the process and return once it answers /health; raises with the log's last line."""

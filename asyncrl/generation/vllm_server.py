@@ -151,26 +151,30 @@ WeightTransferEngineFactory.register_engine("asyncrl_file", FileWeightTransferEn
 WeightTransferEngineFactory.register_engine("asyncrl_collective", CollectiveWeightTransferEngine)
 
 
-def exit_with_parent() -> None:
-    """Remove the files the client left for the server (``REMOVE_ON_EXIT``: its initial checkpoint
-    and weights file) and kill the server's whole process group (it leads its own) once this
-    process's parent is gone. Every process of the server watches its own parent (the engine and worker processes
-    start watching when forked): whichever link dies first, and however it died (a SIGKILL from
-    the runtime included), the rest follow, and no engine process is left behind."""
+def exit_with_parent(remove: list[str]) -> None:
+    """Kill the server's whole process group (it leads its own) once this process's parent is gone,
+    after removing ``remove``. Every process of the server watches its own parent (the engine and
+    worker processes start watching when forked or spawned): whichever link dies first, and however
+    it died (a SIGKILL from the runtime included), the rest follow, and no engine process is left
+    behind. Only the server's first process removes the files the client left for it
+    (``REMOVE_ON_EXIT``: its initial checkpoint and weights file), and only when the client is gone:
+    after an engine crash the client restarts the server from those files."""
     parent = os.getppid()
 
     def watch() -> None:
         while os.getppid() == parent:
             time.sleep(0.5)
-        for path in filter(None, os.environ.get(REMOVE_ON_EXIT, "").split(os.pathsep)):
+        for path in remove:
             shutil.rmtree(path, ignore_errors=True) if os.path.isdir(path) else Path(path).unlink(missing_ok=True)
         os.killpg(0, signal.SIGKILL)
 
     threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
 
 
-exit_with_parent()
-os.register_at_fork(after_in_child=exit_with_parent)
+exit_with_parent(
+    [path for path in os.environ.pop(REMOVE_ON_EXIT, "").split(os.pathsep) if path]
+)  # children inherit none
+os.register_at_fork(after_in_child=lambda: exit_with_parent([]))
 
 if __name__ == "__main__":
     runpy.run_module("vllm.entrypoints.openai.api_server", run_name="__main__")
