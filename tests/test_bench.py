@@ -149,6 +149,27 @@ def test_the_only_installed_top_level_package_is_asyncrl():
     assert {name.split(".")[0] for name in find_packages(str(root), include=include)} == {"asyncrl"}
 
 
+def test_the_backends_table_gives_each_backends_rates_sync_and_step_time(tmp_path):
+    rows = [
+        {"backend": "hf", "short_tokens_per_s": 23653.5, "long_tokens_per_s": 14653.0, "sync_s_median": 0.0001}
+        | {"step_s_mean": 0.345},
+        {"backend": "vllm", "short_tokens_per_s": 4226.9, "long_tokens_per_s": 5717.5, "sync_s_median": 0.0544}
+        | {"step_s_mean": 3.42},
+    ]
+    result = {
+        "settings": {"requests": 128, "updates": 10, "train_steps": 30, "max_new_tokens": {"short": 16, "long": 256}},
+        "results": rows,
+        "date": "d",
+        "commit": "c",
+        "machine": {"cpu": "x", "cores": 2, "cuda": None},
+        "versions": {},
+    }
+    (tmp_path / "backends.json").write_text(json.dumps(result))
+    text = report.render(tmp_path)
+    assert "### `asyncrl bench backends`" in text and "tokens/s, up to 256 new" in text
+    assert "| hf | 23,654 | 14,653 | 0.1 | 0.34 |" in text and "| vllm | 4,227 | 5,718 | 54.4 | 3.42 |" in text
+
+
 def test_report_replaces_only_the_generated_section(capsys, tmp_path):
     bench(capsys, tmp_path, "overlap")
     page = tmp_path / "performance.md"

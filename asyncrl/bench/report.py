@@ -183,10 +183,35 @@ def _e2e(result: dict) -> str:
     return "\n\n".join(lines)
 
 
+def _backends(result: dict) -> str:
+    rows = [
+        [
+            r["backend"],
+            f"{r['short_tokens_per_s']:,.0f}",
+            f"{r['long_tokens_per_s']:,.0f}",
+            f"{r['sync_s_median'] * 1e3:.1f}",
+            f"{r['step_s_mean']:.2f}",
+        ]
+        for r in result["results"]
+    ]
+    lengths = result["settings"]["max_new_tokens"]
+    return _table(
+        [
+            "backend",
+            f"tokens/s, up to {lengths['short']} new",
+            f"tokens/s, up to {lengths['long']} new",
+            "ms / weight update",
+            "s / train step",
+        ],
+        rows,
+    )
+
+
 SECTIONS: dict[str, Callable[[dict], str]] = {
     "overlap": _overlap,
     "controller": _controller,
     "weight-sync": _weight_sync,
+    "backends": _backends,
     "e2e": _e2e,
     "e2e-trl": _e2e,
 }

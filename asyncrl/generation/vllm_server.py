@@ -171,9 +171,8 @@ def exit_with_parent(remove: list[str]) -> None:
     threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
 
 
-exit_with_parent(
-    [path for path in os.environ.pop(REMOVE_ON_EXIT, "").split(os.pathsep) if path]
-)  # children inherit none
+# The first process takes the files to remove out of the environment: its children inherit none.
+exit_with_parent([path for path in os.environ.pop(REMOVE_ON_EXIT, "").split(os.pathsep) if path])
 os.register_at_fork(after_in_child=lambda: exit_with_parent([]))
 
 if __name__ == "__main__":
