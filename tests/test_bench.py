@@ -111,6 +111,8 @@ def test_time_to_target_ratios_pair_the_runs_of_each_seed_and_report_their_sprea
     (tmp_path / "e2e.json").write_text(json.dumps(result))
     text = report.render(tmp_path)
     assert "| max_lag=1 | 5.0 | 15.0 | n/a |" in text and "| max_lag=1 / max_lag=0 | 2/3 | n/a | 0.62 | 0.25 |" in text
+    (tmp_path / "e2e-trl-reasoning-gym.json").write_text(json.dumps(result))
+    assert "### `asyncrl bench e2e --against trl data.task=reasoning_gym ...`" in report.render(tmp_path)
 
 
 def test_time_to_target_uses_training_time_and_the_first_eval_that_reaches_it():
@@ -194,6 +196,24 @@ def test_the_ray_runtime_is_measured_through_the_same_handles(capsys, tmp_path, 
 
 
 @pytest.mark.slow
+def test_the_trl_baseline_scores_a_reasoning_gym_task_with_the_tasks_own_checker(tmp_path):
+    """The checker needs each answer's entry, which a dataset column would flatten to its text."""
+    pytest.importorskip("trl")
+    pytest.importorskip("reasoning_gym")
+    from asyncrl.bench.trl_baseline import run_trl
+
+    task = [
+        "data.task=reasoning_gym",
+        "data.dataset=basic_arithmetic",
+        "data.dataset_config={min_terms: 2, max_terms: 2, max_digits: 1}",
+        "rewards.functions=[task]",
+        "data.num_problems=200",
+    ]
+    config = e2e.bench_config([*e2e.QUICK, *task], seed=0, max_lag=0, max_steps=2, eval_every=2)
+    result = run_trl(config, seed=0, max_steps=2, eval_every_steps=2, output_dir=tmp_path)
+    assert result["reward_errors"] == 0 and len(result["evals"]) == 2
+
+
 def test_e2e_against_trl_reports_trl_runs_and_the_time_ratio(capsys, tmp_path):
     pytest.importorskip("trl")
     result = bench(capsys, tmp_path, "e2e", "--target", "0.0", "--against", "trl", "--lags", "1,0")["results"]

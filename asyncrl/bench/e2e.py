@@ -166,6 +166,8 @@ def summarize_runs(runs: dict[str, list[dict]], target: float) -> dict[str, Any]
         }
         if "unmatched" in seed_runs[0]:
             results["runs"][name]["unmatched"] = seed_runs[0]["unmatched"]
+        if "reward_errors" in seed_runs[0]:
+            results["runs"][name]["reward_errors"] = [r["reward_errors"] for r in seed_runs]
     results["equal_time_s"] = equal_time
     sync = results["runs"].get("max_lag=0")
     if sync is not None and "max_lag=1" in results["runs"]:

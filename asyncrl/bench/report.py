@@ -214,11 +214,16 @@ SECTIONS: dict[str, Callable[[dict], str]] = {
     "backends": _backends,
     "e2e": _e2e,
     "e2e-trl": _e2e,
+    "e2e-trl-reasoning-gym": _e2e,
+}
+COMMANDS = {  # results saved under another name than the command's (--output); the overrides are in Settings
+    "e2e-trl": "e2e --against trl",
+    "e2e-trl-reasoning-gym": "e2e --against trl data.task=reasoning_gym ...",
 }
 
 
 def _command(name: str) -> str:
-    return "e2e --against trl" if name == "e2e-trl" else name
+    return COMMANDS.get(name, name)
 
 
 def _provenance(result: dict) -> str:

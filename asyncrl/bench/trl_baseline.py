@@ -151,12 +151,15 @@ def run_trl(config: RunConfig, *, seed: int, max_steps: int, eval_every_steps: i
 
     loader = PromptLoader(task.train, shuffle_seed=config.data.shuffle_seed, epochs=config.data.epochs)
     prompts = list(itertools.islice(iter(loader.next, None), max_steps * config.grpo.prompts_per_step))
-    dataset = Dataset.from_list([{"prompt": p.text, "answer": p.answer} for p in prompts])
+    # The dataset carries uids, not answers: a task's checker may need the answer object itself
+    # (a reasoning-gym entry), which a dataset column would flatten to its text.
+    answers = {p.uid: p.answer for p in prompts}
+    dataset = Dataset.from_list([{"prompt": p.text, "uid": p.uid} for p in prompts])
     settings = trl_settings(config)
     rewards = RewardRunner.from_config(config.rewards, task)
 
-    def asyncrl_rewards(completions: list[str], answer: list[str], **_: Any) -> list[float]:
-        return rewards.score(completions, answer).rewards
+    def asyncrl_rewards(completions: list[str], uid: list[str], **_: Any) -> list[float]:
+        return rewards.score(completions, [answers[u] for u in uid]).rewards
 
     evaluator = Evaluator(
         # The warm-started model becomes the generator's; TRL trains its own, loaded from init_dir.
@@ -207,6 +210,7 @@ def run_trl(config: RunConfig, *, seed: int, max_steps: int, eval_every_steps: i
         "evals": evaluator.evals,
         "wall_s": time.perf_counter() - start,
         "torch_threads": evaluator.torch_threads,
+        "reward_errors": sum(count.errors for count in rewards.counts.values()),
         "unmatched": settings["unmatched"],
     }
 
