@@ -85,6 +85,12 @@ def test_equal_time_accuracy_is_taken_where_the_fastest_run_ended():
     assert result["runs"]["max_lag=0"]["time_to_target_s"]["values"] == [10.0]
 
 
+def saved_result(directory, name, settings, results) -> None:
+    """A bench result file as ``asyncrl bench`` writes it, with placeholder provenance."""
+    provenance = {"date": "d", "commit": "c", "machine": {"cpu": "x", "cores": 2, "cuda": None}, "versions": {}}
+    (directory / f"{name}.json").write_text(json.dumps({"settings": settings, "results": results, **provenance}))
+
+
 def test_time_to_target_ratios_pair_the_runs_of_each_seed_and_report_their_spread(tmp_path):
     def run(*points):
         return {"evals": [{"train_wall_s": t, "accuracy": a, "samples": 0} for t, a in [(0.0, 0.1), *points]]}
@@ -100,18 +106,11 @@ def test_time_to_target_ratios_pair_the_runs_of_each_seed_and_report_their_sprea
     assert lag["values"] == [0.5, 0.75, None] and lag["reached"] == "2/3" and lag["spread"] == pytest.approx(0.25)
     trl = ratios["trl / max_lag=0"]
     assert trl["values"] == [3.0, 2.0, 2.0] and trl["median"] == 2.0 and trl["spread"] == 1.0
-    result = {
-        "settings": {"target_accuracy": 0.45},
-        "results": e2e.summarize_runs(runs, 0.45),
-        "date": "d",
-        "commit": "c",
-        "machine": {"cpu": "x", "cores": 2, "cuda": None},
-        "versions": {},
-    }
-    (tmp_path / "e2e.json").write_text(json.dumps(result))
+    summary = e2e.summarize_runs(runs, 0.45)
+    saved_result(tmp_path, "e2e", {"target_accuracy": 0.45}, summary)
     text = report.render(tmp_path)
     assert "| max_lag=1 | 5.0 | 15.0 | n/a |" in text and "| max_lag=1 / max_lag=0 | 2/3 | n/a | 0.62 | 0.25 |" in text
-    (tmp_path / "e2e-trl-reasoning-gym.json").write_text(json.dumps(result))
+    saved_result(tmp_path, "e2e-trl-reasoning-gym", {"target_accuracy": 0.45}, summary)
     assert "### `asyncrl bench e2e --against trl data.task=reasoning_gym ...`" in report.render(tmp_path)
 
 
@@ -158,15 +157,8 @@ def test_the_backends_table_gives_each_backends_rates_sync_and_step_time(tmp_pat
         {"backend": "vllm", "short_tokens_per_s": 4226.9, "long_tokens_per_s": 5717.5, "sync_s_median": 0.0544}
         | {"step_s_mean": 3.42},
     ]
-    result = {
-        "settings": {"requests": 128, "updates": 10, "train_steps": 30, "max_new_tokens": {"short": 16, "long": 256}},
-        "results": rows,
-        "date": "d",
-        "commit": "c",
-        "machine": {"cpu": "x", "cores": 2, "cuda": None},
-        "versions": {},
-    }
-    (tmp_path / "backends.json").write_text(json.dumps(result))
+    settings = {"requests": 128, "updates": 10, "train_steps": 30, "max_new_tokens": {"short": 16, "long": 256}}
+    saved_result(tmp_path, "backends", settings, rows)
     text = report.render(tmp_path)
     assert "### `asyncrl bench backends`" in text and "tokens/s, up to 256 new" in text
     assert "| hf | 23,654 | 14,653 | 0.1 | 0.34 |" in text and "| vllm | 4,227 | 5,718 | 54.4 | 3.42 |" in text
