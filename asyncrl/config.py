@@ -478,6 +478,11 @@ class WarmStartConfig(Section):
     )
     lr: float = Field(3e-3, gt=0.0, description="warm start learning rate")
     batch_size: int = Field(64, ge=1, description="examples per warm start step")
+    seed: int = Field(
+        0,
+        description="seed of the warm start's batch order; independent of the run seed, so every seed of a run starts "
+        "from the same warm-started policy, as the seeds of a real run start from one checkpoint",
+    )
     cache_dir: str = Field("~/.cache/asyncrl/warm_start", description="where warm-started weights are cached")
 
 

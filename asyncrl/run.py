@@ -76,7 +76,6 @@ def train(config: RunConfig, *, resume: str | Path | None = None, console: Any =
                 tokenizer,
                 task.train,
                 config.warm_start,
-                seed=config.seed,
                 model_path=config.model.path,
                 on_progress=lambda step, total, loss: progress.status(f"warm start {step}/{total}, loss {loss:.3f}"),
             )
@@ -333,7 +332,7 @@ def evaluate(config: RunConfig, *, checkpoint: str | Path | None = None) -> dict
     if checkpoint_dir is not None:
         _checkpoint_input(load_weights, model, checkpoint_dir)
     else:
-        warm_start(model, tokenizer, task.train, config.warm_start, seed=config.seed, model_path=config.model.path)
+        warm_start(model, tokenizer, task.train, config.warm_start, model_path=config.model.path)
     rewards = _input(RewardRunner.from_config, config.rewards, task, config.generation.max_new_tokens)
     worker = None
     try:

@@ -35,7 +35,6 @@ def warm_start(
     prompts: Sequence[Prompt],
     cfg: WarmStartConfig,
     *,
-    seed: int,
     model_path: str | None = None,
     on_progress: Callable[[int, int, float], None] | None = None,
 ) -> Path | None:
@@ -47,9 +46,7 @@ def warm_start(
         return None
     if not prompts:
         raise ValueError("warm_start.steps: the train split is empty")
-    path = (
-        Path(cfg.cache_dir).expanduser() / f"{_cache_key(model, model_path, tokenizer, prompts, cfg, seed)}.safetensors"
-    )
+    path = Path(cfg.cache_dir).expanduser() / f"{_cache_key(model, model_path, tokenizer, prompts, cfg)}.safetensors"
     if path.is_file():
         try:
             load_model(model, path)
@@ -61,7 +58,7 @@ def warm_start(
         return path
     examples = [_encode(tokenizer, p) for p in prompts]
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
-    generator = torch.Generator().manual_seed(seed)
+    generator = torch.Generator().manual_seed(cfg.seed)
     device = next(model.parameters()).device
     was_training = model.training
     model.train()
@@ -105,14 +102,14 @@ def _batch(examples: list[tuple[list[int], int]], pad_id: int) -> tuple[torch.Te
 
 
 def _cache_key(
-    model: nn.Module, model_path: str | None, tokenizer, prompts: Sequence[Prompt], cfg: WarmStartConfig, seed: int
+    model: nn.Module, model_path: str | None, tokenizer, prompts: Sequence[Prompt], cfg: WarmStartConfig
 ) -> str:
     digest = hashlib.sha256()
     settings = {
         "steps": cfg.steps,
         "lr": cfg.lr,
         "batch_size": cfg.batch_size,
-        "seed": seed,
+        "seed": cfg.seed,
         "torch": torch.__version__,
     }
     digest.update(json.dumps(settings, sort_keys=True).encode())

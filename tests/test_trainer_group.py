@@ -162,7 +162,7 @@ def test_a_single_rank_is_the_driver_s_warm_started_policy(tmp_path):
     config = small_config(tmp_path)
     tokenizer = build_tokenizer(config)
     model = build_model(config, tokenizer)
-    warm_start(model, tokenizer, build_task(config.data, tokenizer).train, config.warm_start, seed=config.seed)
+    warm_start(model, tokenizer, build_task(config.data, tokenizer).train, config.warm_start)
     worker = build_trainer_rank(config, 0, None)
     version, weights = worker.export_weights()
     assert version == 0 and worker.rank == 0 and worker.trainer.parallel is None

@@ -1,5 +1,5 @@
-"""The warm start runs by default only on the built-in tiny model, and its cache key never copies a
-checkpoint's weights to host memory."""
+"""The warm start runs by default only on the built-in tiny model, every run seed starts from the same
+warm-started weights, and its cache key never copies a checkpoint's weights to host memory."""
 
 import os
 from pathlib import Path
@@ -10,10 +10,17 @@ from test_train import SMALL
 
 from asyncrl.cli import main
 from asyncrl.config import load_config
-from asyncrl.data import Prompt
-from asyncrl.models import build_char_tokenizer, build_tiny_model, load_model, load_tokenizer
+from asyncrl.data import Prompt, build_task
+from asyncrl.models import (
+    build_char_tokenizer,
+    build_model,
+    build_tiny_model,
+    build_tokenizer,
+    load_model,
+    load_tokenizer,
+)
 from asyncrl.models.example import write_example_checkpoint
-from asyncrl.warm_start import _cache_key
+from asyncrl.warm_start import _cache_key, warm_start
 
 PROMPTS = [Prompt("a", "1+1=", "2")]
 ROOT = Path(__file__).resolve().parents[1]
@@ -31,27 +38,43 @@ def test_warm_start_steps_default_to_600_on_the_tiny_model_and_to_none_with_a_ch
     assert load_config(None, ["warm_start.steps=0"]).warm_start.steps == 0
 
 
+def warm_started(tmp_path, *overrides):
+    config = load_config(None, [*SMALL, "warm_start.steps=3", f"warm_start.cache_dir={tmp_path}", *overrides])
+    tokenizer = build_tokenizer(config)
+    model = build_model(config, tokenizer)
+    warm_start(model, tokenizer, build_task(config.data, tokenizer).train, config.warm_start)
+    return model.state_dict()
+
+
+def test_every_run_seed_starts_from_the_same_warm_start_and_its_own_seed_changes_it(tmp_path):
+    first = warm_started(tmp_path / "a", "seed=0")
+    assert len(list((tmp_path / "a").glob("*.safetensors"))) == 1
+    other_run_seed = warm_started(tmp_path / "b", "seed=1")
+    other_warm_start = warm_started(tmp_path / "c", "seed=0", "warm_start.seed=1")
+    names = list(first)
+    assert all(torch.equal(first[name], other_run_seed[name]) for name in names)
+    assert not all(torch.equal(first[name], other_warm_start[name]) for name in names)
+
+
 def test_a_checkpoint_is_keyed_by_its_files_and_the_tiny_model_by_its_weights(checkpoint):
     cfg = load_config(None, ["warm_start.steps=5"]).warm_start
     tokenizer = load_tokenizer(checkpoint)
     model, other = load_model(checkpoint), load_model(checkpoint)
     with torch.no_grad():
         other.model.norm.weight.add_(1.0)
-    key = _cache_key(model, str(checkpoint), tokenizer, PROMPTS, cfg, seed=0)
-    assert _cache_key(other, str(checkpoint), tokenizer, PROMPTS, cfg, seed=0) == key  # weights' bytes are not read
-    assert (
-        _cache_key(load_model(checkpoint, dtype=torch.float32), str(checkpoint), tokenizer, PROMPTS, cfg, seed=0) != key
-    )
+    key = _cache_key(model, str(checkpoint), tokenizer, PROMPTS, cfg)
+    assert _cache_key(other, str(checkpoint), tokenizer, PROMPTS, cfg) == key  # weights' bytes are not read
+    assert _cache_key(load_model(checkpoint, dtype=torch.float32), str(checkpoint), tokenizer, PROMPTS, cfg) != key
     stat = (checkpoint / "model.safetensors").stat()
     os.utime(checkpoint / "model.safetensors", ns=(stat.st_atime_ns, stat.st_mtime_ns + 1))
-    assert _cache_key(model, str(checkpoint), tokenizer, PROMPTS, cfg, seed=0) != key
+    assert _cache_key(model, str(checkpoint), tokenizer, PROMPTS, cfg) != key
 
     char = build_char_tokenizer()
     tiny = build_tiny_model(len(char), seed=0, hidden_size=32, num_layers=1, num_heads=4, num_kv_heads=2)
-    tiny_key = _cache_key(tiny, None, char, PROMPTS, cfg, seed=0)
+    tiny_key = _cache_key(tiny, None, char, PROMPTS, cfg)
     with torch.no_grad():
         tiny.model.norm.weight.add_(1.0)
-    assert _cache_key(tiny, None, char, PROMPTS, cfg, seed=0) != tiny_key
+    assert _cache_key(tiny, None, char, PROMPTS, cfg) != tiny_key
 
 
 @pytest.mark.slow

@@ -10,8 +10,8 @@ several seeds, for the same number of steps, so the same number of samples. The 
 - the goal ratio: how long ``max_lag: 1`` takes to reach the synchronous run's final accuracy,
   as a fraction of the synchronous run's wall time;
 - per-seed ratios of time to the target, max_lag 1 over max_lag 0 and TRL over each asyncrl
-  setting, paired by seed (the runs of one seed start from the same warm-started weights), with
-  their spread: a seed where either side misses the target has no ratio and shows as unreached.
+  setting, paired by seed (every run starts from the same warm-started weights, ``warm_start.seed``),
+  with their spread: a seed where either side misses the target has no ratio and shows as unreached.
 
 Times count training only: evaluations are timed and subtracted on both sides. ``--against trl``
 trains the same model from the same warm-started weights with TRL's GRPOTrainer on the same

@@ -147,7 +147,7 @@ def run_trl(config: RunConfig, *, seed: int, max_steps: int, eval_every_steps: i
     tokenizer = build_tokenizer(config)
     model = build_model(config, tokenizer)
     task = build_task(config.data, tokenizer)
-    warm_start(model, tokenizer, task.train, config.warm_start, seed=seed)
+    warm_start(model, tokenizer, task.train, config.warm_start)
 
     loader = PromptLoader(task.train, shuffle_seed=config.data.shuffle_seed, epochs=config.data.epochs)
     prompts = list(itertools.islice(iter(loader.next, None), max_steps * config.grpo.prompts_per_step))

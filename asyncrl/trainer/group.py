@@ -58,7 +58,7 @@ def build_trainer_rank(
     model = build_model(config, tokenizer)
     if config.warm_start.steps:
         train_prompts = build_task(config.data, tokenizer).train
-        warm_start(model, tokenizer, train_prompts, config.warm_start, seed=config.seed, model_path=config.model.path)
+        warm_start(model, tokenizer, train_prompts, config.warm_start, model_path=config.model.path)
     if parallel is not None:
         _take_rank0_weights(model)
     trainer = PolicyTrainer.from_config(config, model, parallel=parallel)
