@@ -160,33 +160,43 @@ def test_a_short_run_is_scored_by_the_task_reward(tmp_path, capsys):
     capsys.readouterr()
 
 
-BASIC_SUMS = [  # "Calculate 0 + 4 + 8 + 7." -> "19": 4,797 distinct questions from 8,000 entries
+BASIC_SUMS = [  # "Calculate 0 + 4 + 8." -> "12": 1,268 distinct questions from 4,000 entries
     "data.task=reasoning_gym",
     "data.dataset=basic_arithmetic",
-    "data.dataset_config={min_terms: 3, max_terms: 4, min_digits: 1, max_digits: 1, operators: ['+'], "
+    "data.dataset_config={min_terms: 3, max_terms: 3, min_digits: 1, max_digits: 1, operators: ['+'], "
     "allow_parentheses: false, allow_negation: false}",
     "rewards.functions=[task]",
-    "data.num_problems=8000",
+    "data.num_problems=4000",
     "data.eval_size=256",
     "generation.max_new_tokens=4",
 ]
 
 
-@pytest.mark.slow
-def test_the_default_model_learns_a_reasoning_gym_dataset_in_a_short_run(tmp_path):
-    """The embedded default model, its warm start, then 25 GRPO steps scored by the dataset's checker.
-    Held-out accuracy on 256 questions rose by 0.15, 0.15 and 0.24 for seeds 0, 1 and 2 (docs/data.md)."""
-    overrides = [
-        *BASIC_SUMS,
-        "grpo.max_steps=25",
-        "logging.eval_every_steps=25",
-        "trainer.lr_schedule=constant",
-        f"warm_start.cache_dir={tmp_path / 'warm_start'}",
-        f"logging.output_dir={tmp_path / 'run'}",
-        "logging.progress=false",
-        "logging.tensorboard=false",
-    ]
-    summary = train(load_config(None, overrides))
+def held_out_rise(tmp_path, overrides: list[str], steps: int) -> float:
+    """Held-out accuracy after ``steps`` GRPO steps at a constant lr minus that of the warm start."""
+    summary = train(
+        load_config(
+            None,
+            [
+                *overrides,
+                f"grpo.max_steps={steps}",
+                f"logging.eval_every_steps={steps}",
+                "trainer.lr_schedule=constant",
+                f"warm_start.cache_dir={tmp_path / 'warm_start'}",
+                f"logging.output_dir={tmp_path / 'run'}",
+                "logging.progress=false",
+                "logging.tensorboard=false",
+            ],
+        )
+    )
     rows = read_jsonl(tmp_path / "run" / "metrics.jsonl")
-    assert len(rows) == 25 and sum(row["reward_errors"] for row in rows) == 0
-    assert summary["final_eval_accuracy"] - summary["initial_eval_accuracy"] >= 0.08
+    assert len(rows) == steps and sum(row["reward_errors"] for row in rows) == 0
+    return summary["final_eval_accuracy"] - summary["initial_eval_accuracy"]
+
+
+@pytest.mark.slow
+def test_the_default_model_learns_reasoning_gym_sums_in_a_short_run(tmp_path):
+    """The embedded default model, its warm start, then 50 GRPO steps scored by the dataset's checker.
+    From the warm starts seeded 0, 1 and 2, held-out accuracy on 256 questions rose by 0.117, 0.051
+    and 0.059 (docs/data.md)."""
+    assert held_out_rise(tmp_path, BASIC_SUMS, steps=50) >= 0.04
