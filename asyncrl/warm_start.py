@@ -4,7 +4,10 @@ GRPO learns only from reward differences within a group. A freshly initialized m
 answers correctly, so every group scores the same and there is nothing to learn from. A few
 hundred supervised steps make the policy partly competent; RL takes it from there. The result is
 cached under a hash of everything that determines it (initial weights, tokenizer, data, settings),
-so only the first run pays for it.
+so only the first run pays for it. Its batches are drawn from ``warm_start.seed``, not from the run
+seed: every seed of a run starts from one warm-started policy, as the seeds of a real run start
+from one checkpoint, and the spread over seeds measures the RL rather than where a short
+supervised run happened to end.
 
 The initial weights enter the key without a host copy of the model: a checkpoint by its files'
 names, sizes and modification times (the weights were just loaded from them) plus the dtype and
