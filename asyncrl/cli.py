@@ -341,7 +341,7 @@ def bench_e2e(
     seeds: int = typer.Option(3, "--seeds", min=1, help="runs per setting"),
     max_steps: int | None = typer.Option(None, "--max-steps", min=1, help="steps per run (default 400)"),
     eval_every: int | None = typer.Option(None, "--eval-every", min=1, help="evaluation cadence (default 25)"),
-    target: float = typer.Option(0.7, "--target", min=0.0, max=1.0, help="held-out accuracy to reach"),
+    target: float = typer.Option(0.8, "--target", min=0.0, max=1.0, help="held-out accuracy to reach"),
     against: str | None = typer.Option(None, "--against", help="also train the peer baseline: trl"),
     variants: bool = typer.Option(
         False, "--variants", help="also max_lag 1 with 4 mini-batch updates per step, and with dynamic sampling"
