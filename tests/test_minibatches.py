@@ -12,8 +12,9 @@ def test_four_minibatch_updates_clip_and_the_clip_bound_changes_the_run(tmp_path
     _, metrics, _ = run(tmp_path, "k4", "grpo.num_minibatches=4", "grpo.max_steps=4", *WARM)
     assert [m["num_updates"] for m in metrics] == [4, 4, 4, 4]
     assert sum(m["clip_fraction"] > 0 for m in metrics) >= 3
-    _, tighter, _ = run(
-        tmp_path, "k4-tight", "grpo.num_minibatches=4", "grpo.max_steps=4", "loss.clip_high=0.01", *WARM
-    )
+    # Both bounds: a token past 1 + clip_high is clipped under either upper bound, with the same
+    # zero gradient, so tightening one bound alone can leave a run's updates unchanged.
+    tight = ["loss.clip_high=0.01", "loss.clip_low=0.01"]
+    _, tighter, _ = run(tmp_path, "k4-tight", "grpo.num_minibatches=4", "grpo.max_steps=4", *tight, *WARM)
     assert deterministic(tighter) != deterministic(metrics)
     assert any(a["clip_fraction"] != b["clip_fraction"] for a, b in zip(tighter, metrics))
