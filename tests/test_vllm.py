@@ -299,9 +299,11 @@ def endless_rollout_worker(config, started: Path):
 def test_a_ray_rollout_worker_loads_weights_while_it_generates(ray_cluster, vllm_generator, tmp_path):
     """On the Ray runtime an in-flight rollout worker's load runs beside its generation batch (its
     actor's concurrency group for unordered methods). The server is paused before the batch, so
-    the batch can only finish after the load that resumes it: the load returns while the batch
-    runs, and the batch's group starts on the old version and ends on the new one. The actor
-    drives the session's server (``vllm.url``, weights as files), so no server is started."""
+    the batch can only finish after the load that resumes it: a load queued behind the batch would
+    never run and time out, and the batch's group starts on the old version and ends on the new
+    one. Whether the batch is still running when the load's reply arrives is a race (the resumed
+    server may finish first), so it is not asserted. The actor drives the session's server
+    (``vllm.url``, weights as files), so no server is started."""
     import ray
 
     from asyncrl.runtime.ray import RayRuntime, WeightsRef, _to_arrays
@@ -322,16 +324,15 @@ def test_a_ray_rollout_worker_loads_weights_while_it_generates(ray_cluster, vllm
         while not started.exists():
             await asyncio.sleep(0.05)
         await asyncio.wait_for(handle.load_weights(new, 10), 60)  # a load queued behind the batch: never
-        return not batch.done(), await batch
+        return await batch
 
     try:
         [handle] = runtime.spawn_generators(partial(endless_rollout_worker, config, started), 1)
         runtime.ready()
         assert handle.unordered == ("load_weights",)
-        loaded_during_batch, batch = asyncio.run(load_while_generating(handle))
+        batch = asyncio.run(load_while_generating(handle))
     finally:
         http_json(f"{vllm_generator.url}/resume", {}, timeout=30)
         runtime.shutdown()
-    assert loaded_during_batch
     [group] = batch.groups
     assert (group.start_version, group.end_version) == (9, 10)
