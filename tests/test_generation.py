@@ -197,7 +197,7 @@ def test_chunks_run_in_order_of_at_most_batch_size_rows():
     prefill_rows = []
     gen.model.register_forward_pre_hook(
         lambda _, args, kwargs: (
-            prefill_rows.append(kwargs["input_ids"].shape[0]) if kwargs["past_key_values"] is None else None
+            prefill_rows.append(kwargs["input_ids"].shape[0]) if kwargs["cache"] is None else None
         ),
         with_kwargs=True,
     )

@@ -106,11 +106,11 @@ class HFGenerator:
                 input_ids=next_ids,
                 attention_mask=attention_mask,
                 position_ids=position_ids,
-                past_key_values=cache,
+                cache=cache,
                 use_cache=True,
                 logits_to_keep=1,
             )
-            cache = output.past_key_values
+            cache = output.cache
             draws = None if uniforms is None else uniforms[active, steps]
             token, logprob = sample_next(output.logits[:, -1], params.temperature, params.top_k, params.top_p, draws)
             tokens[active, steps] = token
