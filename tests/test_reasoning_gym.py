@@ -47,6 +47,15 @@ def test_splits_are_seeded_disjoint_and_in_the_char_alphabet(dataset):
     assert [p.text for p in other_seed.heldout] != [p.text for p in task.heldout]
 
 
+def test_enum_settings_are_given_by_value_or_name():
+    siblings = build_task(
+        chain_sum("data.dataset=aiw", "data.dataset_config={task_types: [siblings], task_type_weights: [1.0]}").data
+    )
+    assert all(" brother" in p.text and p.text.endswith("have?") for p in siblings.train)
+    upper = build_task(chain_sum("data.dataset=word_sorting", "data.dataset_config={transformation: UPPERCASE}").data)
+    assert all(p.answer == p.answer.upper() for p in upper.train)
+
+
 def test_repeated_questions_are_dropped_so_no_held_out_question_is_trained_on():
     task = build_task(
         chain_sum("data.dataset_config={min_terms: 2, max_terms: 2, max_digits: 1}", "data.eval_size=50").data
@@ -126,6 +135,14 @@ def test_unknown_dataset_bad_settings_and_a_missing_package_are_one_line_errors(
     )
     bad = one_line_error(capsys, [*train, "data.dataset_config={min_termz: 2}"])
     assert bad.startswith("error: data.dataset_config: invalid settings for chain_sum")
+    enum = one_line_error(capsys, [*train, "data.dataset=aiw", "data.dataset_config={task_types: [sibling]}"])
+    assert "invalid settings for aiw (task_types: 'sibling' is not one of siblings, friends, colleagues)" in enum
+    generation = one_line_error(
+        capsys, [*train, "data.dataset=simple_equations", "data.dataset_config={operators: ['+']}"]
+    )  # valid as a config, but the dataset's default operator weights are three
+    assert generation.startswith(
+        "error: data.dataset_config: simple_equations failed to generate entry 0 with these settings (ValueError: "
+    )
     quotes = one_line_error(capsys, [*train, "data.dataset=letter_counting", "data.dataset_config={}"])
     assert "of reasoning_gym: '\"' (U+0022)" in quotes and "not in the tokenizer's vocabulary" in quotes
     monkeypatch.setitem(sys.modules, "reasoning_gym", None)  # import reasoning_gym now raises ImportError

@@ -15,6 +15,8 @@ error counting. The package is imported only when such a task is built.
 
 from __future__ import annotations
 
+import enum
+import typing
 from typing import Any
 
 from asyncrl.data.prompts import Prompt, Task
@@ -53,9 +55,42 @@ def create_dataset(name: str, settings: dict[str, Any], *, seed: int, size: int)
             f"data.dataset: unknown reasoning-gym dataset '{name}' ({len(datasets)} exist, e.g. chain_sum)"
         )
     try:
+        settings = _with_enums(datasets[name][1], settings)
         return package.create_dataset(name, **settings, seed=seed, size=size)
     except (TypeError, ValueError, AssertionError) as err:
-        raise ValueError(f"data.dataset_config: invalid settings for {name} ({' '.join(str(err).split())})") from None
+        raise ValueError(f"data.dataset_config: invalid settings for {name} ({_one_line(err)})") from None
+
+
+def _one_line(err: Exception) -> str:
+    return " ".join(str(err).split())
+
+
+def _enum_type(hint: Any) -> type[enum.Enum] | None:
+    if isinstance(hint, type) and issubclass(hint, enum.Enum):
+        return hint
+    return next(filter(None, map(_enum_type, typing.get_args(hint))), None)
+
+
+def _with_enums(config_class: type, settings: dict[str, Any]) -> dict[str, Any]:
+    """Settings with each enum-typed value given by its value or name (YAML has no enums), e.g. aiw's
+    ``task_types: [siblings]``; an unknown one is a ValueError listing the valid ones."""
+    hints = typing.get_type_hints(config_class)
+    converted = dict(settings)
+    for key, value in settings.items():
+        kind = _enum_type(hints.get(key))
+        if kind is None:
+            continue
+
+        def member(item: Any, key: str = key, kind: type[enum.Enum] = kind) -> enum.Enum:
+            if isinstance(item, kind):
+                return item
+            for candidate in kind:
+                if item in (candidate.value, candidate.name):
+                    return candidate
+            raise ValueError(f"{key}: {item!r} is not one of {', '.join(str(c.value) for c in kind)}")
+
+        converted[key] = [member(item) for item in value] if isinstance(value, list) else member(value)
+    return converted
 
 
 class ReasoningGymScore:
@@ -80,7 +115,13 @@ def reasoning_gym_task(name: str, settings: dict[str, Any], *, seed: int, num_pr
     dataset = create_dataset(name, settings, seed=seed, size=num_problems)
     prompts, seen = [], set()
     for index in range(num_problems):
-        entry = dataset[index]
+        try:
+            entry = dataset[index]
+        except Exception as err:  # the dataset's own code, run on the user's settings
+            raise ValueError(
+                f"data.dataset_config: {name} failed to generate entry {index} with these settings "
+                f"({type(err).__name__}: {_one_line(err)})"
+            ) from None
         if entry["question"] not in seen:
             seen.add(entry["question"])
             prompts.append(Prompt(f"{name}/{index}", entry["question"], EntryAnswer(entry)))
