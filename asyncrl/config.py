@@ -179,7 +179,7 @@ class RewardConfig(Section):
 
     functions: list[str] = Field(
         default_factory=lambda: ["exact_match"],
-        description="exact_match, numeric_match, math, format, overlong, task (the task's own checker), or "
+        description="exact_match, numeric_match, math, format, overlong, task (the task's own checker: reasoning_gym, running_sum), or "
         "package.module:function; the first one decides accuracy",
     )
     weights: list[float] | None = Field(None, description="one weight per function; null: all 1")
@@ -615,7 +615,11 @@ class RunConfig(Section):
                 "rewards.functions: data.task reasoning_gym is scored by its dataset's own checker; "
                 "list task (rewards.functions=[task])"
             )
-        if self.data.task != "reasoning_gym" and "task" in self.rewards.functions:
+        from asyncrl.data.synthetic import SYNTHETIC_TASKS
+
+        builtin = SYNTHETIC_TASKS.get(self.data.task)
+        checked = self.data.task == "reasoning_gym" or (builtin is not None and builtin.score is not None)
+        if not checked and "task" in self.rewards.functions:
             raise ValueError(
                 f"rewards.functions: the task reward needs a task with its own checker; data.task '{self.data.task}' has none"
             )

@@ -97,6 +97,26 @@ def test_running_sum_writes_out_every_partial_sum():
     assert not re.fullmatch(build_task(config()).format_pattern, "3,11")
 
 
+@pytest.mark.parametrize(
+    "completion, credit",
+    [
+        ("3,11,16,17", 1.0),
+        (" 3, 11,16,17\n", 1.0),
+        ("3,11,15,17", 0.5),  # right up to the third sum: later ones are not credited
+        ("3,12,16,17", 0.25),
+        ("4,11,16,17", 0.0),
+        ("3,11", 0.5),
+        ("3,11,16,17,20,25", 4 / 6),  # more sums than asked for
+        ("3 11 16 17", 0.0),
+        ("", 0.0),
+    ],
+)
+def test_running_sum_gives_credit_per_leading_partial_sum(completion, credit):
+    task = build_task(config(task="running_sum", difficulty=2))
+    assert task.score(completion, "3,11,16,17") == pytest.approx(credit)
+    assert build_task(config()).score is None  # arithmetic has one answer: exact_match scores it
+
+
 def test_too_few_problems_for_the_held_out_split_is_a_config_error():
     with pytest.raises(ValueError, match=r"^data.eval_size: 400 held-out problems leave none to train on"):
         build_task(config(eval_size=400))

@@ -196,9 +196,7 @@ def test_chunks_run_in_order_of_at_most_batch_size_rows():
     gen = generator(batch_size=3)
     prefill_rows = []
     gen.model.register_forward_pre_hook(
-        lambda _, args, kwargs: (
-            prefill_rows.append(kwargs["input_ids"].shape[0]) if kwargs["cache"] is None else None
-        ),
+        lambda _, args, kwargs: prefill_rows.append(kwargs["input_ids"].shape[0]) if kwargs["cache"] is None else None,
         with_kwargs=True,
     )
     gen.generate(requests(samples=1), SamplingParams(max_new_tokens=2))

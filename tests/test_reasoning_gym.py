@@ -111,7 +111,10 @@ def test_the_loader_resumes_a_reasoning_gym_split():
             ["data.task=reasoning_gym", "data.dataset=chain_sum"],
             "rewards.functions: data.task reasoning_gym is scored by",
         ),
-        (["rewards.functions=[task]"], "rewards.functions: the task reward needs a task with its own checker"),
+        (
+            ["data.task=arithmetic", "data.difficulty=1", "rewards.functions=[task]"],
+            "rewards.functions: the task reward needs a task with its own checker",
+        ),
         ([*CHAIN_SUM, "data.path=x.jsonl"], "data.path: set, but data.task 'reasoning_gym' is built in"),
     ],
 )

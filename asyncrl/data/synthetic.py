@@ -8,12 +8,14 @@ was sampled around it.
 
 - ``arithmetic``: ``12+7=`` -> ``19``. Integer expressions; ``*`` binds before ``+`` and ``-``.
 - ``running_sum``: ``running sum 3 8 5 1:`` -> ``3,11,16,17``. Every partial sum, written out,
-  so the final total is reached one step at a time.
+  so the final total is reached one step at a time. Its own checker (the ``task`` reward) gives
+  credit per partial sum: the share of leading sums that are right, so ``3,11,15,17`` scores 0.5.
 """
 
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import accumulate
 from typing import Protocol
@@ -25,6 +27,7 @@ class SyntheticTask(Protocol):
     name: str
     format_pattern: str  # a well-formed answer, for the format reward
     max_difficulty: int | None  # None: every level from 1 up exists
+    score: Callable[[str, str], float] | None  # the task's own checker, the task reward; None: none
 
     def size(self, difficulty: int) -> int: ...
     def problem(self, number: int, difficulty: int) -> tuple[str, str]: ...
@@ -71,6 +74,7 @@ class Arithmetic:
     name = "arithmetic"
     format_pattern = r"-?\d+"
     max_difficulty = max(ARITHMETIC_LEVELS)
+    score = None
 
     def size(self, difficulty: int) -> int:
         level = ARITHMETIC_LEVELS[difficulty]
@@ -85,12 +89,25 @@ class Arithmetic:
         return f"{expression}=", str(evaluate(operands, operators))
 
 
+def partial_sum_credit(completion: str, answer: str) -> float:
+    """The share of leading partial sums that are right, out of those expected or given if more:
+    ``3,11,15,17`` for ``3,11,16,17`` scores 0.5, and only the exact answer scores 1."""
+    expected, given = answer.split(","), completion.strip().split(",")
+    right = 0
+    for want, got in zip(expected, given):
+        if got.strip() != want:
+            break
+        right += 1
+    return right / max(len(expected), len(given))
+
+
 class RunningSum:
     """Difficulty d: d + 2 single-digit numbers."""
 
     name = "running_sum"
     format_pattern = r"\d+(,\d+)+"
     max_difficulty = None
+    score = staticmethod(partial_sum_credit)
 
     def size(self, difficulty: int) -> int:
         return 10 ** (difficulty + 2)
@@ -124,4 +141,10 @@ def synthetic_task(name: str, difficulty: int, *, seed: int, num_problems: int, 
         )
     numbers = random.Random(f"{name}:{difficulty}:{seed}").sample(range(size), count)
     prompts = [Prompt(f"{name}/{difficulty}/{n}", *task.problem(n, difficulty)) for n in numbers]
-    return Task(name, train=prompts[eval_size:], heldout=prompts[:eval_size], format_pattern=task.format_pattern)
+    return Task(
+        name,
+        train=prompts[eval_size:],
+        heldout=prompts[:eval_size],
+        format_pattern=task.format_pattern,
+        score=task.score,
+    )

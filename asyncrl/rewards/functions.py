@@ -10,7 +10,8 @@ Built-ins, by name:
   the task's own pattern).
 - ``overlong``: DAPO's soft overlong penalty, from the response's length in tokens alone
   (``OverlongPenalty``; docs/data.md).
-- ``task``: the task's own checker (a reasoning-gym dataset's ``score_answer``).
+- ``task``: the task's own checker (a reasoning-gym dataset's ``score_answer``, running_sum's credit
+  per partial sum).
 - ``package.module:function``: any importable callable taking (completion, answer).
 
 A reward with ``uses_num_tokens = True`` is also given the response's length in tokens, as the
@@ -145,7 +146,7 @@ def resolve_reward(
     if name == "task":
         if task_score is None:
             raise ValueError(
-                "rewards.functions: the task reward needs a task with its own checker (data.task reasoning_gym)"
+                "rewards.functions: the task reward needs a task with its own checker (reasoning_gym, running_sum)"
             )
         return task_score
     if ":" not in name:
