@@ -112,6 +112,8 @@ def test_time_to_target_ratios_pair_the_runs_of_each_seed_and_report_their_sprea
     assert "| max_lag=1 | 5.0 | 15.0 | n/a |" in text and "| max_lag=1 / max_lag=0 | 2/3 | n/a | 0.62 | 0.25 |" in text
     saved_result(tmp_path, "e2e-trl-reasoning-gym", {"target_accuracy": 0.45}, summary)
     assert "### `asyncrl bench e2e --against trl data.task=reasoning_gym ...`" in report.render(tmp_path)
+    saved_result(tmp_path, "e2e-trl-long-responses", {"target_accuracy": 0.45}, summary)
+    assert "### `asyncrl bench e2e --against trl data.difficulty=3 ...`" in report.render(tmp_path)
 
 
 def test_time_to_target_uses_training_time_and_the_first_eval_that_reaches_it():

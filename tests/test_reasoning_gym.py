@@ -192,9 +192,23 @@ BASIC_SUMS = [  # "Calculate 0 + 4 + 8." -> "12": 1,268 distinct questions from 
 ]
 
 
-def held_out_rise(tmp_path, overrides: list[str], steps: int) -> float:
-    """Held-out accuracy after ``steps`` GRPO steps at a constant lr minus that of the warm start."""
-    summary = train(
+SPELL_BACKWARD = [  # "Spell this word backward (example: sun -> nus): cat" -> "tac": 3,503 distinct words
+    "data.task=reasoning_gym",
+    "data.dataset=spell_backward",
+    "data.dataset_config={min_word_len: 3, max_word_len: 4}",
+    "rewards.functions=[task,exact_match]",  # credit per letter in place, and 1 more for the exact word
+    "data.num_problems=5000",
+    "data.eval_size=256",
+    "generation.max_new_tokens=6",
+    "warm_start.steps=1000",
+    "warm_start.batch_size=32",
+]
+
+
+def held_out_rise(tmp_path, overrides: list[str], steps: int) -> tuple[float, float]:
+    """(accuracy, mean score) on the held-out questions after ``steps`` GRPO steps at a constant lr,
+    minus those of the warm start."""
+    train(
         load_config(
             None,
             [
@@ -211,7 +225,9 @@ def held_out_rise(tmp_path, overrides: list[str], steps: int) -> float:
     )
     rows = read_jsonl(tmp_path / "run" / "metrics.jsonl")
     assert len(rows) == steps and sum(row["reward_errors"] for row in rows) == 0
-    return summary["final_eval_accuracy"] - summary["initial_eval_accuracy"]
+    first, last = read_jsonl(tmp_path / "run" / "eval.jsonl")
+    assert (first["step"], last["step"]) == (0, steps)
+    return last["accuracy"] - first["accuracy"], last["reward_mean"] - first["reward_mean"]
 
 
 @pytest.mark.slow
@@ -219,4 +235,15 @@ def test_the_default_model_learns_reasoning_gym_sums_in_a_short_run(tmp_path):
     """The embedded default model, its warm start, then 50 GRPO steps scored by the dataset's checker.
     From the warm starts seeded 0, 1 and 2, held-out accuracy on 256 questions rose by 0.117, 0.051
     and 0.059 (docs/data.md)."""
-    assert held_out_rise(tmp_path, BASIC_SUMS, steps=50) >= 0.04
+    accuracy, _ = held_out_rise(tmp_path, BASIC_SUMS, steps=50)
+    assert accuracy >= 0.04
+
+
+@pytest.mark.slow
+def test_the_default_model_learns_to_spell_words_backward_in_a_short_run(tmp_path):
+    """The same for spell_backward, from a warm start of 1,000 steps of 32 examples (600 steps of 64
+    learn to reverse words from some seeds and not others). From the warm starts seeded 0, 1 and 2
+    the held-out score (letters in place plus 1 for the exact word, 0 to 2) rose by 0.138, 0.104 and
+    0.067 in 50 steps, and held-out accuracy by 0.082, 0.055 and 0.024 (docs/data.md)."""
+    accuracy, score = held_out_rise(tmp_path, SPELL_BACKWARD, steps=50)
+    assert score >= 0.04 and accuracy >= 0.01

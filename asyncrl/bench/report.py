@@ -215,10 +215,12 @@ SECTIONS: dict[str, Callable[[dict], str]] = {
     "e2e": _e2e,
     "e2e-trl": _e2e,
     "e2e-trl-reasoning-gym": _e2e,
+    "e2e-trl-long-responses": _e2e,
 }
 COMMANDS = {  # results saved under another name than the command's (--output); the overrides are in Settings
     "e2e-trl": "e2e --against trl",
     "e2e-trl-reasoning-gym": "e2e --against trl data.task=reasoning_gym ...",
+    "e2e-trl-long-responses": "e2e --against trl data.difficulty=3 ...",
 }
 
 
