@@ -179,8 +179,8 @@ class RewardConfig(Section):
 
     functions: list[str] = Field(
         default_factory=lambda: ["exact_match"],
-        description="exact_match, numeric_match, math, format, overlong, task (the task's own checker: reasoning_gym, running_sum), or "
-        "package.module:function; the first one decides accuracy",
+        description="exact_match, numeric_match, math, format, overlong, task (the task's own checker: "
+        "reasoning_gym, running_sum), or package.module:function; the first one decides accuracy",
     )
     weights: list[float] | None = Field(None, description="one weight per function; null: all 1")
     timeout_s: float = Field(5.0, gt=0.0, description="wall-clock limit of one reward call; past it the reward is 0")
