@@ -12,6 +12,7 @@ from asyncrl.data.prompts import apply_chat_template
 from asyncrl.data.synthetic import evaluate
 from asyncrl.models.example import build_tokenizer as example_tokenizer
 from asyncrl.models.tokenizer import DEFAULT_ALPHABET, build_char_tokenizer
+from asyncrl.rewards import RewardRunner
 
 
 def config(**fields) -> DataConfig:
@@ -115,6 +116,14 @@ def test_running_sum_gives_credit_per_leading_partial_sum(completion, credit):
     task = build_task(config(task="running_sum", difficulty=2))
     assert task.score(completion, "3,11,16,17") == pytest.approx(credit)
     assert build_task(config()).score is None  # arithmetic has one answer: exact_match scores it
+
+
+def test_running_sum_credit_is_the_task_reward_and_only_the_exact_chain_is_correct():
+    run = load_config(None, ["rewards.functions=[task]"])
+    runner = RewardRunner.from_config(run.rewards, build_task(run.data))
+    result = runner.score(["3,11,15,17", "3,11,16,17"], ["3,11,16,17"] * 2)
+    assert result.rewards == [0.5, 1.0] and result.correct == [False, True]
+    runner.close()
 
 
 def test_too_few_problems_for_the_held_out_split_is_a_config_error():
