@@ -71,6 +71,15 @@ def _enum_type(hint: Any) -> type[enum.Enum] | None:
     return next(filter(None, map(_enum_type, typing.get_args(hint))), None)
 
 
+def _enum_member(kind: type[enum.Enum], key: str, item: Any) -> enum.Enum:
+    if isinstance(item, kind):
+        return item
+    for member in kind:
+        if item in (member.value, member.name):
+            return member
+    raise ValueError(f"{key}: {item!r} is not one of {', '.join(str(member.value) for member in kind)}")
+
+
 def _with_enums(config_class: type, settings: dict[str, Any]) -> dict[str, Any]:
     """Settings with each enum-typed value given by its value or name (YAML has no enums), e.g. aiw's
     ``task_types: [siblings]``; an unknown one is a ValueError listing the valid ones."""
@@ -78,18 +87,10 @@ def _with_enums(config_class: type, settings: dict[str, Any]) -> dict[str, Any]:
     converted = dict(settings)
     for key, value in settings.items():
         kind = _enum_type(hints.get(key))
-        if kind is None:
-            continue
-
-        def member(item: Any, key: str = key, kind: type[enum.Enum] = kind) -> enum.Enum:
-            if isinstance(item, kind):
-                return item
-            for candidate in kind:
-                if item in (candidate.value, candidate.name):
-                    return candidate
-            raise ValueError(f"{key}: {item!r} is not one of {', '.join(str(c.value) for c in kind)}")
-
-        converted[key] = [member(item) for item in value] if isinstance(value, list) else member(value)
+        if kind is not None:
+            items = value if isinstance(value, list) else [value]
+            members = [_enum_member(kind, key, item) for item in items]
+            converted[key] = members if isinstance(value, list) else members[0]
     return converted
 
 
