@@ -389,6 +389,25 @@ def bench_e2e(
     common.write_result("e2e-trl" if against else "e2e", settings, result, output)
 
 
+@bench_app.command("gpu")
+def bench_gpu(
+    peak_tflops: float | None = typer.Option(
+        None, "--peak-tflops", min=0.001, help="the GPU's dense bf16 peak in TFLOP/s (default: looked up by name)"
+    ),
+    output: Path | None = typer.Option(None, "--output", help=OUTPUT_HELP),
+) -> None:
+    """On one CUDA GPU: bf16 train steps of a Qwen2.5-0.5B-shaped model (tokens/s, MFU), weight export and
+    load GB/s, FSDP2 on one rank, and the vLLM backend when its environment exists."""
+    import torch
+
+    if not torch.cuda.is_available():
+        typer.echo("skipped: no CUDA GPU")
+        return
+    from asyncrl.bench import common, gpu
+
+    common.write_result("gpu", gpu.settings(gpu.QWEN25_05B), gpu.run(peak=peak_tflops), output)
+
+
 @bench_app.command("report")
 def bench_report(
     results_dir: Path | None = typer.Option(

@@ -1,6 +1,8 @@
 import hashlib
+import inspect
 import json
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -196,11 +198,35 @@ def test_chunks_run_in_order_of_at_most_batch_size_rows():
     gen = generator(batch_size=3)
     prefill_rows = []
     gen.model.register_forward_pre_hook(
-        lambda _, args, kwargs: prefill_rows.append(kwargs["input_ids"].shape[0]) if kwargs["cache"] is None else None,
+        lambda _, args, kwargs: (
+            prefill_rows.append(kwargs["input_ids"].shape[0])
+            if kwargs["input_ids"].shape[1] > 1  # the prefill: later forwards take one token per row
+            else None
+        ),
         with_kwargs=True,
     )
     gen.generate(requests(samples=1), SamplingParams(max_new_tokens=2))
     assert prefill_rows == [3, 3, 1]
+
+
+@pytest.mark.skipif(
+    "cache" not in inspect.signature(type(small_model()).forward).parameters,
+    reason="this transformers names the KV cache past_key_values itself",
+)
+def test_a_model_that_names_the_kv_cache_past_key_values_samples_the_same():
+    """Before 5.24, transformers passes and returns the KV cache as ``past_key_values``, not ``cache``."""
+    base = type(small_model())
+
+    class OlderNames(base):
+        def forward(self, *, past_key_values=None, **kwargs):
+            output = super().forward(cache=past_key_values, **kwargs)
+            return SimpleNamespace(logits=output.logits, past_key_values=output.cache)
+
+    older = generator()
+    older.model.__class__ = OlderNames
+    older = HFGenerator(older.model, stop_token_ids=older.stop_token_ids.tolist(), pad_token_id=0, batch_size=64)
+    params = SamplingParams(max_new_tokens=8, temperature=0.8)
+    assert_same_samples(older.generate(requests(), params), generator().generate(requests(), params), atol=0)
 
 
 @pytest.mark.parametrize("dtype, atol", [(torch.float32, 1e-5), (torch.float64, 1e-10)])

@@ -22,6 +22,7 @@ importance sampling corrects for it.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -54,6 +55,8 @@ class HFGenerator:
         self.batch_size = batch_size
         self.version = 0
         self._targets = self.model.state_dict()  # tensors sharing the model's storage: a sync copies into them
+        # transformers 5.24 renamed the forward's ``past_key_values`` to ``cache``; a GPU image may hold an older one.
+        self._cache_name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
     def generate(self, requests: Sequence[SampleRequest], params: SamplingParams) -> list[Rollout]:
         """One Rollout per request, in request order."""
@@ -106,11 +109,11 @@ class HFGenerator:
                 input_ids=next_ids,
                 attention_mask=attention_mask,
                 position_ids=position_ids,
-                cache=cache,
                 use_cache=True,
                 logits_to_keep=1,
+                **{self._cache_name: cache},
             )
-            cache = output.cache
+            cache = getattr(output, self._cache_name)
             draws = None if uniforms is None else uniforms[active, steps]
             token, logprob = sample_next(output.logits[:, -1], params.temperature, params.top_k, params.top_p, draws)
             tokens[active, steps] = token
