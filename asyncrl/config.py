@@ -306,7 +306,7 @@ class LossConfig(Section):
     importance_sampling: Literal["auto", "none", "tis", "icepop"] = Field(
         "auto",
         description="off-policy correction; auto: tis whenever the generator's distribution can differ from the "
-        "trainer's (sampler.max_lag > 0, generation.top_p < 1, generation.top_k > 0, or trainer.dtype bfloat16), else none; none with clip_against behaviour",
+        "trainer's (sampler.max_lag > 0 or trainer.dtype bfloat16), else none; none with clip_against behaviour",
     )
     is_cap: float = Field(2.0, gt=0.0, description="tis: importance weights are clamped at this cap")
     is_low: float = Field(0.5, ge=0.0, description="icepop: weights below this are zeroed")
@@ -695,15 +695,14 @@ class RunConfig(Section):
     @property
     def importance_sampling(self) -> str:
         """The effective importance-sampling mode: ``auto`` is tis whenever the behaviour and the
-        trainer's distributions can differ: lagged weights, top-p / top-k truncation (the trainer
-        scores the untruncated distribution), or bfloat16, where the generator's cached decoding
-        and the trainer's forward round differently."""
+        trainer's distributions can differ: lagged weights, or bfloat16, where the generator's
+        cached decoding and the trainer's forward round differently. Top-k and top-p do not: the
+        trainer scores the same truncated distribution."""
         if self.loss.importance_sampling != "auto":
             return self.loss.importance_sampling
         if self.loss.clip_against == "behaviour":
             return "none"
-        g = self.generation
-        differ = self.sampler.max_lag > 0 or g.top_p < 1.0 or g.top_k > 0 or self.trainer.dtype == "bfloat16"
+        differ = self.sampler.max_lag > 0 or self.trainer.dtype == "bfloat16"
         return "tis" if differ else "none"
 
     @property

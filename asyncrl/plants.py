@@ -15,5 +15,6 @@ Plant = Literal[
     "whole-step-normalizer",
     "recompute-proximal",
     "cp-shard-mean",
+    "cp-untruncated",
 ]
 PLANTS: tuple[str, ...] = get_args(Plant)

@@ -13,8 +13,10 @@ so every loss term and clipping branch is exercised), then runs
 
 from identical copies and compares loss, gradient norm, every gradient, every updated parameter and
 every reported metric against docs/loss.md's tolerances. Parameters are compared where the gradient
-determines their update (see ``_UNDETERMINED_BAND``). ``plant`` swaps in a deliberate normalization
-mistake so a user can see the check fail.
+determines their update (see ``_UNDETERMINED_BAND``). Every path scores under a tempered, top-k
+and top-p truncated distribution (``DISTRIBUTION``), so shards and micro-batches are checked to
+truncate exactly as whole rows do. ``plant`` swaps in a deliberate mistake so a user can see the
+check fail.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from torch import Tensor
 
 from asyncrl.algorithms import grpo
 from asyncrl.config import LossConfig, ParallelConfig, TrainerConfig
-from asyncrl.models import build_tiny_model, token_logprobs
+from asyncrl.models import SampledDistribution, build_tiny_model, token_logprobs
 from asyncrl.plants import PLANTS, Plant
 from asyncrl.trainer import PolicyTrainer, StepResult
 from asyncrl.trainer.context_parallel import ContextParallel, Shard
@@ -38,7 +40,12 @@ from asyncrl.trainer.worker import split_evenly
 from asyncrl.types import TrainBatch
 
 UPDATE_PLANTS = ("whole-step-normalizer", "recompute-proximal")  # mistakes that need several updates
-CP_PLANTS = ("shift-after-shard", "double-count-tokens", "cp-shard-mean")  # mistakes that only exist across CP ranks
+CP_PLANTS = (
+    "shift-after-shard",
+    "double-count-tokens",
+    "cp-shard-mean",
+    "cp-untruncated",
+)  # mistakes that only exist across CP ranks
 RANK_PLANTS = (*CP_PLANTS, "per-shard-mean", "average-without-compensation")  # need more than one rank
 RATIO_LEVELS = ("token", "sequence")
 DTYPES = {"float64": torch.float64, "float32": torch.float32}
@@ -46,6 +53,8 @@ WRAPS = ("fsdp", "ddp")
 NUM_GROUPS, GROUP_SIZE = 4, 4
 BATCH_ROWS = NUM_GROUPS * GROUP_SIZE  # the most micro-batches a check can use
 MAX_RANKS = 4
+# the sampling every check scores under: the truncation keeps about half of the 48 tokens
+DISTRIBUTION = SampledDistribution(temperature=0.8, top_k=24, top_p=0.95)
 
 
 @dataclass(frozen=True)
@@ -192,6 +201,16 @@ class ShardMeanCP(ContextParallel):
         return values.sum(-1)
 
 
+class UntruncatedCP(ContextParallel):
+    """The planted mistake: shards score the tempered distribution without its top-k / top-p truncation."""
+
+    def logprobs(self, model, shard, *, with_entropy, entropy_grad=True, distribution=SampledDistribution()):
+        untruncated = SampledDistribution(distribution.temperature)
+        return super().logprobs(
+            model, shard, with_entropy=with_entropy, entropy_grad=entropy_grad, distribution=untruncated
+        )
+
+
 class UncompensatedParallel(ParallelContext):
     """The planted mistake: the wrapper's gradient average over ranks is left in place."""
 
@@ -206,6 +225,8 @@ def _planted(parallel: ParallelContext, plant: str | None) -> ParallelContext:
         return replace(parallel, context=DoubleCountCP(parallel.context.group))
     if plant == "cp-shard-mean":
         return replace(parallel, context=ShardMeanCP(parallel.context.group))
+    if plant == "cp-untruncated":
+        return replace(parallel, context=UntruncatedCP(parallel.context.group))
     if plant == "average-without-compensation":
         return UncompensatedParallel(parallel.mesh, parallel.ranks_mesh, parallel.wrap, parallel.context)
     return parallel
@@ -214,8 +235,17 @@ def _planted(parallel: ParallelContext, plant: str | None) -> ParallelContext:
 # ---- the problem -----------------------------------------------------------------------------
 
 
-def random_batch(model: torch.nn.Module, *, num_groups: int, group_size: int, vocab_size: int, seed: int) -> TrainBatch:
-    """A ragged GRPO batch whose logprobs sit near the model's, so ratios straddle the clip range."""
+def random_batch(
+    model: torch.nn.Module,
+    *,
+    num_groups: int,
+    group_size: int,
+    vocab_size: int,
+    seed: int,
+    distribution: SampledDistribution = SampledDistribution(),
+) -> TrainBatch:
+    """A ragged GRPO batch whose logprobs sit near the model's (under ``distribution``), so ratios
+    straddle the clip range."""
     gen = torch.Generator().manual_seed(seed)
     rows = num_groups * group_size
     prompt_lengths = torch.randint(2, 9, (num_groups,), generator=gen).repeat_interleave(group_size)
@@ -230,7 +260,7 @@ def random_batch(model: torch.nn.Module, *, num_groups: int, group_size: int, vo
     rewards = torch.randint(0, 3, (num_groups, group_size), generator=gen).double()
     advantages = grpo.group_advantages(rewards).reshape(-1)
     with torch.no_grad():
-        logprobs, _ = token_logprobs(model, input_ids, attention_mask)
+        logprobs, _ = token_logprobs(model, input_ids, attention_mask, distribution=distribution)
 
     def near(scale: float) -> Tensor:
         return (logprobs + scale * torch.randn(logprobs.shape, generator=gen, dtype=logprobs.dtype)) * response_mask
@@ -283,7 +313,9 @@ def build_problem(
     With several updates the learning rate is large enough that the later updates' ratios leave
     the clip range (about 10% of tokens clipped at 2 updates), so the clip branches are exercised."""
     model = build_tiny_model(vocab_size, seed=seed, dtype=dtype, hidden_size=64, num_layers=2, intermediate_size=128)
-    batch = random_batch(model, num_groups=NUM_GROUPS, group_size=GROUP_SIZE, vocab_size=vocab_size, seed=seed)
+    batch = random_batch(
+        model, num_groups=NUM_GROUPS, group_size=GROUP_SIZE, vocab_size=vocab_size, seed=seed, distribution=DISTRIBUTION
+    )
     loss_cfg = LossConfig(
         mode=mode,
         norm_constant=16.0 if mode == "seq-mean-token-sum-norm" else None,
@@ -306,6 +338,7 @@ def _trainer(cls: type[PolicyTrainer], model, loss_cfg, trainer_cfg, parallel=No
         total_steps=10,
         reference_model=copy.deepcopy(model),
         parallel=parallel,
+        distribution=DISTRIBUTION,
     )
     if batch is not None:
         trainer.step_counts = (batch.num_response_tokens, batch.num_sequences)

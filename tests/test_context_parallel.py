@@ -1,6 +1,7 @@
 """Context-parallel layout, shift-before-shard and the cp = 1 identity with the plain trainer path."""
 
 import copy
+import io
 from dataclasses import replace
 
 import pytest
@@ -9,10 +10,16 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from asyncrl.config import ParallelConfig
+from asyncrl.models import SampledDistribution, token_logprobs
 from asyncrl.trainer import PolicyTrainer
-from asyncrl.trainer.context_parallel import ATTN_IMPLEMENTATION, ContextParallel, head_tail_columns
-from asyncrl.trainer.parallel import init_parallel
-from asyncrl.verify import StepOutcome, build_problem, uneven_split
+from asyncrl.trainer.context_parallel import (
+    ATTN_IMPLEMENTATION,
+    ContextParallel,
+    enable_context_parallel_attention,
+    head_tail_columns,
+)
+from asyncrl.trainer.parallel import init_parallel, launch
+from asyncrl.verify import DISTRIBUTION, StepOutcome, UntruncatedCP, build_problem, uneven_split
 
 
 def layout_view(size: int, rank: int) -> ContextParallel:
@@ -98,7 +105,8 @@ def single_rank_group(tmp_path):
 
 
 def run_step(model, batch, loss_cfg, trainer_cfg, parallel):
-    """At a sampling temperature of 0.7: every path scores softmax(logits / T), the shards' too."""
+    """At a sampling temperature of 0.7 with top-k and top-p: every path scores the truncated
+    distribution, the shards' too."""
     trainer = PolicyTrainer(
         copy.deepcopy(model),
         trainer_cfg,
@@ -107,7 +115,7 @@ def run_step(model, batch, loss_cfg, trainer_cfg, parallel):
         total_steps=10,
         reference_model=copy.deepcopy(model),
         parallel=parallel,
-        temperature=0.7,
+        distribution=SampledDistribution(0.7, top_k=8, top_p=0.9),
     )
     trainer.begin_train_step()
     for micro in uneven_split(batch, 3, torch.Generator().manual_seed(1)):
@@ -143,3 +151,41 @@ def test_shifting_after_sharding_pairs_tokens_across_the_chunk_seam():
     seam = right.columns.shape[0] // 2 - 1  # last slot of the head chunk
     assert torch.equal(right.labels[:, :seam], wrong.labels[:, :seam])
     assert not torch.equal(right.labels[:, seam], wrong.labels[:, seam])
+
+
+def _truncated_shard_scores(rank: int, world_size: int) -> bytes:
+    """Whole-row logprobs and this rank's shard of the entropies, under truncation, from two CP
+    ranks, and the same from shards that forget the truncation; rank 0 returns them all."""
+    model, batch, *_ = build_problem("token-mean", torch.float64, 0)
+    enable_context_parallel_attention(model)
+    scores = {}
+    for name, cp in [("right", ContextParallel(dist.group.WORLD)), ("untruncated", UntruncatedCP(dist.group.WORLD))]:
+        with torch.no_grad():
+            inputs = cp.loss_inputs(model, batch, batch.response_mask, with_entropy=True, distribution=DISTRIBUTION)
+            logprobs = cp.full_logprobs(model, batch, distribution=DISTRIBUTION)
+        entropy = torch.zeros(len(batch), cp.padded_width(batch.input_ids.shape[1]), dtype=torch.float64)
+        entropy[:, cp.shard(batch).columns] = inputs.entropy.roll(-1, dims=-1)
+        gathered = [torch.zeros_like(entropy) for _ in range(world_size)]
+        dist.all_gather(gathered, entropy)
+        scores[name] = (logprobs, sum(gathered))
+    buffer = io.BytesIO()
+    torch.save(scores if rank == 0 else None, buffer)
+    return buffer.getvalue()
+
+
+def test_two_cp_ranks_score_the_truncated_distribution_as_a_whole_row_does():
+    model, batch, *_ = build_problem("token-mean", torch.float64, 0)
+    scores = torch.load(io.BytesIO(launch(_truncated_shard_scores, 2)[0]))
+    expected, entropy = token_logprobs(
+        model, batch.input_ids, batch.attention_mask, with_entropy=True, distribution=DISTRIBUTION
+    )
+    real = F.pad(batch.attention_mask[:, 1:], (1, 0)).bool() & batch.attention_mask.bool()
+    width = batch.input_ids.shape[1]
+    logprobs, shard_entropy = scores["right"]
+    torch.testing.assert_close(logprobs[real], expected[real], rtol=1e-12, atol=1e-12)
+    # column t of a shard's entropy predicts token t + 1, as entropy[:, t + 1] of the whole row
+    torch.testing.assert_close(
+        shard_entropy[:, : width - 1][real[:, 1:]], entropy[:, 1:][real[:, 1:]], rtol=1e-12, atol=1e-12
+    )
+    untruncated, _ = scores["untruncated"]
+    assert (untruncated - expected)[real].abs().max() > 1e-2  # the twin: shards that skip top-k / top-p

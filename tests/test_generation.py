@@ -19,6 +19,7 @@ from asyncrl.models import (
     token_logprobs,
 )
 from asyncrl.models.example import END_OF_TURN, write_example_checkpoint
+from asyncrl.models.logprobs import truncated
 
 TOKENIZER = build_char_tokenizer()
 SMALL = dict(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=64)
@@ -135,6 +136,21 @@ def test_top_p_keeps_the_smallest_prefix_reaching_the_mass():
     torch.testing.assert_close(logprobs.exp(), probs[tokens] / 0.8)
     tokens, logprobs = sample_next(probs.log().expand(101, -1), 1.0, 0, 1e-6, uniforms)
     assert set(tokens.tolist()) == {1} and logprobs.abs().max() == 0
+
+
+def test_truncation_is_vllms_rule_ties_and_order_included():
+    """Top-k keeps ties with the k-th; top-p then acts on the top-k distribution, dropping tokens
+    in ascending order while their cumulative mass is at most 1 - top_p (a tie at that boundary:
+    the lower token id goes first), and always keeps the most likely token."""
+    logits = torch.tensor([1.0, 3.0, 3.0, 2.0])
+    assert truncated(logits, 1, 1.0).tolist() == [True, False, False, True]
+    probs = torch.tensor([0.25, 0.5, 0.25], dtype=torch.float64)
+    assert truncated(probs.log(), 0, 0.75).tolist() == [True, False, False]
+    probs = torch.tensor([0.4, 0.3, 0.2, 0.1], dtype=torch.float64)
+    # renormalized over the top 3, the third holds 0.222 <= 0.25; over all four it would be kept
+    assert truncated(probs.log(), 3, 0.75).tolist() == [False, False, True, True]
+    assert truncated(probs.log(), 0, 0.75).tolist() == [False, False, False, True]
+    assert truncated(probs.log(), 0, 1e-9).tolist() == [False, True, True, True]
 
 
 def test_greedy_returns_the_argmax_and_its_unmodified_logprob():

@@ -12,7 +12,7 @@ from torch.utils.checkpoint import checkpoint
 from asyncrl.config import LossConfig, ParallelConfig, TrainerConfig, load_config
 from asyncrl.generation import build_generator
 from asyncrl.generation.hf import sample_next
-from asyncrl.models import build_model, build_tiny_model, build_tokenizer, token_logprobs
+from asyncrl.models import SampledDistribution, build_model, build_tiny_model, build_tokenizer, token_logprobs
 from asyncrl.trainer import PolicyTrainer, policy, recompute
 from asyncrl.trainer.parallel import init_parallel, launch
 from asyncrl.verify import random_batch, rank_micro_batches
@@ -125,16 +125,20 @@ def test_trainer_scores_the_distribution_the_generator_samples_from():
     with torch.no_grad():
         logits = model(input_ids=ids).logits[:, -1]
         tokens, sampled = sample_next(logits, 0.7, 0, 1.0, torch.rand(3, dtype=torch.float64))
-        scored, _ = token_logprobs(model, torch.cat([ids, tokens[:, None]], 1), torch.ones(3, 7), temperature=0.7)
+        scored, _ = token_logprobs(
+            model, torch.cat([ids, tokens[:, None]], 1), torch.ones(3, 7), distribution=SampledDistribution(0.7)
+        )
         untempered, _ = token_logprobs(model, torch.cat([ids, tokens[:, None]], 1), torch.ones(3, 7))
     torch.testing.assert_close(scored[:, -1], sampled, rtol=1e-12, atol=1e-12)
     assert (untempered[:, -1] - sampled).abs().max() > 1e-2  # the twin: scoring at temperature 1
 
 
 @pytest.mark.parametrize("temperature", [0.7, 1.0, 1.3])
-def test_the_trainer_takes_the_sampling_temperature(temperature):
-    config = load_config(None, ["model.num_layers=1", f"generation.temperature={temperature}"])
-    assert PolicyTrainer.from_config(config, build_model(config, build_tokenizer(config))).temperature == temperature
+def test_the_trainer_takes_the_sampling_temperature_and_truncation(temperature):
+    sampling = [f"generation.temperature={temperature}", "generation.top_k=5", "generation.top_p=0.9"]
+    config = load_config(None, ["model.num_layers=1", *sampling])
+    trainer = PolicyTrainer.from_config(config, build_model(config, build_tokenizer(config)))
+    assert trainer.distribution == SampledDistribution(temperature, top_k=5, top_p=0.9)
 
 
 @pytest.mark.slow
@@ -161,8 +165,8 @@ def test_an_on_policy_run_at_temperature_0_7_needs_no_correction(tmp_path):
         ([], "none"),
         (["generation.temperature=0.7"], "none"),
         (["sampler.max_lag=1"], "tis"),
-        (["generation.top_p=0.9"], "tis"),
-        (["generation.top_k=20"], "tis"),
+        (["generation.top_p=0.9"], "none"),  # the trainer scores the truncated distribution
+        (["generation.top_k=20"], "none"),
         (["trainer.dtype=bfloat16"], "tis"),
         (["trainer.dtype=bfloat16", "loss.importance_sampling=icepop"], "icepop"),
     ],

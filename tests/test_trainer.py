@@ -1,14 +1,19 @@
 """PolicyTrainer: split-step state machine, exact abort, checkpoints, schedule, weight export."""
 
 import copy
+from dataclasses import replace
 
 import pytest
 import torch
 
+from asyncrl.algorithms import grpo
 from asyncrl.config import LossConfig, TrainerConfig
-from asyncrl.models import build_tiny_model
+from asyncrl.generation.base import SampleRequest, SamplingParams
+from asyncrl.generation.hf import HFGenerator
+from asyncrl.models import SampledDistribution, build_tiny_model
 from asyncrl.trainer import PolicyTrainer, StepInProgressError
 from asyncrl.trainer.optim import lr_factor
+from asyncrl.types import RolloutGroup, TrainBatch
 from asyncrl.verify import random_batch
 
 VOCAB = 40
@@ -383,3 +388,51 @@ def test_behaviour_clip_takes_the_ratio_to_the_generator_and_one_update_alone_ne
     assert bypass.loss == as_proximal.loss and bypass.grad_norm == as_proximal.grad_norm
     assert bypass.metrics["clip_mean"] > 0 and bypass.metrics["mismatch_kl_mean"] > 0
     assert step(LossConfig(), "tis", prox=False).metrics["clip_mean"] == 0  # ratio identically 1
+
+
+# ---- truncated sampling is scored as sampled -------------------------------------------------------
+
+TRUNCATIONS = [{"top_p": 0.9}, {"top_k": 5}, {"top_k": 5, "top_p": 0.9}]
+
+
+def on_policy_batch(model, temperature: float, truncation: dict) -> TrainBatch:
+    """Three groups of four samples the transformers generator draws from ``model`` itself."""
+    generator = HFGenerator(copy.deepcopy(model), stop_token_ids=[1], pad_token_id=0, batch_size=16)
+    params = SamplingParams(max_new_tokens=10, temperature=temperature, **truncation)
+    groups = []
+    for g in range(3):
+        requests = [SampleRequest([2 + g, 7, 11 + g], seed=4 * g + i) for i in range(4)]
+        rollouts = [
+            replace(rollout, reward=float(i % 2)) for i, rollout in enumerate(generator.generate(requests, params))
+        ]
+        groups.append(RolloutGroup.from_rollouts(f"p{g}", rollouts, pad_id=0, start_version=0))
+    return TrainBatch.from_groups(groups, [grpo.group_advantages(group.rewards) for group in groups])
+
+
+@pytest.mark.parametrize("truncation", TRUNCATIONS)
+@pytest.mark.parametrize("clip_against", ["proximal", "behaviour"])
+def test_on_policy_truncated_samples_have_unit_weights_and_nothing_clipped(truncation, clip_against):
+    """At lag 0 the trainer scores the truncated distribution the generator sampled from: weights
+    and ratios are 1 up to the float32 a rollout group stores behaviour logprobs in."""
+    model = build_tiny_model(
+        VOCAB, seed=0, dtype=torch.float64, hidden_size=32, num_layers=2, num_heads=4, intermediate_size=64
+    )
+    batch = on_policy_batch(model, 0.8, truncation)
+    distribution = SampledDistribution(0.8, truncation.get("top_k", 0), truncation.get("top_p", 1.0))
+    for scored_as, on_policy in [(distribution, True), (SampledDistribution(0.8), False)]:
+        trainer = PolicyTrainer(
+            copy.deepcopy(model),
+            TrainerConfig(lr=1e-2, dtype="float64"),
+            LossConfig(clip_against=clip_against),
+            importance_sampling="tis" if clip_against == "proximal" else "none",
+            total_steps=10,
+            distribution=scored_as,
+        )
+        metrics = trainer.train_step(copy.deepcopy(batch)).metrics
+        unit = max(abs(metrics["is_weight_min"] - 1), abs(metrics["is_weight_max"] - 1), abs(metrics["ratio_mean"] - 1))
+        if on_policy:
+            assert unit <= 1e-6 and metrics["clip_mean"] == 0, metrics
+        else:  # the twin: scored untruncated, the ratio to the generator is the kept mass, below 1
+            assert unit > 1e-3, metrics
+            if clip_against == "behaviour" and "top_k" in truncation:  # 5 of 40 tokens keep less than 0.8
+                assert metrics["clip_mean"] > 0, metrics

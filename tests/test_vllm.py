@@ -30,7 +30,7 @@ from asyncrl.generation import HFGenerator, SampleRequest, SamplingParams, build
 from asyncrl.generation.vllm import VLLMGenerator, collective_backend
 from asyncrl.generation.vllm_process import ServerError, http_json
 from asyncrl.metrics import read_jsonl
-from asyncrl.models import build_char_tokenizer, build_tiny_model, token_logprobs
+from asyncrl.models import SampledDistribution, build_char_tokenizer, build_tiny_model, token_logprobs
 from asyncrl.models.tiny import tiny_config
 from asyncrl.run import build_rollout_worker
 from asyncrl.runtime.broadcast import Layout
@@ -94,10 +94,10 @@ def requests(samples: int = 2) -> list[SampleRequest]:
     return [SampleRequest(TOKENIZER.encode(p), sample_seed(0, p, i)) for p in PROMPTS for i in range(samples)]
 
 
-def trainer_logprobs(model, rollout) -> torch.Tensor:
+def trainer_logprobs(model, rollout, distribution=SampledDistribution()) -> torch.Tensor:
     ids = torch.tensor([rollout.prompt_ids + rollout.response_ids])
     with torch.no_grad():
-        logprobs, _ = token_logprobs(model, ids, torch.ones_like(ids))
+        logprobs, _ = token_logprobs(model, ids, torch.ones_like(ids), distribution=distribution)
     return logprobs[0, len(rollout.prompt_ids) :]
 
 
@@ -108,9 +108,9 @@ def running_requests(url: str) -> float:
     return sum(float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith("vllm:num_requests_running{"))
 
 
-def assert_trainer_logprobs(model, rollouts, atol=1e-5):
+def assert_trainer_logprobs(model, rollouts, atol=1e-5, distribution=SampledDistribution()):
     for rollout in rollouts:
-        expected = trainer_logprobs(model, rollout)
+        expected = trainer_logprobs(model, rollout, distribution)
         torch.testing.assert_close(torch.tensor(rollout.logprobs), expected, rtol=0, atol=atol)
 
 
@@ -127,6 +127,19 @@ def test_logprobs_equal_the_trainers_before_and_after_weight_updates(vllm_genera
         assert all(r.versions == [version] * len(r.response_ids) for r in rollouts)
         assert_trainer_logprobs(model, rollouts)
         assert http_json(f"{vllm_generator.url}/weight_info", timeout=10)["weight_version"] == str(version)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("top_k, top_p", [(0, 0.9), (5, 1.0), (5, 0.9)])
+def test_truncated_sampling_logprobs_equal_the_trainers_truncated_scores(vllm_generator, top_k, top_p):
+    """The server returns processed logprobs and truncates by the trainer's rule."""
+    model = tiny(0)
+    vllm_generator.load_weights(model.state_dict(), 0)
+    rollouts = vllm_generator.generate(requests(), SamplingParams(24, temperature=0.8, top_p=top_p, top_k=top_k))
+    distribution = SampledDistribution(0.8, top_k, top_p)
+    assert_trainer_logprobs(model, rollouts, distribution=distribution)
+    untruncated = torch.cat([trainer_logprobs(model, r, SampledDistribution(0.8)) for r in rollouts])
+    assert (untruncated - torch.cat([torch.tensor(r.logprobs) for r in rollouts])).abs().max() > 1e-2
 
 
 @pytest.mark.slow

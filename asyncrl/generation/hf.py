@@ -14,10 +14,9 @@ gets the same tokens alone or among any neighbours, and the same chunk run twice
 
 Logprob semantics: the returned logprob is that of the distribution actually sampled from, after
 temperature, top-k and top-p, so a sampled token always has a finite logprob. With temperature 0
-(greedy) it is the logprob of the argmax under the unmodified distribution. The trainer scores
-softmax(logits / temperature) too (``token_logprobs(..., temperature=)``), so with neither filter
-they agree to floating-point tolerance; top-p or top-k make them differ by design, and
-importance sampling corrects for it.
+(greedy) it is the logprob of the argmax under the unmodified distribution. Temperature and
+truncation are ``SampledDistribution``, the one rule the trainer scores with too, so on-policy the
+two agree to floating-point tolerance whatever the sampling settings.
 """
 
 from __future__ import annotations
@@ -30,7 +29,7 @@ from torch import Tensor
 from transformers import PreTrainedModel
 
 from asyncrl.generation.base import SampleRequest, SamplingParams, check_vocabulary
-from asyncrl.models.logprobs import position_ids_from_mask
+from asyncrl.models.logprobs import SampledDistribution, position_ids_from_mask
 from asyncrl.types import Rollout
 
 
@@ -174,7 +173,7 @@ def sample_next(
     if temperature == 0:
         token = logits.argmax(dim=-1)
         return token, _gather(logits, token) - logits.logsumexp(dim=-1)
-    logits = _keep_top_p(_keep_top_k(logits / temperature, top_k), top_p)
+    logits = SampledDistribution(temperature, top_k, top_p).logits(logits)
     logprobs = logits - logits.logsumexp(dim=-1, keepdim=True)
     cdf = logprobs.exp().cumsum(dim=-1)
     total = cdf[:, -1:]
@@ -183,26 +182,6 @@ def sample_next(
     target = torch.minimum(uniforms[:, None].to(cdf.dtype) * total, torch.nextafter(total, torch.zeros_like(total)))
     token = torch.searchsorted(cdf, target, right=True).squeeze(-1)
     return token, _gather(logprobs, token)
-
-
-def _keep_top_k(logits: Tensor, top_k: int) -> Tensor:
-    """Mask every logit below the k-th largest (ties with it are kept)."""
-    if top_k == 0 or top_k >= logits.shape[-1]:
-        return logits
-    kth = logits.topk(top_k, dim=-1).values[:, -1:]
-    return logits.masked_fill(logits < kth, -torch.inf)
-
-
-def _keep_top_p(logits: Tensor, top_p: float) -> Tensor:
-    """Keep the most likely tokens until their mass reaches ``top_p`` (the most likely one always)."""
-    if top_p >= 1.0:
-        return logits
-    sorted_logits, order = logits.sort(dim=-1, descending=True, stable=True)
-    probs = sorted_logits.softmax(dim=-1)
-    mass_before = probs.cumsum(dim=-1) - probs
-    drop_sorted = mass_before >= top_p
-    drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-    return logits.masked_fill(drop, -torch.inf)
 
 
 def _gather(values: Tensor, index: Tensor) -> Tensor:

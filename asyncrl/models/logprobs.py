@@ -10,6 +10,8 @@ break outright.)
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -22,6 +24,59 @@ def position_ids_from_mask(attention_mask: Tensor) -> Tensor:
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
+@dataclass(frozen=True)
+class SampledDistribution:
+    """The distribution rollouts are sampled from, which every score of the trainer is taken under.
+
+    softmax(logits / temperature), truncated to the ``top_k`` most likely tokens (0: all; ties with
+    the k-th are kept), then to the nucleus (``top_p`` 1: all): in ascending order of probability a
+    token is dropped while the mass up to and including it is at most 1 - top_p, the most likely
+    token always kept. The kept tokens are renormalized. This is vLLM's rule (its PyTorch top-k /
+    top-p sampler, in the same float arithmetic), so the transformers generator, a vLLM server
+    returning processed logprobs and the trainer all mean the same distribution.
+    """
+
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+    @property
+    def truncates(self) -> bool:
+        return self.top_k > 0 or self.top_p < 1.0
+
+    def logits(self, logits: Tensor, targets: Tensor | None = None) -> Tensor:
+        """``logits`` [..., V] divided by the temperature, -inf outside the kept tokens.
+
+        ``targets`` [...] (the tokens being scored) stay kept whatever their rank: a sampled token
+        was in the generator's kept set, and a near tie at the boundary that rounds the other way
+        in the trainer's forward must not turn its logprob into -inf. On-policy this changes nothing.
+        The kept set is chosen without gradient; the gradient is that of the renormalized logprob."""
+        if self.temperature != 1.0:
+            logits = logits / self.temperature
+        if not self.truncates:
+            return logits
+        with torch.no_grad():
+            drop = truncated(logits, self.top_k, self.top_p)
+            if targets is not None:
+                drop.scatter_(-1, targets[..., None], False)
+        return logits.masked_fill(drop, -torch.inf)
+
+
+def truncated(logits: Tensor, top_k: int, top_p: float) -> Tensor:
+    """True for the tokens of ``logits`` [..., V] that top-k, then top-p, drop (see ``SampledDistribution``)."""
+    drop = torch.zeros_like(logits, dtype=torch.bool)
+    if 0 < top_k < logits.shape[-1]:
+        kth = logits.topk(top_k, dim=-1).values[..., -1:]
+        drop = logits < kth
+    if top_p < 1.0:
+        ascending, order = logits.masked_fill(drop, -torch.inf).sort(dim=-1, stable=True)
+        mass_up_to = ascending.softmax(dim=-1).cumsum(dim=-1)
+        drop_sorted = mass_up_to <= 1 - torch.tensor(top_p, dtype=mass_up_to.dtype)
+        drop_sorted[..., -1] = False
+        drop = drop | drop_sorted.scatter(-1, order, drop_sorted)
+    return drop
+
+
 def token_logprobs(
     model: PreTrainedModel,
     input_ids: Tensor,
@@ -29,13 +84,13 @@ def token_logprobs(
     *,
     with_entropy: bool = False,
     entropy_grad: bool = True,
-    temperature: float = 1.0,
+    distribution: SampledDistribution = SampledDistribution(),
 ) -> tuple[Tensor, Tensor | None]:
     """``logprobs[:, t] = log p(input_ids[:, t] | input_ids[:, :t])``, and 0 at ``t = 0``.
 
     ``entropy[:, t]`` is the entropy of the distribution that predicts token t (0 at ``t = 0``).
     Both are aligned with ``input_ids``; values at padding positions are finite but meaningless,
-    callers mask them. p is softmax(logits / temperature): see ``logits_logprobs``.
+    callers mask them. p is ``distribution``: see ``logits_logprobs``.
     """
     logits = model(
         input_ids=input_ids,
@@ -44,7 +99,7 @@ def token_logprobs(
         use_cache=False,
     ).logits[:, :-1]
     logprobs, entropy = logits_logprobs(
-        logits, input_ids[:, 1:], with_entropy=with_entropy, entropy_grad=entropy_grad, temperature=temperature
+        logits, input_ids[:, 1:], with_entropy=with_entropy, entropy_grad=entropy_grad, distribution=distribution
     )
     return F.pad(logprobs, (1, 0)), None if entropy is None else F.pad(entropy, (1, 0))
 
@@ -55,25 +110,27 @@ def logits_logprobs(
     *,
     with_entropy: bool = False,
     entropy_grad: bool = True,
-    temperature: float = 1.0,
+    distribution: SampledDistribution = SampledDistribution(),
 ) -> tuple[Tensor, Tensor | None]:
-    """Logprob of ``targets`` [B, T] (and the entropy) under softmax(logits / temperature) [B, T, V].
+    """Logprob of ``targets`` [B, T] (and the entropy) under ``distribution`` of ``logits`` [B, T, V].
 
-    Dividing by the sampling temperature scores the distribution the generator samples from (before
-    its top-k / top-p truncation, which importance sampling accounts for). Computed in float64 for
-    float64 logits, float32 otherwise. The logprob is ``logit[target] - logsumexp(logits)``, so
-    autograd keeps only the logits (no log-softmax copy of the [B, T, V] tensor). ``entropy_grad``
-    False computes the entropy as a metric only, outside autograd: its [B, T, V] intermediates are
-    freed at once instead of being kept for a backward that would multiply them by 0.
+    That is the distribution the generator samples from, temperature and truncation included, so
+    on-policy the trainer's logprob equals the generator's. The entropy is that of the same
+    truncated distribution: what the sampler actually draws from, and what an entropy bonus can
+    change. Computed in float64 for float64 logits, float32 otherwise. The logprob is
+    ``logit[target] - logsumexp(logits)``, so autograd keeps only the logits (no log-softmax copy
+    of the [B, T, V] tensor). ``entropy_grad`` False computes the entropy as a metric only, outside
+    autograd: its [B, T, V] intermediates are freed at once instead of being kept for a backward
+    that would multiply them by 0.
     """
     logits = logits.to(torch.float64 if logits.dtype == torch.float64 else torch.float32)
-    if temperature != 1.0:
-        logits = logits / temperature
+    logits = distribution.logits(logits, targets)
     log_normalizer = torch.logsumexp(logits, dim=-1)
     logprobs = logits.gather(-1, targets[..., None]).squeeze(-1) - log_normalizer
     if not with_entropy:
         return logprobs, None
     with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
         probs = torch.softmax(logits, dim=-1)
-        entropy = log_normalizer - (probs * logits).sum(-1)
+        finite = logits.nan_to_num(neginf=0.0) if distribution.truncates else logits  # 0 · -inf is nan
+        entropy = log_normalizer - (probs * finite).sum(-1)
     return logprobs, entropy

@@ -39,7 +39,7 @@ from torch import Tensor, nn
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from asyncrl.models.logprobs import logits_logprobs, position_ids_from_mask
+from asyncrl.models.logprobs import SampledDistribution, logits_logprobs, position_ids_from_mask
 from asyncrl.types import TokenLossInputs, TrainBatch
 
 ATTN_IMPLEMENTATION = "asyncrl_context_parallel"
@@ -236,10 +236,16 @@ class ContextParallel:
         return Shard(self, batch)
 
     def logprobs(
-        self, model: nn.Module, shard: Shard, *, with_entropy: bool, entropy_grad: bool = True, temperature: float = 1.0
+        self,
+        model: nn.Module,
+        shard: Shard,
+        *,
+        with_entropy: bool,
+        entropy_grad: bool = True,
+        distribution: SampledDistribution = SampledDistribution(),
     ) -> tuple[Tensor, Tensor | None]:
-        """Log-probability (and entropy) of each local label, from local logits only
-        (``models.logits_logprobs``: softmax(logits / temperature))."""
+        """Log-probability (and entropy) of each local label under ``distribution``, from local
+        logits only: truncation acts on one position's vocabulary, which a shard holds whole."""
         logits = model(
             input_ids=shard.input_ids,
             attention_mask=shard.attention_mask,
@@ -249,7 +255,7 @@ class ContextParallel:
             context_parallel_columns=(shard.columns, shard.key_columns),
         ).logits
         return logits_logprobs(
-            logits, shard.labels, with_entropy=with_entropy, entropy_grad=entropy_grad, temperature=temperature
+            logits, shard.labels, with_entropy=with_entropy, entropy_grad=entropy_grad, distribution=distribution
         )
 
     def counts(self, batch: TrainBatch, response_mask: Tensor) -> tuple[Tensor, Tensor]:
@@ -266,12 +272,12 @@ class ContextParallel:
         *,
         with_entropy: bool,
         entropy_grad: bool = True,
-        temperature: float = 1.0,
+        distribution: SampledDistribution = SampledDistribution(),
     ) -> TokenLossInputs:
         """Everything the trainer's loss needs for this rank's shard of ``batch``."""
         shard = self.shard(batch)
         logprobs, entropy = self.logprobs(
-            model, shard, with_entropy=with_entropy, entropy_grad=entropy_grad, temperature=temperature
+            model, shard, with_entropy=with_entropy, entropy_grad=entropy_grad, distribution=distribution
         )
 
         def loss_side(x: Tensor | None) -> Tensor | None:  # rotated one slot right: "Slot order" above
@@ -294,11 +300,13 @@ class ContextParallel:
         )
 
     @torch.no_grad()
-    def full_logprobs(self, model: nn.Module, batch: TrainBatch, *, temperature: float = 1.0) -> Tensor:
+    def full_logprobs(
+        self, model: nn.Module, batch: TrainBatch, *, distribution: SampledDistribution = SampledDistribution()
+    ) -> Tensor:
         """Logprobs of the whole rows of ``batch``, aligned with ``input_ids`` (0 at column 0), on
         every rank of the group: each scores its shard, then the shards are gathered and unpermuted."""
         shard = self.shard(batch)
-        local, _ = self.logprobs(model, shard, with_entropy=False, temperature=temperature)
+        local, _ = self.logprobs(model, shard, with_entropy=False, distribution=distribution)
         gathered = gather_sequence(local, self._collective_group, dim=1)
         by_label = torch.empty_like(gathered)
         by_label[:, shard.key_columns] = gathered

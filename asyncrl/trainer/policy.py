@@ -27,7 +27,7 @@ from torch import Tensor, nn
 
 from asyncrl.algorithms import grpo
 from asyncrl.config import LossConfig, RunConfig, TrainerConfig
-from asyncrl.models import token_logprobs
+from asyncrl.models import SampledDistribution, token_logprobs
 from asyncrl.trainer.optim import build_optimizer, build_scheduler
 from asyncrl.trainer.recompute import checkpoint_activations
 from asyncrl.types import TokenLossInputs, TrainBatch
@@ -112,12 +112,13 @@ class PolicyTrainer:
         total_steps: int,
         reference_model: nn.Module | None = None,
         parallel: ParallelContext | None = None,
-        temperature: float = 1.0,
+        distribution: SampledDistribution = SampledDistribution(),
     ) -> None:
         """``parallel``: this rank's place among the trainer ranks; the policy is wrapped (FSDP2 or
         DDP) and both models get context-parallel attention. Every rank then makes the same calls.
 
-        ``temperature``: the generator's sampling temperature; every score is of softmax(logits / T).
+        ``distribution``: the generator's temperature, top-k and top-p; every score (policy,
+        proximal, reference, entropy) is under that distribution, so on-policy ratios are 1.
         With ``trainer.dtype`` bfloat16 the parameters and AdamW state are float32 masters (a
         lower-precision model is upcast) and only the forward and backward run in bfloat16: FSDP2
         casts the gathered parameters (MixedPrecisionPolicy), otherwise autocast does. Both models
@@ -125,9 +126,9 @@ class PolicyTrainer:
         so an on-policy ratio is exactly 1."""
         if loss_cfg.kl_coef > 0 and reference_model is None:
             raise ValueError("loss.kl_coef: a KL penalty needs a reference model")
-        if temperature <= 0:
-            raise ValueError(f"temperature: must be > 0, got {temperature}")
-        self.temperature = temperature
+        if distribution.temperature <= 0:
+            raise ValueError(f"temperature: must be > 0, got {distribution.temperature}")
+        self.distribution = distribution
         self.forward_dtype = _LOW_PRECISION.get(trainer_cfg.dtype)
         for m in (model, reference_model):
             if m is not None:
@@ -179,7 +180,9 @@ class PolicyTrainer:
             total_steps=config.grpo.max_steps,
             reference_model=copy.deepcopy(model) if config.loss.kl_coef > 0 else None,
             parallel=parallel,
-            temperature=config.scoring_temperature,
+            distribution=SampledDistribution(
+                config.scoring_temperature, config.generation.top_k, config.generation.top_p
+            ),
         )
 
     @property
@@ -378,7 +381,7 @@ class PolicyTrainer:
         scoring = {
             "with_entropy": self.loss_cfg.entropy_coef > 0 or self.loss_cfg.track_entropy,
             "entropy_grad": self.loss_cfg.entropy_coef > 0,
-            "temperature": self.temperature,
+            "distribution": self.distribution,
         }
         weights = self._local_weights(batch)
         context = None if self.parallel is None else self.parallel.context
@@ -454,10 +457,10 @@ class PolicyTrainer:
             part = part.to(self.device, self.compute_dtype)
             with self._forward():
                 if context is not None:
-                    logprobs = context.full_logprobs(model, part, temperature=self.temperature)
+                    logprobs = context.full_logprobs(model, part, distribution=self.distribution)
                 else:
                     logprobs, _ = token_logprobs(
-                        model, part.input_ids, part.attention_mask, temperature=self.temperature
+                        model, part.input_ids, part.attention_mask, distribution=self.distribution
                     )
             logprobs = logprobs * part.attention_mask
             chunks.append(torch.nn.functional.pad(logprobs, (0, width - logprobs.shape[1])))
