@@ -100,11 +100,13 @@ def vllm_python():
 @pytest.fixture(scope="session")
 def vllm_config(vllm_python, tmp_path_factory):
     """A run config on the vLLM backend with the default tiny model (head size 32, tied head),
-    whose weights go to the server over a gloo group (the collective transfer)."""
+    whose weights go to the server over a gloo group (the collective transfer), served with the
+    model's whole context (tests send prompts and responses longer than the task's)."""
     from asyncrl.config import load_config
 
     run_dir = tmp_path_factory.mktemp("vllm-run")
     overrides = ["generation.backend=vllm", "vllm.weight_transfer=collective", f"logging.output_dir={run_dir}"]
+    overrides.append("vllm.max_model_len=1024")
     return load_config(None, overrides)
 
 

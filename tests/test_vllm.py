@@ -11,8 +11,10 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
+import urllib.parse
 import urllib.request
 from functools import partial
 from pathlib import Path
@@ -25,12 +27,25 @@ from transformers import AutoModelForCausalLM
 
 from asyncrl.cli import main
 from asyncrl.config import load_config
+from asyncrl.data import build_task, longest_prompt
 from asyncrl.data.prompts import Prompt
 from asyncrl.generation import HFGenerator, SampleRequest, SamplingParams, build_generator, sample_seed
-from asyncrl.generation.vllm import VLLMGenerator, collective_backend
-from asyncrl.generation.vllm_process import ServerError, http_json
+from asyncrl.generation import vllm as vllm_module
+from asyncrl.generation.vllm import (
+    VLLMGenerator,
+    collective_backend,
+    kv_bytes_per_token,
+    new_weights_path,
+    remove_dead_runs_files,
+    served_context,
+    server_dtype,
+    server_kv_cache,
+)
+from asyncrl.generation.vllm_process import ServerError, VLLMServer, http_json
 from asyncrl.metrics import read_jsonl
 from asyncrl.models import SampledDistribution, build_char_tokenizer, build_tiny_model, token_logprobs
+from asyncrl.models.example import write_example_checkpoint
+from asyncrl.models.factory import build_model, build_tokenizer
 from asyncrl.models.tiny import tiny_config
 from asyncrl.run import build_rollout_worker
 from asyncrl.runtime.broadcast import Layout
@@ -106,6 +121,12 @@ def running_requests(url: str) -> float:
     with urllib.request.urlopen(f"{url}/metrics", timeout=10) as response:
         lines = response.read().decode().splitlines()
     return sum(float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith("vllm:num_requests_running{"))
+
+
+def endless_client(model, url: str) -> VLLMGenerator:
+    """A second client of the server at ``url`` whose responses run to max_new_tokens (no stop token)."""
+    shapes = {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}
+    return VLLMGenerator(shapes=shapes, stop_token_ids=(), vocab_size=len(TOKENIZER), url=url)
 
 
 def assert_trainer_logprobs(model, rollouts, atol=1e-5, distribution=SampledDistribution()):
@@ -204,12 +225,7 @@ def test_an_inflight_update_gives_responses_spanning_two_versions(vllm_generator
     every token's logprob is the trainer's under the version that sampled it."""
     old, new = tiny(31), tiny(32)
     vllm_generator.load_weights(old.state_dict(), 4)
-    endless = VLLMGenerator(
-        shapes={n: tuple(t.shape) for n, t in old.state_dict().items()},
-        stop_token_ids=(),
-        vocab_size=len(TOKENIZER),
-        url=vllm_generator.url,
-    )
+    endless = endless_client(old, vllm_generator.url)
     endless.version = 4
     result = {}
     worker = threading.Thread(target=lambda: result.update(r=endless.generate(requests(), SamplingParams(600))))
@@ -349,3 +365,164 @@ def test_a_ray_rollout_worker_loads_weights_while_it_generates(ray_cluster, vllm
         runtime.shutdown()
     [group] = batch.groups
     assert (group.start_version, group.end_version) == (9, 10)
+
+
+QWEN_ATTENTION = dict(  # Qwen2.5-0.5B's layers, heads and context (its KV cache per token); a small MLP
+    hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=32768
+)
+
+
+def test_the_server_context_and_kv_cache_follow_the_run_and_settings_that_cannot_fit_are_one_line_errors(
+    capsys, tmp_path
+):
+    """A Qwen2.5-0.5B-shaped model: 24 KiB of keys and values per token in float32, so its whole
+    32768-token context needs 768 MiB for one sequence. The server's context is the task's
+    longest prompt plus the response; settings that cannot hold one sequence stop the run."""
+    config = load_config(None, ["generation.max_new_tokens=16", "vllm.max_model_len=32768"])
+    model_config = tiny_config(len(TOKENIZER), **{**DEFAULT, "num_layers": 24, "num_heads": 14, "hidden_size": 896})
+    assert kv_bytes_per_token(model_config, 4) == 24 * 2**10
+    # a step's 128 sequences would take 96 GiB: the cap, 4 GiB, is enough for 5 of them
+    assert server_kv_cache(config, model_config, "float32", 32768, gpu=False) == 4 * 2**30
+    just_one = load_config(None, ["vllm.kv_cache_mib=768"])
+    assert server_kv_cache(just_one, model_config, "float32", 32768, gpu=False) == 768 * 2**20
+    with pytest.raises(ValueError, match="vllm.kv_cache_mib: 768 MiB do not hold one sequence"):
+        server_kv_cache(just_one, model_config, "float32", 32769, gpu=False)
+    assert server_kv_cache(config, model_config, "bfloat16", 32768, gpu=True) is None  # gpu_memory_utilization
+    small = load_config(None, ["grpo.prompts_per_step=2", "grpo.generations_per_prompt=2"])
+    assert server_kv_cache(small, model_config, "float32", 1000, gpu=False) == 4 * 1024 * 24 * 2**10
+    longest = longest_prompt(build_task(config.data, TOKENIZER), TOKENIZER)
+    assert served_context(load_config(None, []), TOKENIZER, 1024) == longest + 16
+    assert served_context(config, TOKENIZER, 32768) == 32768
+    assert server_dtype("auto", "float32", gpu=False) == "float32"
+    assert server_dtype("auto", "float64", gpu=False) == "float32"
+    assert server_dtype("auto", "float32", gpu=True) == "bfloat16"
+    assert server_dtype("float16", "float32", gpu=True) == "float16"
+    run = [*SMALL, "model.hidden_size=128", "generation.backend=vllm"]
+    err = one_line_error(capsys, "train", "--output-dir", str(tmp_path / "a"), *run, "vllm.max_model_len=2000")
+    assert "vllm.max_model_len: 2000 tokens exceed the model's 1024 positions" in err
+    err = one_line_error(capsys, "train", "--output-dir", str(tmp_path / "b"), *run, "vllm.max_model_len=5")
+    assert "vllm.max_model_len: 5 tokens do not hold the task's longest prompt" in err
+    too_small = ["model.num_layers=4", "vllm.max_model_len=1024", "vllm.kv_cache_mib=1"]  # 2 MiB a sequence
+    err = one_line_error(capsys, "train", "--output-dir", str(tmp_path / "c"), *run, *too_small)
+    assert "vllm.kv_cache_mib: 1 MiB do not hold one sequence of vllm.max_model_len 1024 tokens" in err
+
+
+def test_a_started_server_runs_eager_only_on_cpu_or_when_asked():
+    def command(**options):
+        server = VLLMServer(
+            python=Path(sys.executable), model_dir=Path("m"), log_path=Path("l"), max_model_len=64,
+            startup_timeout_s=1, extra_args=[], **options,
+        )  # fmt: skip
+        return server.command()
+
+    gpu = command(dtype="bfloat16", gpu_memory_utilization=0.4)
+    assert "--enforce-eager" not in gpu and gpu[gpu.index("--dtype") + 1] == "bfloat16"
+    assert gpu[gpu.index("--gpu-memory-utilization") + 1] == "0.4" and "--kv-cache-memory-bytes" not in gpu
+    assert "--enforce-eager" in command(enforce_eager=True)
+    cpu = command(cpu=True, kv_cache_bytes=2**20)
+    assert "--enforce-eager" in cpu and cpu[cpu.index("--kv-cache-memory-bytes") + 1] == str(2**20)
+
+
+@pytest.mark.slow
+def test_a_long_context_checkpoint_is_served_with_the_defaults(tmp_path, vllm_python):
+    """A real-format chat checkpoint with Qwen2.5-0.5B's attention and 32768-token context: with
+    the defaults its server starts (a context and KV cache sized to the run) and generates."""
+    write_example_checkpoint(tmp_path / "model", intermediate_size=512, **QWEN_ATTENTION)
+    config = load_config(
+        None,
+        [f"model.path={tmp_path / 'model'}", "data.task=arithmetic", "data.chat_template=true",
+         "generation.backend=vllm", f"logging.output_dir={tmp_path / 'run'}"],
+    )  # fmt: skip
+    tokenizer = build_tokenizer(config)
+    model = build_model(config, tokenizer)
+    longest = longest_prompt(build_task(config.data, tokenizer), tokenizer)
+    generator = build_generator(config, model, tokenizer)
+    try:
+        [served] = http_json(f"{generator.url}/v1/models", timeout=10)["data"]
+        assert served["max_model_len"] == longest + config.generation.max_new_tokens
+        prompt = build_task(config.data, tokenizer).train[0].text
+        request = SampleRequest(tokenizer(prompt, add_special_tokens=False)["input_ids"], 0)
+        [rollout] = generator.generate([request], SamplingParams(max_new_tokens=16))
+        assert 1 <= len(rollout.response_ids) == len(rollout.logprobs) <= 16
+    finally:
+        generator.close()
+
+
+def test_weights_are_written_aside_and_a_dead_runs_leftovers_are_removed_at_start(tmp_path, monkeypatch):
+    """A weights file is named with its run's process id and written under a temporary name; a
+    write that fails leaves nothing, and a new server's start removes what a killed run left
+    (a half-written file included), never a live run's files."""
+    monkeypatch.setattr(vllm_module, "SHM", tmp_path)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    path = new_weights_path()
+    assert path.parent == tmp_path and path.name.startswith(f"asyncrl-vllm-{os.getpid()}-")
+    tensors = tiny(0).state_dict()
+
+    def dies_mid_write(tensors, filename):
+        Path(filename).write_bytes(b"half")
+        raise OSError("no space left on device")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(vllm_module, "save_file", dies_mid_write)
+        with pytest.raises(OSError):
+            vllm_module._write_weights(tensors, path)
+    assert list(tmp_path.iterdir()) == []
+    vllm_module._write_weights(tensors, path)
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead_pid = int(dead.stdout)
+    left = [tmp_path / f"asyncrl-vllm-{dead_pid}-{name}" for name in ("a.safetensors.partial", "b.safetensors")]
+    for leftover in left:
+        leftover.write_bytes(b"x")
+    (tmp_path / f"asyncrl-vllm-{dead_pid}-model-x").mkdir()
+    remove_dead_runs_files()
+    assert sorted(tmp_path.iterdir()) == [path]
+
+
+@pytest.mark.slow
+def test_a_server_whose_port_another_run_took_starts_on_another_and_answers_as_itself(vllm_generator, monkeypatch):
+    """Another run's server (the session's) takes the port this one picked before it binds it:
+    the start notices the other server (not its served name) and retries on a fresh port."""
+    from asyncrl.generation import vllm_process
+
+    taken = int(urllib.parse.urlsplit(vllm_generator.url).port)
+    ports = iter([taken])
+    free = vllm_process._free_port
+    monkeypatch.setattr(vllm_process, "_free_port", lambda: next(ports, None) or free())
+    model = tiny(71)
+    generator = build_generator(
+        load_config(None, ["generation.backend=vllm", "vllm.weight_transfer=file"]), model, TOKENIZER
+    )
+    try:
+        assert generator.url != vllm_generator.url and generator.server.served_model() == generator.server.served_name
+        generator.load_weights(model.state_dict(), 3)
+        assert_trainer_logprobs(model, generator.generate(requests(), SamplingParams(max_new_tokens=8)))
+    finally:
+        generator.close()
+
+
+@pytest.mark.slow
+def test_a_failed_request_aborts_the_rest_of_its_batch_before_the_failure_is_raised(vllm_generator):
+    """One request of a batch of endless responses fails once the others run: before generate
+    raises, the others are aborted on the server and their calls have returned, so a retry of
+    the batch never runs beside them."""
+    old = tiny(81)
+    vllm_generator.load_weights(old.state_dict(), 11)
+    endless = endless_client(old, vllm_generator.url)
+    batch = requests(1)
+    sample, returned = endless._sample, []
+
+    def first_fails(request, params, version, request_id):
+        if request is batch[0]:
+            while running_requests(endless.url) < len(batch) - 1:
+                time.sleep(0.05)
+            raise ServerError("injected failure")
+        try:
+            return sample(request, params, version, request_id)
+        finally:
+            returned.append(request_id)
+
+    endless._sample = first_fails
+    with pytest.raises(ServerError, match="injected failure"):
+        endless.generate(batch, SamplingParams(max_new_tokens=1000))
+    assert len(returned) == len(batch) - 1
+    assert running_requests(endless.url) == 0

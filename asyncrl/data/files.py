@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -201,19 +202,28 @@ def check_prompt_lengths(task: Task, config: RunConfig, tokenizer, max_positions
             f"generation.max_new_tokens: {max_new_tokens} leaves no room for a prompt in the model's "
             f"{max_positions} positions; set it below {max_positions}"
         )
+    for prompt, prompt_ids in encoded_prompts(task, tokenizer):
+        if not prompt_ids:
+            raise ValueError(f"{_where(prompt, data)}: the prompt tokenizes to no tokens")
+        if len(prompt_ids) > room:
+            raise ValueError(
+                f"{_where(prompt, data)}: the prompt is {len(prompt_ids)} tokens, and with "
+                f"generation.max_new_tokens {max_new_tokens} needs {len(prompt_ids) + max_new_tokens} "
+                f"positions, but the model has {max_positions}; shorten it or lower generation.max_new_tokens"
+            )
+
+
+def longest_prompt(task: Task, tokenizer) -> int:
+    """Tokens in the task's longest prompt (train or held-out), as the rollout worker encodes it."""
+    return max(len(prompt_ids) for _, prompt_ids in encoded_prompts(task, tokenizer))
+
+
+def encoded_prompts(task: Task, tokenizer) -> Iterator[tuple[Prompt, list[int]]]:
+    """Every prompt of both splits with its token ids, tokenized in batches."""
     for split in (task.train, task.heldout):
         for start in range(0, len(split), TOKENIZE_BATCH):
             chunk = split[start : start + TOKENIZE_BATCH]
-            ids = encode_prompts([p.text for p in chunk], tokenizer)
-            for prompt, prompt_ids in zip(chunk, ids):
-                if not prompt_ids:
-                    raise ValueError(f"{_where(prompt, data)}: the prompt tokenizes to no tokens")
-                if len(prompt_ids) > room:
-                    raise ValueError(
-                        f"{_where(prompt, data)}: the prompt is {len(prompt_ids)} tokens, and with "
-                        f"generation.max_new_tokens {max_new_tokens} needs {len(prompt_ids) + max_new_tokens} "
-                        f"positions, but the model has {max_positions}; shorten it or lower generation.max_new_tokens"
-                    )
+            yield from zip(chunk, encode_prompts([p.text for p in chunk], tokenizer))
 
 
 def check_encodable(task: Task, data: DataConfig, tokenizer) -> None:

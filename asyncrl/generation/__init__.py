@@ -26,7 +26,7 @@ def build_generator(config: RunConfig, model: PreTrainedModel, tokenizer) -> Gen
     if config.generation.backend == "vllm":
         from asyncrl.generation.vllm import build_vllm_generator  # imported only when used
 
-        return build_vllm_generator(config, model, stops)
+        return build_vllm_generator(config, model, tokenizer, stops)
     pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     return HFGenerator(
         model.to(DTYPES[config.trainer.dtype]),

@@ -22,6 +22,7 @@ times; the failed call itself raises, and the rollout loop retries it.
 
 from __future__ import annotations
 
+import atexit
 import os
 import shutil
 import socket
@@ -30,7 +31,7 @@ import threading
 import urllib.parse
 import uuid
 from collections.abc import Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
 
 import torch
@@ -39,6 +40,7 @@ from torch import Tensor
 from transformers import PreTrainedModel
 
 from asyncrl.config import RunConfig
+from asyncrl.data import build_task, longest_prompt
 from asyncrl.generation.base import SampleRequest, SamplingParams, check_vocabulary
 from asyncrl.generation.vllm_env import checked_python
 from asyncrl.generation.vllm_process import ServerError, VLLMServer, http_json
@@ -47,14 +49,23 @@ from asyncrl.types import Rollout
 
 SHM = Path("/dev/shm")
 CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256)  # what vLLM's CPU attention implements
+KV_BLOCK_TOKENS = 256  # vLLM allocates a sequence's cache in blocks (16 to 256 tokens): sized in the largest
+CPU_KV_CACHE_CAP = 4 * 2**30  # an auto-sized CPU cache holds a step's sequences up to this, one at least
+SERVER_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+SERVED_REQUEST_PREFIX = "generate-tokens-"  # vLLM's id of a generate request is this + its request_id
+TEMP_PREFIX = "asyncrl-vllm-"  # what a generator leaves for its server is named asyncrl-vllm-<pid>-...
 
 
-def build_vllm_generator(config: RunConfig, model: PreTrainedModel, stop_token_ids: Sequence[int]) -> VLLMGenerator:
+def build_vllm_generator(
+    config: RunConfig, model: PreTrainedModel, tokenizer, stop_token_ids: Sequence[int]
+) -> VLLMGenerator:
     """A generator on ``vllm.url``, or on a server started from ``model``'s weights.
 
-    The model is saved (float32) to a temporary directory the server loads at start; the server's
-    log goes to ``<run dir>/vllm/``. A server that does not start (an incompatible environment) is
-    a ValueError naming ``vllm.python`` and the log's last line.
+    The model is saved (in the server's dtype) to a temporary directory the server loads at
+    start; the server's log goes to ``<run dir>/vllm/``. Its context holds the task's longest
+    prompt and a full response, and its KV cache at least one such sequence (``server_memory``).
+    A server that does not start (an incompatible environment) is a ValueError naming
+    ``vllm.python`` and the log's last line.
     """
     cfg = config.vllm
     collective = collective_backend(cfg.weight_transfer, config.trainer.device)
@@ -66,27 +77,34 @@ def build_vllm_generator(config: RunConfig, model: PreTrainedModel, stop_token_i
             shapes=shapes, stop_token_ids=stop_token_ids, vocab_size=vocab_size, url=cfg.url, **options
         )
     gpu = torch.cuda.is_available()
-    head_size = getattr(model.config, "head_dim", None) or model.config.hidden_size // model.config.num_attention_heads
+    head_size = _head_size(model.config)
     if not gpu and head_size not in CPU_HEAD_SIZES:
         raise ValueError(
             f"model.num_heads: head size {head_size} (hidden_size / num_heads) is not one vLLM's CPU attention "
             f"supports {list(CPU_HEAD_SIZES)}; change model.hidden_size or model.num_heads"
         )
+    dtype = server_dtype(cfg.dtype, config.trainer.dtype, gpu)
+    max_model_len = served_context(config, tokenizer, model.config.max_position_embeddings)
+    kv_cache_bytes = server_kv_cache(config, model.config, dtype, max_model_len, gpu)
     python = checked_python(cfg.python, "gpu" if gpu else "cpu")
-    model_dir = Path(tempfile.mkdtemp(prefix="asyncrl-vllm-model-"))
-    model.to(torch.float32).save_pretrained(model_dir)
+    remove_dead_runs_files()
+    model_dir = Path(tempfile.mkdtemp(prefix=f"{TEMP_PREFIX}{os.getpid()}-model-"))
+    model.to(SERVER_DTYPES[dtype]).save_pretrained(model_dir)
     run_dir = Path(config.logging.output_dir) if config.logging.output_dir else model_dir
     weights_path = new_weights_path()
     server = VLLMServer(
         python=python,
         model_dir=model_dir,
         log_path=run_dir / "vllm" / f"server-{os.getpid()}-{uuid.uuid4().hex[:6]}.log",
-        max_model_len=model.config.max_position_embeddings,
-        kv_cache_mib=cfg.kv_cache_mib,
+        max_model_len=max_model_len,
         startup_timeout_s=cfg.startup_timeout_s,
         extra_args=cfg.extra_args,
+        dtype=dtype,
+        kv_cache_bytes=kv_cache_bytes,
+        gpu_memory_utilization=cfg.gpu_memory_utilization,
+        enforce_eager=cfg.enforce_eager,
         weight_transfer="file" if collective is None else "collective",
-        remove_on_exit=(model_dir, weights_path),
+        remove_on_exit=(model_dir, weights_path, _partial(weights_path)),
         cpu=not gpu,
     )
     try:
@@ -103,6 +121,62 @@ def build_vllm_generator(config: RunConfig, model: PreTrainedModel, stop_token_i
         raise ValueError(f"vllm.python: {python} could not serve the model: {err}") from None
     generator.model_dir = model_dir
     return generator
+
+
+def server_dtype(setting: str, trainer_dtype: str, gpu: bool) -> str:
+    """``vllm.dtype``; auto: bfloat16 on a GPU, else the trainer's dtype (vLLM has no float64)."""
+    if setting != "auto":
+        return setting
+    if gpu:
+        return "bfloat16"
+    return "float32" if trainer_dtype == "float64" else trainer_dtype
+
+
+def served_context(config: RunConfig, tokenizer, max_positions: int) -> int:
+    """``vllm.max_model_len``, else the task's longest prompt plus ``generation.max_new_tokens``:
+    a server sized to the model's whole context would need its KV cache for one such sequence."""
+    max_new_tokens = config.generation.max_new_tokens
+    longest = longest_prompt(build_task(config.data, tokenizer), tokenizer)
+    length = config.vllm.max_model_len or longest + max_new_tokens
+    if length > max_positions:
+        raise ValueError(f"vllm.max_model_len: {length} tokens exceed the model's {max_positions} positions")
+    if length < longest + max_new_tokens:
+        raise ValueError(
+            f"vllm.max_model_len: {length} tokens do not hold the task's longest prompt ({longest} tokens) and "
+            f"generation.max_new_tokens {max_new_tokens}; raise it to {longest + max_new_tokens} or leave it null"
+        )
+    return length
+
+
+def server_kv_cache(config: RunConfig, model_config, dtype: str, max_model_len: int, gpu: bool) -> int | None:
+    """KV cache bytes of a started server: ``vllm.kv_cache_mib``, at least one sequence of
+    ``max_model_len``; unset, a step's sequences on CPU (at most ``CPU_KV_CACHE_CAP``, one at
+    least), and on a GPU None: vLLM fills ``vllm.gpu_memory_utilization``."""
+    per_token = kv_bytes_per_token(model_config, SERVER_DTYPES[dtype].itemsize)
+    sequence = -(-max_model_len // KV_BLOCK_TOKENS) * KV_BLOCK_TOKENS * per_token
+    mib = config.vllm.kv_cache_mib
+    if mib is None:
+        if gpu:
+            return None
+        step = config.grpo.prompts_per_step * config.grpo.generations_per_prompt
+        return max(sequence, min(step * sequence, CPU_KV_CACHE_CAP))
+    if mib * 2**20 < sequence:
+        raise ValueError(
+            f"vllm.kv_cache_mib: {mib} MiB do not hold one sequence of vllm.max_model_len {max_model_len} tokens "
+            f"({-(-sequence // 2**20)} MiB in {dtype}); raise it, or lower vllm.max_model_len or "
+            "generation.max_new_tokens"
+        )
+    return mib * 2**20
+
+
+def kv_bytes_per_token(model_config, itemsize: int) -> int:
+    """Keys and values of one token over every layer."""
+    kv_heads = getattr(model_config, "num_key_value_heads", None) or model_config.num_attention_heads
+    return 2 * model_config.num_hidden_layers * kv_heads * _head_size(model_config) * itemsize
+
+
+def _head_size(model_config) -> int:
+    return getattr(model_config, "head_dim", None) or model_config.hidden_size // model_config.num_attention_heads
 
 
 def collective_backend(weight_transfer: str, trainer_device: str) -> str | None:
@@ -157,6 +231,7 @@ class VLLMGenerator:
         self.sent_version: int | None = None  # of the weights last sent: what a restarted server gets
         self._pool = ThreadPoolExecutor(max_workers=max_concurrency, thread_name_prefix="vllm-request")
         self._lock = threading.Lock()  # one weight update at a time; a restart waits for it
+        atexit.register(self._remove_files)
         if server is not None:
             server.start()
             self.url = server.url
@@ -167,8 +242,29 @@ class VLLMGenerator:
         check_vocabulary(requests, self.vocab_size)
         self._revive()
         version = self.version
-        futures = [self._pool.submit(self._sample, request, params, version) for request in requests]
-        return [future.result() for future in futures]
+        batch = uuid.uuid4().hex
+        request_ids = [f"{batch}-{index}" for index in range(len(requests))]
+        futures = [
+            self._pool.submit(self._sample, request, params, version, request_id)
+            for request, request_id in zip(requests, request_ids)
+        ]
+        try:
+            return [future.result() for future in futures]
+        except BaseException:
+            self._abort(request_ids, futures)
+            raise
+
+    def _abort(self, request_ids: list[str], futures: list[Future]) -> None:
+        """End the batch's other requests before its failure is raised, so a retry of the batch
+        never runs beside them: those not sent are cancelled, the server aborts those it runs
+        (their calls then return), and this waits for every call."""
+        running = [rid for rid, future in zip(request_ids, futures) if not future.cancel() and not future.done()]
+        if running:
+            try:
+                self._call("/abort_requests", {"request_ids": [f"{SERVED_REQUEST_PREFIX}{rid}" for rid in running]})
+            except ServerError:
+                pass  # a server that does not answer runs nothing to abort; its calls fail on their own
+        wait(futures)
 
     def load_weights(self, state_dict: Mapping[str, Tensor], version: int) -> None:
         """Strict names and shapes (checked before anything is sent), then one update on the server."""
@@ -207,11 +303,16 @@ class VLLMGenerator:
             self.member.group.abort()
         if self.server is not None:
             self.server.stop()
+        self._remove_files()
+
+    def _remove_files(self) -> None:
+        """The weights file (and a half-written one) and the initial checkpoint; also at exit."""
         self.weights_path.unlink(missing_ok=True)
+        _partial(self.weights_path).unlink(missing_ok=True)
         if self.model_dir is not None:
             shutil.rmtree(self.model_dir, ignore_errors=True)
 
-    def _sample(self, request: SampleRequest, params: SamplingParams, version: int) -> Rollout:
+    def _sample(self, request: SampleRequest, params: SamplingParams, version: int, request_id: str) -> Rollout:
         sampling = {
             "max_tokens": params.max_new_tokens,
             "temperature": params.temperature,
@@ -222,7 +323,12 @@ class VLLMGenerator:
             "stop_token_ids": self.stop_token_ids,
             "detokenize": False,
         }
-        body = {"token_ids": list(request.prompt_ids), "sampling_params": sampling, "model": None}
+        body = {
+            "token_ids": list(request.prompt_ids),
+            "sampling_params": sampling,
+            "model": None,
+            "request_id": request_id,
+        }
         choice = self._call("/inference/v1/generate", body)["choices"][0]
         tokens = choice["token_ids"]
         logprobs = [entry["logprob"] for entry in choice["logprobs"]["content"]]
@@ -315,8 +421,33 @@ class VLLMGenerator:
 
 
 def new_weights_path() -> Path:
-    """Where a generator writes the weights it sends: /dev/shm (memory) when there is one."""
-    return (SHM if SHM.is_dir() else Path(tempfile.gettempdir())) / f"asyncrl-{uuid.uuid4().hex}.safetensors"
+    """Where a generator writes the weights it sends: /dev/shm (memory) when there is one, named
+    with this process's id so a later run can tell a dead run's leftover."""
+    return _weights_dir() / f"{TEMP_PREFIX}{os.getpid()}-{uuid.uuid4().hex}.safetensors"
+
+
+def remove_dead_runs_files() -> None:
+    """Remove what runs killed before their cleanup left for their servers (a weights file, whole
+    or half-written, and the initial checkpoint): the files of processes that are gone."""
+    for directory in {_weights_dir(), Path(tempfile.gettempdir())}:
+        for path in directory.glob(f"{TEMP_PREFIX}*-*"):
+            owner = path.name[len(TEMP_PREFIX) :].split("-", 1)[0]
+            if owner.isdigit() and not _process_exists(int(owner)):
+                shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
+
+
+def _weights_dir() -> Path:
+    return SHM if SHM.is_dir() else Path(tempfile.gettempdir())
+
+
+def _process_exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's
+        return True
+    return True
 
 
 def _local_address(url: str) -> str:
@@ -343,9 +474,18 @@ def _write_weights(state_dict: Mapping[str, Tensor], path: Path) -> None:
         name: tensor.to(device="cpu", dtype=torch.float32).contiguous()
         for name, tensor in _distinct(state_dict).items()
     }
-    partial = path.with_suffix(".partial")
-    save_file(tensors, str(partial))
+    partial = _partial(path)
+    try:
+        save_file(tensors, str(partial))
+    except BaseException:
+        partial.unlink(missing_ok=True)
+        raise
     partial.replace(path)
+
+
+def _partial(path: Path) -> Path:
+    """Where ``path`` is written before it is renamed into place: a reader never sees half a file."""
+    return path.with_name(path.name + ".partial")
 
 
 def _token_versions(spans: list[dict] | None, length: int, fallback: int) -> list[int]:

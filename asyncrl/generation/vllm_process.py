@@ -4,7 +4,8 @@ The server runs ``vllm_server.py`` (this directory) with the vLLM environment's 
 vLLM's own torch and transformers never enter this process. It gets its own process group, so
 stopping it ends its engine and worker processes too, and it kills that group itself once the
 process that started it is gone: a crashed or killed run leaves no server behind. A normal exit
-stops it through ``atexit``. Its output goes to ``log_path``.
+stops it through ``atexit``. Its output goes to ``log_path``. It serves the model under a name
+of its own, by which the start tells it from another run's server on the same port.
 """
 
 from __future__ import annotations
@@ -18,11 +19,13 @@ import subprocess
 import time
 import urllib.error
 import urllib.request
+import uuid
 from pathlib import Path
 
 SERVER_SCRIPT = Path(__file__).with_name("vllm_server.py")
 WEIGHT_ENGINES = {"file": "asyncrl_file", "collective": "asyncrl_collective"}  # registered by vllm_server.py
-SERVED_NAME = "policy"
+PORT_ATTEMPTS = 5  # fresh ports tried when another process takes the one picked
+ADDRESS_IN_USE = b"Address already in use"  # in the log of a server whose port was taken
 WHOLE_PREFILL_MIN_BATCHED_TOKENS = 8192  # tokens per scheduler step on CPU, at least max_model_len
 
 
@@ -52,28 +55,36 @@ class VLLMServer:
         model_dir: Path,
         log_path: Path,
         max_model_len: int,
-        kv_cache_mib: int,
         startup_timeout_s: float,
         extra_args: list[str],
+        dtype: str = "float32",
+        kv_cache_bytes: int | None = None,
+        gpu_memory_utilization: float = 0.5,
+        enforce_eager: bool = False,
         weight_transfer: str = "file",
         remove_on_exit: tuple[Path, ...] = (),
         cpu: bool = False,
     ) -> None:
-        """``weight_transfer``: file or collective (``WEIGHT_ENGINES``); ``remove_on_exit``: files
-        the server removes if the process that started it dies first; ``cpu``: the server runs on
-        vLLM's CPU build, where a seeded request whose prompt is split across scheduler steps
-        kills the engine (a CPU ``torch.Generator`` cannot be rewound), so every prompt is
-        prefilled in one step."""
+        """``kv_cache_bytes``: the KV cache's size; None: what ``gpu_memory_utilization`` of the
+        GPU leaves after weights and activations. ``weight_transfer``: file or collective
+        (``WEIGHT_ENGINES``); ``remove_on_exit``: files the server removes if the process that
+        started it dies first; ``cpu``: the server runs on vLLM's CPU build (always eager), where
+        a seeded request whose prompt is split across scheduler steps kills the engine (a CPU
+        ``torch.Generator`` cannot be rewound), so every prompt is prefilled in one step."""
         self.python = Path(python)
         self.weight_engine = WEIGHT_ENGINES[weight_transfer]
         self.remove_on_exit = remove_on_exit
         self.model_dir = Path(model_dir)
         self.log_path = Path(log_path)
         self.max_model_len = max_model_len
-        self.kv_cache_mib = kv_cache_mib
+        self.dtype = dtype
+        self.kv_cache_bytes = kv_cache_bytes
+        self.gpu_memory_utilization = gpu_memory_utilization
+        self.enforce_eager = enforce_eager or cpu
         self.startup_timeout_s = startup_timeout_s
         self.extra_args = list(extra_args)
         self.cpu = cpu
+        self.served_name = f"policy-{uuid.uuid4().hex}"  # which server answers on our port: ours
         self.process: subprocess.Popen | None = None
         self.port: int | None = None
         atexit.register(self.stop)
@@ -85,11 +96,13 @@ class VLLMServer:
     def command(self) -> list[str]:
         return [
             str(self.python), "-I", str(SERVER_SCRIPT),  # isolated: neither our sys.path nor PYTHON* variables
-            "--model", str(self.model_dir), "--served-model-name", SERVED_NAME,
+            "--model", str(self.model_dir), "--served-model-name", self.served_name,
             "--host", "127.0.0.1", "--port", str(self.port),
-            "--dtype", "float32", "--enforce-eager", "--skip-tokenizer-init", "--enable-scale-out",
+            "--dtype", self.dtype, *(["--enforce-eager"] if self.enforce_eager else []),
+            "--skip-tokenizer-init", "--enable-scale-out",
             "--max-model-len", str(self.max_model_len),
-            "--kv-cache-memory-bytes", str(self.kv_cache_mib * 2**20),
+            *(["--kv-cache-memory-bytes", str(self.kv_cache_bytes)] if self.kv_cache_bytes is not None
+              else ["--gpu-memory-utilization", str(self.gpu_memory_utilization)]),
             "--logprobs-mode", "processed_logprobs",
             "--weight-transfer-config", json.dumps({"backend": self.weight_engine}),
             *(self.whole_prefill_args() if self.cpu else []),
@@ -102,12 +115,26 @@ class VLLMServer:
         return ["--no-enable-chunked-prefill", "--max-num-batched-tokens", str(budget)]
 
     def start(self) -> None:
-        """Start the process and return once it answers /health; raises with the log's last line."""
-        self.port = _free_port()
+        """Start the process and return once it answers as this server; raises with the log's last line.
+
+        The port is picked free, but another run may take it before the server binds it: then the
+        server exits (address in use) or another server answers there (not with this server's
+        ``served_name``), and the start is retried on a fresh port."""
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        deadline = time.monotonic() + self.startup_timeout_s
+        for _ in range(PORT_ATTEMPTS):
+            if self._launch(deadline):
+                return
+        raise ServerError(f"{PORT_ATTEMPTS} ports in a row were taken by other processes; see {self.log_path}")
+
+    def _launch(self, deadline: float) -> bool:
+        """One start on a fresh port: True once the server answers there, False if the port was taken."""
+        self.port = _free_port()
         env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", VLLM_CONFIGURE_LOGGING="1")
+        env.pop("VLLM_CPU_KVCACHE_SPACE", None)  # it would override the KV cache size set here
         env["ASYNCRL_VLLM_REMOVE_ON_EXIT"] = os.pathsep.join(map(str, self.remove_on_exit))  # vllm_server.py
         with open(self.log_path, "ab") as log:
+            log_start = log.tell()
             self.process = subprocess.Popen(
                 self.command(),
                 stdout=log,
@@ -116,18 +143,30 @@ class VLLMServer:
                 env=env,
                 start_new_session=True,
             )
-        deadline = time.monotonic() + self.startup_timeout_s
-        while not self.healthy():
+        while (served := self.served_model()) != self.served_name:
+            if served is not None:  # another server holds the port; ours cannot bind it
+                self.stop()
+                return False
             if self.process.poll() is not None:
+                if ADDRESS_IN_USE in self.log_path.read_bytes()[log_start:]:
+                    return False
                 raise ServerError(
                     f"the vLLM server exited with code {self.process.returncode}: {self._last_log_line()}"
                 )
             if time.monotonic() > deadline:
                 self.stop()
                 raise ServerError(
-                    f"the vLLM server did not answer /health within {self.startup_timeout_s:g}s; see {self.log_path}"
+                    f"the vLLM server did not start within {self.startup_timeout_s:g}s; see {self.log_path}"
                 )
             time.sleep(0.5)
+        return True
+
+    def served_model(self) -> str | None:
+        """The model name the server on our port serves (None: nothing answers there yet)."""
+        try:
+            return http_json(f"{self.url}/v1/models", timeout=5)["data"][0]["id"]
+        except (OSError, ServerError, ValueError, KeyError, IndexError):
+            return None
 
     def healthy(self) -> bool:
         try:

@@ -67,19 +67,25 @@ def build_tokenizer(seed: int = 0) -> PreTrainedTokenizerFast:
     )
 
 
-def write_example_checkpoint(directory: str | Path, *, seed: int = 0) -> Path:
-    """Write the checkpoint to ``directory`` (created if missing) and return its path."""
+SHAPE = dict(
+    hidden_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    intermediate_size=512,
+    max_position_embeddings=256,
+)
+
+
+def write_example_checkpoint(directory: str | Path, *, seed: int = 0, **shape: int) -> Path:
+    """Write the checkpoint to ``directory`` (created if missing) and return its path; ``shape``
+    overrides fields of ``SHAPE`` (a released model's layer counts and context length)."""
     directory = Path(directory)
     tokenizer = build_tokenizer(seed)
     end_ids = [tokenizer.convert_tokens_to_ids(t) for t in (EOS, END_OF_TURN)]
     config = LlamaConfig(
         vocab_size=len(tokenizer),
-        hidden_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=512,
-        max_position_embeddings=256,
+        **{**SHAPE, **shape},
         tie_word_embeddings=True,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=end_ids,
