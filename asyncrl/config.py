@@ -59,11 +59,16 @@ class DataConfig(Section):
 
     task: str = Field(
         "running_sum",
-        description="built-in task (arithmetic, running_sum; docs/data.md), jsonl / parquet for a local file, or reasoning_gym",
+        description="built-in task (arithmetic, running_sum; docs/data.md), jsonl / parquet for a local file, "
+        "hf_dataset for a Hugging Face dataset directory, or reasoning_gym",
     )
-    path: str | None = Field(None, description="the jsonl / parquet file")
+    path: str | None = Field(None, description="the jsonl / parquet file, or the hf_dataset directory")
     eval_path: str | None = Field(
         None, description="a jsonl / parquet file of held-out rows; null: the last eval_size rows of path are held out"
+    )
+    split: str = Field("train", description="hf_dataset: the split trained on")
+    eval_split: str | None = Field(
+        None, description="hf_dataset: the held-out split; null: the last eval_size rows of split are held out"
     )
     prompt_field: str = Field("prompt", description="row field holding the prompt")
     answer_field: str = Field("answer", description="row field holding the reference answer")
@@ -96,6 +101,11 @@ class DataConfig(Section):
         for name in ("dataset", "dataset_config"):
             if self.task != "reasoning_gym" and getattr(self, name):
                 raise ValueError(f"data.{name}: set, but data.task is '{self.task}'; it is read only by reasoning_gym")
+        if self.task != "hf_dataset" and (self.eval_split is not None or self.split != "train"):
+            name = "eval_split" if self.eval_split is not None else "split"
+            raise ValueError(f"data.{name}: set, but data.task is '{self.task}'; it is read only by hf_dataset")
+        if self.task == "hf_dataset" and self.eval_path is not None:
+            raise ValueError("data.eval_path: hf_dataset holds out a split of data.path; name it with data.eval_split")
         if self.task in SYNTHETIC_TASKS:
             check_difficulty(self.task, self.difficulty)
         elif self.task == "reasoning_gym":
@@ -103,13 +113,13 @@ class DataConfig(Section):
                 raise ValueError(
                     "data.dataset: required when data.task is reasoning_gym (a reasoning-gym dataset name, e.g. chain_sum)"
                 )
-        elif self.task in ("jsonl", "parquet"):
+        elif self.task in ("jsonl", "parquet", "hf_dataset"):
             if self.path is None:
                 raise ValueError(f"data.path: required when data.task is {self.task}")
         else:
             raise ValueError(
                 f"data.task: unknown task '{self.task}'; built-ins are {', '.join(SYNTHETIC_TASKS)}, "
-                "or jsonl / parquet / reasoning_gym"
+                "or jsonl / parquet / hf_dataset / reasoning_gym"
             )
         return self
 
@@ -277,7 +287,12 @@ class GRPOConfig(Section):
         description="K: split a step's groups into K mini-batches, one optimizer update each, all clipped against "
         "logprobs taken once at step start (the clip acts from the second update); 1 streams the step into one update",
     )
-    num_epochs: int = Field(1, ge=1, description="E: passes over a step's mini-batches; a step takes K*E updates")
+    num_epochs: int = Field(
+        1,
+        ge=1,
+        description="E: passes over a step's mini-batches, each after the first in a seeded order; a step takes K*E "
+        "updates",
+    )
 
     @model_validator(mode="after")
     def _batch_size_consistent(self) -> GRPOConfig:

@@ -3,6 +3,7 @@
 import json
 import re
 import socket
+import sys
 
 import pytest
 
@@ -242,6 +243,131 @@ def test_missing_unreadable_and_too_short_files(tmp_path):
         build_task(config(task="jsonl", path=str(broken)))
     with pytest.raises(ValueError, match=r"^data.eval_size: holding out the last 3 rows of .* leaves no train rows"):
         build_task(config(task="jsonl", path=good, eval_size=3))
+
+
+# --- Hugging Face datasets on disk
+
+
+def saved_splits(directory, **splits) -> str:
+    """A DatasetDict of ``splits`` (name -> rows) written with save_to_disk."""
+    import datasets
+
+    datasets.DatasetDict({name: datasets.Dataset.from_list(rows) for name, rows in splits.items()}).save_to_disk(
+        str(directory)
+    )
+    return str(directory)
+
+
+def sums(start: int, stop: int) -> list[dict]:
+    return [{"q": f"{i}+1=", "a": i + 1} for i in range(start, stop)]
+
+
+def hf(path, **fields) -> DataConfig:
+    return config(task="hf_dataset", path=path, prompt_field="q", answer_field="a", **fields)
+
+
+def test_a_saved_dataset_dict_trains_on_one_split_and_holds_out_another(tmp_path, no_network):
+    path = saved_splits(tmp_path / "saved", train=sums(0, 6), test=sums(6, 8))
+    task = build_task(hf(path, eval_split="test"))
+    assert task.name == "hf_dataset"
+    assert task.train == [Prompt(f"train/{i + 1}", f"{i}+1=", str(i + 1)) for i in range(6)]
+    assert task.heldout == [Prompt(f"heldout/{i - 5}", f"{i}+1=", str(i + 1)) for i in range(6, 8)]
+    held_out_of_train = build_task(hf(path, eval_size=2))  # no eval_split: the last rows of the train split
+    assert texts(held_out_of_train.train) == texts(task.train[:4])
+    assert held_out_of_train.heldout == [Prompt("heldout/5", "4+1=", "5"), Prompt("heldout/6", "5+1=", "6")]
+    assert build_task(hf(path, split="test", eval_split="train")).train == [
+        Prompt("train/1", "6+1=", "7"),
+        Prompt("train/2", "7+1=", "8"),
+    ]
+
+
+def test_data_files_named_by_split_and_a_saved_single_dataset_load_the_same_way(tmp_path, no_network):
+    import datasets
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    files = tmp_path / "files"
+    files.mkdir()
+    for name, rows in (("train", sums(0, 6)), ("test", sums(6, 8))):
+        pq.write_table(pa.Table.from_pylist(rows), files / f"{name}.parquet")
+    saved = saved_splits(tmp_path / "saved", train=sums(0, 6), test=sums(6, 8))
+    assert build_task(hf(str(files), eval_split="test")) == build_task(hf(saved, eval_split="test"))
+    datasets.Dataset.from_list(sums(0, 6)).save_to_disk(str(tmp_path / "single"))
+    single = build_task(hf(str(tmp_path / "single"), eval_size=2))  # one Dataset: the split train
+    assert single == build_task(hf(saved, eval_size=2))
+
+
+def test_hf_dataset_errors_name_the_split_field_or_directory(tmp_path):
+    path = saved_splits(tmp_path / "saved", train=sums(0, 6), test=[{"q": "9+1="}])
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    cases = [
+        (hf(path, split="nope"), f"data.split: '{path}' has no split 'nope' (its splits: train, test)"),
+        (hf(path, eval_split="dev"), f"data.eval_split: '{path}' has no split 'dev' (its splits: train, test)"),
+        (
+            hf(path, eval_split="test"),
+            f"data.answer_field: row 1 of split 'test' of {path} has no field 'a' (its fields: q)",
+        ),
+        (
+            config(task="hf_dataset", path=path),
+            f"data.prompt_field: row 1 of split 'train' of {path} has no field 'prompt' (its fields: q, a)",
+        ),
+        (hf(path, eval_split="train"), "data.eval_split: 'train' is data.split itself"),
+        (hf(path, eval_size=6), f"data.eval_size: holding out the last 6 rows of split 'train' of {path} leaves"),
+        (hf(str(tmp_path / "nope")), f"data.path: no such directory '{tmp_path / 'nope'}'"),
+        (hf(str(empty)), f"data.path: cannot read '{empty}' as a Hugging Face dataset"),
+    ]
+    for cfg, message in cases:
+        with pytest.raises(ValueError) as info:
+            build_task(cfg)
+        assert str(info.value).startswith(message)
+
+
+def test_a_split_that_does_not_exist_is_one_line_and_exit_2(tmp_path, capsys):
+    from asyncrl.cli import main
+
+    path = saved_splits(tmp_path / "saved", train=sums(0, 6))
+    overrides = [f"data.path={path}", "data.prompt_field=q", "data.answer_field=a", "data.split=validation"]
+    capsys.readouterr()
+    code = main(["train", "data.task=hf_dataset", *overrides, "--output-dir", str(tmp_path / "run")])
+    assert code == 2
+    assert capsys.readouterr().err == f"error: data.split: '{path}' has no split 'validation' (its splits: train)\n"
+
+
+def test_without_the_datasets_package_the_error_names_the_extra(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "datasets", None)  # import datasets now raises ImportError
+    with pytest.raises(ValueError, match=r"^data.task: hf_dataset needs the datasets package; .*\[hf-datasets\]"):
+        build_task(hf(str(tmp_path)))
+
+
+def test_a_loader_over_a_reloaded_hf_dataset_resumes_where_the_saved_one_was(tmp_path):
+    path = saved_splits(tmp_path / "saved", train=sums(0, 10), test=sums(10, 12))
+    loader = PromptLoader(build_task(hf(path, eval_split="test")).train, shuffle_seed=1, epochs=None)
+    drain(loader, 13)
+    resumed = PromptLoader(build_task(hf(path, eval_split="test")).train, shuffle_seed=1, epochs=None)
+    resumed.load_state_dict(loader.state_dict())
+    assert drain(resumed, 9) == drain(loader, 9)
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (
+            ["data.task=jsonl", "data.path=x.jsonl", "data.eval_split=test"],
+            "data.eval_split: set, but data.task is 'jsonl'",
+        ),
+        (["data.task=parquet", "data.path=x.parquet", "data.split=all"], "data.split: set, but data.task is 'parquet'"),
+        (["data.task=hf_dataset"], "data.path: required when data.task is hf_dataset"),
+        (
+            ["data.task=hf_dataset", "data.path=d", "data.eval_path=e.jsonl"],
+            "data.eval_path: hf_dataset holds out a split",
+        ),
+    ],
+)
+def test_split_keys_belong_to_hf_dataset(overrides, message):
+    with pytest.raises(ConfigError) as info:
+        load_config(None, overrides)
+    assert str(info.value).startswith(message)
 
 
 # --- chat templates

@@ -1,4 +1,4 @@
-"""User datasets: local jsonl or parquet files, parsed as data and nothing else.
+"""User datasets: local jsonl or parquet files, or a Hugging Face dataset on disk, parsed as data and nothing else.
 
 A jsonl file is decoded as UTF-8 and parsed line by line with the standard ``json`` module, so a
 bad byte or a broken line is reported by its line number; a file holding one JSON array of objects
@@ -12,6 +12,13 @@ rejects, by row and character, text the tokenizer cannot reproduce.
 
 The held-out split comes from ``data.eval_path`` when it is set; otherwise the last
 ``data.eval_size`` rows of ``data.path`` are held out and the rows before them are trained on.
+
+``hf_dataset`` reads ``data.path`` with the ``datasets`` package (an optional extra, imported only
+then): a ``save_to_disk`` directory (a Dataset, or a DatasetDict of named splits), or a directory
+of data files whose names give the splits (``train.jsonl``, ``test.parquet``, ...). It trains on
+split ``data.split`` and holds out split ``data.eval_split`` (null: the last ``data.eval_size``
+rows of the train split), with the same fields, checks and uids as a file. Only an existing local
+directory is read, so nothing is fetched from the Hub.
 """
 
 from __future__ import annotations
@@ -40,18 +47,82 @@ def file_task(
             "give another file, or null to hold out the last data.eval_size rows"
         )
     train = _prompts(_read_rows(kind, path, "data.path"), "train", path, prompt_field, answer_field)
-    if eval_path is not None:
-        heldout = _prompts(
-            _read_rows(kind, eval_path, "data.eval_path"), "heldout", eval_path, prompt_field, answer_field
-        )
-    elif len(train) <= eval_size:
-        raise ValueError(
-            f"data.eval_size: holding out the last {eval_size} rows of {path} leaves no train rows "
-            f"(it has {len(train)}); set data.eval_path or lower data.eval_size"
-        )
-    else:
-        train, heldout = train[:-eval_size], [_as_heldout(p) for p in train[-eval_size:]]
+    if eval_path is None:
+        return Task(kind, *_hold_out(train, eval_size, path, "data.eval_path"))
+    heldout = _prompts(_read_rows(kind, eval_path, "data.eval_path"), "heldout", eval_path, prompt_field, answer_field)
     return Task(kind, train=train, heldout=heldout)
+
+
+def hf_dataset_task(
+    path: str, split: str, eval_split: str | None, *, prompt_field: str, answer_field: str, eval_size: int
+) -> Task:
+    """The train and held-out prompts of a Hugging Face dataset on disk (``hf_dataset``)."""
+    splits = _hf_splits(path)
+    train_where = _split_where(split, path)
+    train = _prompts(_split_rows(splits, split, path, "data.split"), "train", train_where, prompt_field, answer_field)
+    if eval_split is None:
+        return Task("hf_dataset", *_hold_out(train, eval_size, train_where, "data.eval_split"))
+    if eval_split == split:
+        raise ValueError(
+            f"data.eval_split: '{eval_split}' is data.split itself, so the held-out rows would be trained on; "
+            "name another split, or null to hold out the last data.eval_size rows"
+        )
+    rows = _split_rows(splits, eval_split, path, "data.eval_split")
+    heldout = _prompts(rows, "heldout", _split_where(eval_split, path), prompt_field, answer_field)
+    return Task("hf_dataset", train=train, heldout=heldout)
+
+
+def _hold_out(train: list[Prompt], eval_size: int, where: str, other: str) -> tuple[list[Prompt], list[Prompt]]:
+    """(train, held-out): the last ``eval_size`` rows held out; ``other`` names the key that avoids it."""
+    if len(train) <= eval_size:
+        raise ValueError(
+            f"data.eval_size: holding out the last {eval_size} rows of {where} leaves no train rows "
+            f"(it has {len(train)}); set {other} or lower data.eval_size"
+        )
+    return train[:-eval_size], [_as_heldout(p) for p in train[-eval_size:]]
+
+
+def _hf_splits(path: str) -> dict[str, Any]:
+    """Split name -> ``datasets.Dataset``; a saved single Dataset is the one split ``train``."""
+    try:
+        import datasets
+    except ImportError:
+        raise ValueError(
+            "data.task: hf_dataset needs the datasets package; install it with: pip install -e '.[hf-datasets]'"
+        ) from None
+    directory = Path(path)
+    if not directory.is_dir():
+        raise ValueError(
+            f"data.path: '{path}' is a file; hf_dataset reads a directory (for one file use data.task jsonl or parquet)"
+            if directory.exists()
+            else f"data.path: no such directory '{path}'"
+        )
+    saved = (directory / "dataset_dict.json").is_file() or (directory / "state.json").is_file()
+    bars_were_disabled = datasets.are_progress_bars_disabled()
+    datasets.disable_progress_bars()  # a load's bars would interleave with the run's log, or precede its error line
+    try:
+        loaded = datasets.load_from_disk(str(directory)) if saved else datasets.load_dataset(str(directory))
+    except Exception as err:  # datasets reports a damaged or foreign directory with a variety of errors
+        detail = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ValueError(f"data.path: cannot read '{path}' as a Hugging Face dataset: {detail}") from None
+    finally:
+        if not bars_were_disabled:
+            datasets.enable_progress_bars()
+    return dict(loaded) if isinstance(loaded, datasets.DatasetDict) else {"train": loaded}
+
+
+def _split_rows(splits: dict[str, Any], name: str, path: str, field: str) -> list[dict[str, Any]]:
+    if name not in splits:
+        raise ValueError(f"{field}: '{path}' has no split '{name}' (its splits: {', '.join(splits)})")
+    rows = splits[name].to_list()
+    if not rows:
+        raise ValueError(f"{field}: split '{name}' of '{path}' has no rows")
+    return rows
+
+
+def _split_where(split: str, path: str) -> str:
+    """How an error names a row's place: ``row N of split 'train' of DIR``."""
+    return f"split '{split}' of {path}"
 
 
 def _as_heldout(prompt: Prompt) -> Prompt:
@@ -261,5 +332,8 @@ def _where(prompt: Prompt, data: DataConfig, field: str = "prompt_field") -> str
     if data.path is None:
         return f"data.task: prompt '{prompt.uid}' of {data.task}"
     split, _, row = prompt.uid.partition("/")
+    if data.task == "hf_dataset":
+        name = data.eval_split if split == "heldout" and data.eval_split is not None else data.split
+        return f"data.{field}: row {row} of {_split_where(name, data.path)}"
     path = data.eval_path if split == "heldout" and data.eval_path is not None else data.path
     return f"data.{field}: row {row} of {path}"

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from asyncrl.data.files import file_task
+from asyncrl.data.files import file_task, hf_dataset_task
 from asyncrl.data.prompts import Prompt, Task, apply_chat_template
 from asyncrl.data.synthetic import SYNTHETIC_TASKS, synthetic_task
 
@@ -16,7 +16,7 @@ FILE_TASKS = ("jsonl", "parquet")
 
 
 def build_task(cfg: DataConfig, tokenizer=None) -> Task:
-    """``cfg.task``: a built-in name, reasoning_gym, or jsonl / parquet for ``cfg.path``. The
+    """``cfg.task``: a built-in name, reasoning_gym, jsonl / parquet for ``cfg.path``, or hf_dataset. The
     tokenizer is needed only for ``cfg.chat_template``."""
     if cfg.task in SYNTHETIC_TASKS:
         task = synthetic_task(
@@ -33,6 +33,17 @@ def build_task(cfg: DataConfig, tokenizer=None) -> Task:
             answer_field=cfg.answer_field,
             eval_size=cfg.eval_size,
         )
+    elif cfg.task == "hf_dataset":
+        if cfg.path is None:
+            raise ValueError("data.path: required when data.task is hf_dataset")
+        task = hf_dataset_task(
+            cfg.path,
+            cfg.split,
+            cfg.eval_split,
+            prompt_field=cfg.prompt_field,
+            answer_field=cfg.answer_field,
+            eval_size=cfg.eval_size,
+        )
     elif cfg.task == "reasoning_gym":
         from asyncrl.data.reasoning_gym import reasoning_gym_task
 
@@ -45,7 +56,7 @@ def build_task(cfg: DataConfig, tokenizer=None) -> Task:
         )
     else:
         raise ValueError(
-            f"data.task: unknown task '{cfg.task}'; built-ins are {', '.join(SYNTHETIC_TASKS)}, or jsonl / parquet / reasoning_gym"
+            f"data.task: unknown task '{cfg.task}'; built-ins are {', '.join(SYNTHETIC_TASKS)}, or jsonl / parquet / hf_dataset / reasoning_gym"
         )
     if cfg.chat_template:
         task = replace(task, train=_templated(task.train, tokenizer), heldout=_templated(task.heldout, tokenizer))
