@@ -121,7 +121,7 @@ def _start_workers(
         if config.weight_transport == "broadcast":
             runtime.connect_broadcast(ranks[0], generators, config.broadcast_backend, config.sync.timeout_s)
         return TrainerGroup(ranks), generators
-    trainer_worker = TrainerWorker(PolicyTrainer.from_config(config, model), config.grpo, tokenizer)
+    trainer_worker = TrainerWorker(PolicyTrainer.from_config(config, model), config.grpo, tokenizer, seed=config.seed)
     if checkpoint_dir is not None:
         _from_checkpoint(
             str(checkpoint_dir / STATE_FILE), trainer_worker.load_checkpoint, checkpoint_dir, state["trainer"]

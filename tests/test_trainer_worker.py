@@ -151,10 +151,34 @@ def test_a_step_whose_groups_are_all_filtered_takes_no_update_and_does_not_raise
     assert run_step(worker, make_groups(5, version=1), [5]).result.num_updates == 1
 
 
+def record_updates(worker: TrainerWorker) -> list[list[int]]:
+    """The micro-batches each update of the worker's next step trains, numbered as first seen:
+    the first pass numbers them in order, so an update of a later pass names its mini-batch."""
+    updates, seen = [[]], {}
+    train, finish_update = worker.trainer.train_microbatch, worker.trainer.finish_update
+
+    def recording_train(batch):
+        updates[-1].append(seen.setdefault(id(batch), len(seen)))
+        return train(batch)
+
+    def recording_finish_update():
+        updates.append([])
+        return finish_update()
+
+    worker.trainer.train_microbatch, worker.trainer.finish_update = recording_train, recording_finish_update
+    return updates
+
+
+def minibatch_order(updates: list[list[int]], num_minibatches: int) -> list[int]:
+    """The mini-batch of each update, by its place in the first pass."""
+    return [updates[:num_minibatches].index(update) for update in updates]
+
+
 @pytest.mark.parametrize("num_minibatches, num_epochs", [(3, 1), (2, 2)])
 def test_minibatch_updates_equal_whole_minibatch_updates_against_step_start_logprobs(num_minibatches, num_epochs):
     groups = make_groups(3, count=6)
     worker = make_worker(micro_batch_size=5, num_minibatches=num_minibatches, num_epochs=num_epochs)
+    updates = record_updates(worker)
     report = run_step(worker, groups, [2, 4])
     reference = make_worker(micro_batch_size=100).trainer
     reference.begin_train_step(0)
@@ -164,7 +188,7 @@ def test_minibatch_updates_equal_whole_minibatch_updates_against_step_start_logp
         batch = TrainBatch.from_groups(part, [grpo.group_advantages(g.rewards) for g in part])
         batch.prox_logprobs = reference.compute_logprobs(batch)  # every one before the first update
         batches.append(batch)
-    updates = batches * num_epochs
+    updates = [batches[k] for k in minibatch_order(updates, num_minibatches)]
     for index, batch in enumerate(updates):
         reference.train_microbatch(batch)
         if index < len(updates) - 1:
@@ -175,6 +199,26 @@ def test_minibatch_updates_equal_whole_minibatch_updates_against_step_start_logp
     assert report.result.metrics["clip_mean"] == expected.metrics["clip_mean"] > 0  # the clip acts
     for name, tensor in worker.trainer.model.state_dict().items():
         torch.testing.assert_close(tensor, reference.model.state_dict()[name], rtol=1e-4, atol=1e-5)
+
+
+def test_every_pass_after_the_first_takes_the_minibatches_in_a_seeded_order():
+    def orders(seed: int) -> list[list[int]]:
+        worker = make_worker(micro_batch_size=4, num_minibatches=4, num_epochs=3)
+        worker.seed = seed
+        steps = []
+        for step in range(4):
+            updates = record_updates(worker)
+            run_step(worker, make_groups(step, count=4, version=step), [4])
+            steps.append(minibatch_order(updates, 4))
+        return steps
+
+    first = orders(0)
+    for order in first:
+        assert order[:4] == [0, 1, 2, 3]  # the first pass in arrival order
+        assert sorted(order[4:8]) == sorted(order[8:]) == [0, 1, 2, 3]
+    assert any(order[4:] != [0, 1, 2, 3] * 2 for order in first)  # not one order reused
+    assert len({tuple(order[4:8]) for order in first} | {tuple(order[8:]) for order in first}) > 1
+    assert orders(0) == first and orders(1) != first  # a function of the run seed and the step
 
 
 def test_aborting_after_an_update_restores_the_step_start_exactly():

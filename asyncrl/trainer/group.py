@@ -62,7 +62,7 @@ def build_trainer_rank(
     if parallel is not None:
         _take_rank0_weights(model)
     trainer = PolicyTrainer.from_config(config, model, parallel=parallel)
-    worker = TrainerWorker(trainer, config.grpo, tokenizer, rank=rank)
+    worker = TrainerWorker(trainer, config.grpo, tokenizer, rank=rank, seed=config.seed)
     if checkpoint_dir is not None:
         worker.load_checkpoint(checkpoint_dir, load_state(Path(checkpoint_dir))["trainer"])
     return inject_trainer_faults(worker, config.faults)

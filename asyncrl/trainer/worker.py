@@ -10,7 +10,9 @@ With ``grpo.num_minibatches`` K or ``num_epochs`` E above 1 the worker collects 
 and ``finish_step`` cuts its groups into K mini-batches of consecutive groups, packs each the same
 way, scores every micro-batch once with the weights at step start (the proximal logprobs every
 update's ratio is taken against), then trains the mini-batches E times over, one optimizer update
-each (docs/loss.md, "When the clip acts").
+each (docs/loss.md, "When the clip acts"). The first pass takes the mini-batches in the order
+their groups arrived; every later pass in its own order, drawn from the run seed, the step and the
+pass, so every rank, a rerun and a resumed run draw the same.
 
 On several trainer ranks (trainer/parallel.py) every rank receives every group, in the same order,
 and packs the same micro-batches; global micro-batch m is trained by DP rank m % dp (its cp ranks
@@ -44,6 +46,7 @@ from torch.distributed.checkpoint.state_dict import (
 from asyncrl.algorithms import grpo
 from asyncrl.checkpoint import read_weights, save_checkpoint
 from asyncrl.config import GRPOConfig
+from asyncrl.generation.base import sample_seed
 from asyncrl.trainer.policy import PolicyTrainer, StepResult
 from asyncrl.types import RolloutGroup, TrainBatch
 
@@ -120,13 +123,17 @@ MicroBatch = list[_Rows]
 
 
 class TrainerWorker:
-    def __init__(self, trainer: PolicyTrainer, grpo_cfg: GRPOConfig, tokenizer, *, rank: int = 0) -> None:
+    def __init__(
+        self, trainer: PolicyTrainer, grpo_cfg: GRPOConfig, tokenizer, *, rank: int = 0, seed: int = 0
+    ) -> None:
         """``rank``: this trainer rank's place among all of them; rank 0 writes checkpoints and
-        returns the exported weights. Its DP rank and the DP size come from ``trainer.parallel``."""
+        returns the exported weights. Its DP rank and the DP size come from ``trainer.parallel``.
+        ``seed``: the run seed, which orders the mini-batches of every pass after the first."""
         self.trainer = trainer
         self.tokenizer = tokenizer
         self.grpo = grpo_cfg
         self.rank = rank
+        self.seed = seed
         self.dp = 1 if trainer.parallel is None else trainer.parallel.dp
         self.dp_rank = 0 if trainer.parallel is None else trainer.parallel.dp_rank
         self.micro_batch_size = trainer.cfg.micro_batch_size
@@ -241,7 +248,11 @@ class TrainerWorker:
         rounds = [self._rounds_of(part) for part in split_evenly(self._collected, self.grpo.num_minibatches)]
         batches = [[self._scored(self._round_batches(round_)) for round_ in minibatch] for minibatch in rounds]
         self._fetched.clear()
-        updates = [(rounds[k], batches[k]) for _ in range(self.grpo.num_epochs) for k in range(len(rounds))]
+        updates = [
+            (rounds[k], batches[k])
+            for epoch in range(self.grpo.num_epochs)
+            for k in self._pass_order(epoch, len(rounds))
+        ]
         for index, (minibatch_rounds, minibatch_batches) in enumerate(updates):
             for round_, round_batches in zip(minibatch_rounds, minibatch_batches):
                 self._num_microbatches += len(round_)
@@ -249,6 +260,14 @@ class TrainerWorker:
                     self.trainer.train_microbatch(batch)
             if index < len(updates) - 1:
                 self.trainer.finish_update()
+
+    def _pass_order(self, epoch: int, count: int) -> list[int]:
+        """The order pass ``epoch`` takes the ``count`` mini-batches in: as they arrived in the first
+        pass, then a permutation seeded by the run seed, the step and the pass."""
+        if epoch == 0:
+            return list(range(count))
+        seed = sample_seed(self.seed, f"minibatch-order:{self.trainer.version}", epoch)
+        return torch.randperm(count, generator=torch.Generator().manual_seed(seed)).tolist()
 
     def _rounds_of(self, items: list[tuple[Any, Tensor]]) -> list[list[MicroBatch]]:
         """The rounds of dp micro-batches that ``items`` pack into, packed as a streamed step would be."""
