@@ -243,11 +243,16 @@ def _vllm(workload: Workload, device: str) -> dict[str, Any]:
     from asyncrl.config import load_config
     from asyncrl.generation import SampleRequest, SamplingParams
     from asyncrl.generation.vllm import build_vllm_generator
+    from asyncrl.models.factory import build_tokenizer
 
-    config = load_config(None, ["generation.backend=vllm", "trainer.dtype=bfloat16", "trainer.device=cuda"])
+    config = load_config(
+        None,
+        ["generation.backend=vllm", "trainer.dtype=bfloat16", "trainer.device=cuda",
+         f"vllm.max_model_len={workload.seq_len}"],
+    )  # fmt: skip
     model = _model(workload, device)
     weights = {name: t.to(torch.bfloat16) for name, t in model.state_dict().items()}
-    generator = build_vllm_generator(config, model, stop_token_ids=[])
+    generator = build_vllm_generator(config, model, build_tokenizer(config), stop_token_ids=[])
     try:
         gen = torch.Generator().manual_seed(0)
         requests = [
