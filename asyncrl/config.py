@@ -228,9 +228,11 @@ class RewardConfig(Section):
         description="L_cache of the overlong reward: 0 up to generation.max_new_tokens - L_cache tokens, then "
         "linearly down to -1 at max_new_tokens (DAPO); required with overlong",
     )
-    threads: int = Field(32, ge=1, description="reward calls of one batch run on up to this many threads at once")
-    max_hung_threads: int = Field(
-        64, ge=1, description="threads stuck in calls past their timeout before scoring fails instead of starting more"
+    processes: int = Field(
+        4,
+        ge=1,
+        description="worker processes the reward calls run in, started on the first batch; a call past "
+        "timeout_s has its process killed and replaced",
     )
 
     @model_validator(mode="after")

@@ -1,8 +1,18 @@
-"""Reward functions, name resolution, and the runner's timeouts, error counting and weighted sum."""
+"""Reward functions, name resolution, and the runner's reward processes: timeouts that kill,
+error counting and the weighted sum.
+
+The runner pickles its functions into fresh processes, so the rewards used here are module-level
+functions, which travel as their import path.
+"""
 
 import math
-import threading
+import operator
+import os
+import signal
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -10,23 +20,98 @@ from asyncrl.config import ConfigError, RewardConfig, load_config
 from asyncrl.data import Task
 from asyncrl.rewards import FormatReward, OverlongPenalty, RewardRunner, exact_match, numeric_match, resolve_reward
 
-TIMEOUT = 0.2
+TIMEOUT = 0.5
+ODD_VALUES = {"nan": math.nan, "inf": math.inf, "text": "1.0", "none": None, "list": [1.0]}
+WORKER_CODE = b"from asyncrl.rewards.worker import main; main()"
+USER_REWARDS = """
+import re
+import zlib
 
 
-@pytest.fixture
-def release():
-    """An event hanging rewards wait on; set at teardown so no test leaves a thread stuck."""
-    event = threading.Event()
-    yield event
-    event.set()
+def backtrack(completion, answer):
+    \"\"\"exact_match, but on about a third of the completions a regex first backtracks for minutes
+    in C, holding the interpreter lock all along, the way sympy does raising a huge power.\"\"\"
+    if zlib.crc32(completion.encode()) % 3 == 0:
+        re.fullmatch(r"(a+)+b", "a" * 32)
+    return float(completion.strip() == answer.strip())
+"""
 
 
-def wait_until(condition, seconds: float = 5.0) -> bool:
+def half(completion, answer):
+    return 0.5
+
+
+def two(completion, answer):
+    return 2
+
+
+def odd_value(completion, answer):
+    return ODD_VALUES[completion]
+
+
+def boom(completion, answer):
+    if completion == "bad":
+        raise RuntimeError("boom")
+    return 1.0
+
+
+def hang(completion, answer):
+    time.sleep(3600)
+
+
+def mixed(completion, answer):
+    if completion == "hang":
+        hang(completion, answer)
+    if completion == "raise":
+        raise ValueError("no")
+    if completion == "nan":
+        return math.nan
+    if completion == "exit":
+        os._exit(3)
+    return exact_match(completion, answer)
+
+
+def slow(completion, answer):
+    time.sleep(TIMEOUT / 4)
+    return 1.0
+
+
+def process_id(completion, answer):
+    return os.getpid()
+
+
+def spin(completion, answer):
+    while True:
+        pass
+
+
+def flaky(completion, answer):
+    if completion == "hang":
+        hang(completion, answer)
+    raise KeyError(completion)
+
+
+def reward_processes(parent: int) -> set[int]:
+    """Process ids of the live reward processes that process ``parent`` started."""
+    pids = set()
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                argv = (entry / "cmdline").read_bytes().split(b"\0")
+            except OSError:  # the process ended while we looked
+                continue
+            if len(argv) > 4 and argv[2] == WORKER_CODE and argv[4] == str(parent).encode():
+                pids.add(int(entry.name))
+    return pids
+
+
+def all_gone(pids: set[int], parent: int, seconds: float = 30.0) -> bool:
+    """Whether every one of ``pids`` has exited within ``seconds``."""
     deadline = time.monotonic() + seconds
-    while not condition():
+    while pids & reward_processes(parent):
         if time.monotonic() > deadline:
             return False
-        time.sleep(0.01)
+        time.sleep(0.1)
     return True
 
 
@@ -69,7 +154,7 @@ def test_FormatReward_matches_the_whole_stripped_completion():
     assert integer("x12", "12") == 0.0
 
 
-def test_math_reward_checks_equivalence_off_the_main_thread():
+def test_math_reward_checks_equivalence_in_a_reward_process():
     math_reward = resolve_reward("math")
     cases = [
         ("The answer is \\boxed{\\frac{1}{2}}", "0.5", 1.0),
@@ -80,7 +165,7 @@ def test_math_reward_checks_equivalence_off_the_main_thread():
     with RewardRunner([("math", math_reward)], timeout_s=30.0) as runner:
         result = runner.score([c for c, _, _ in cases], [a for _, a, _ in cases])
     assert result.per_function["math"] == [s for _, _, s in cases]
-    assert result.errors == result.timeouts == 0  # its own SIGALRM timeouts would raise on a worker thread
+    assert result.errors == result.timeouts == 0
 
 
 def test_resolve_builtins_and_custom_paths():
@@ -109,7 +194,6 @@ def test_resolve_rejects_bad_names_naming_the_field(name, match):
 
 
 def test_weighted_sum_and_correct_come_from_the_first_function():
-    half = lambda completion, answer: 0.5  # noqa: E731
     functions = [("format", FormatReward(r"\d+")), ("exact_match", exact_match), ("half", half)]
     with RewardRunner(functions, weights=[0.1, 1.0, 2.0], timeout_s=5.0) as runner:
         result = runner.score(["19", "20", "x"], ["19", "19", "19"])
@@ -120,11 +204,6 @@ def test_weighted_sum_and_correct_come_from_the_first_function():
 
 
 def test_a_raising_reward_scores_zero_and_is_counted():
-    def boom(completion, answer):
-        if completion == "bad":
-            raise RuntimeError("boom")
-        return 1.0
-
     with RewardRunner([("boom", boom), ("exact_match", exact_match)], timeout_s=5.0) as runner:
         result = runner.score(["bad", "19", "bad"], ["19", "19", "19"])
         assert result.per_function["boom"] == [0.0, 1.0, 0.0]
@@ -136,102 +215,77 @@ def test_a_raising_reward_scores_zero_and_is_counted():
         assert runner.counts["exact_match"].errors == 0
 
 
-@pytest.mark.parametrize("value", [float("nan"), float("inf"), "1.0", None, [1.0]])
-def test_a_non_finite_or_non_number_score_is_an_error(value):
-    with RewardRunner([("odd", lambda c, a: value)], timeout_s=5.0) as runner:
-        result = runner.score(["x"], ["y"])
-    assert result.rewards == [0.0] and result.errors == 1
+def test_a_non_finite_or_non_number_score_is_an_error():
+    with RewardRunner([("odd", odd_value)], timeout_s=5.0) as runner:
+        result = runner.score(list(ODD_VALUES), [""] * len(ODD_VALUES))
+    assert result.rewards == [0.0] * len(ODD_VALUES) and result.errors == len(ODD_VALUES)
 
 
 def test_numbers_of_any_real_type_are_accepted():
-    with RewardRunner([("bool", lambda c, a: c == a), ("int", lambda c, a: 2)], timeout_s=5.0) as runner:
+    with RewardRunner([("bool", operator.eq), ("int", two)], timeout_s=5.0) as runner:
         result = runner.score(["x"], ["x"])
     assert result.per_function == {"bool": [1.0], "int": [2.0]} and result.errors == 0
 
 
-def test_hanging_reward_costs_one_timeout_for_the_batch_and_the_runner_recovers(release):
-    hang = lambda completion, answer: release.wait()  # noqa: E731
-    with RewardRunner([("hang", hang), ("exact_match", exact_match)], timeout_s=TIMEOUT, threads=32) as runner:
-        start = time.monotonic()
-        result = runner.score(["19"] * 16, ["19"] * 16)
-        elapsed = time.monotonic() - start
-        assert TIMEOUT <= elapsed < 3 * TIMEOUT, elapsed  # not 16 timeouts
-        assert result.per_function["hang"] == [0.0] * 16
-        assert result.rewards == [1.0] * 16  # exact_match still scored every completion
-        assert (result.errors, result.timeouts) == (0, 16)
-        assert runner.counts["hang"].timeouts == 16
-        assert runner.hung_threads == 16
-        release.set()  # the stuck calls return; their abandoned threads leave
-        assert wait_until(lambda: runner.hung_threads == 0)
-        again = runner.score(["19", "20"], ["19", "19"])
-        assert again.per_function["hang"] == [1.0, 1.0]  # Event.wait returned True
-        assert again.timeouts == 0
+@pytest.mark.timeout(120)
+def test_a_hanging_call_is_killed_with_its_process_and_the_calls_behind_it_are_scored():
+    with RewardRunner([("mixed", mixed), ("exact_match", exact_match)], timeout_s=TIMEOUT, processes=1) as runner:
+        result = runner.score(["19", "hang", "19", "20", "19"], ["19"] * 5)  # one process: one chunk, in order
+        (killed,) = reward_processes(os.getpid())
+        assert result.per_function["mixed"] == [1.0, 0.0, 1.0, 0.0, 1.0]
+        assert result.per_function["exact_match"] == [1.0, 0.0, 1.0, 0.0, 1.0]  # handed out after "hang"
+        assert result.item_timeouts == [0, 1, 0, 0, 0] and result.errors == 0
+        assert runner.counts["mixed"].timeouts == 1
+        again = runner.score(["hang", "19"], ["19", "19"])
+        assert again.per_function["mixed"] == [0.0, 1.0] and again.timeouts == 1
+        assert killed not in reward_processes(os.getpid())
 
 
-def test_mixed_batch_scores_each_completion_by_its_own_outcome(release):
-    def mixed(completion, answer):
-        if completion == "hang":
-            release.wait()
-        if completion == "raise":
-            raise ValueError("no")
-        if completion == "nan":
-            return math.nan
-        return exact_match(completion, answer)
+@pytest.mark.timeout(120)
+def test_mixed_batch_scores_each_completion_by_its_own_outcome():
+    with RewardRunner([("mixed", mixed)], timeout_s=TIMEOUT, processes=2) as runner:
+        result = runner.score(["19", "hang", "raise", "nan", "20", "hang", "exit", "19"], ["19"] * 8)
+    assert result.rewards == [1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 1.0]
+    assert result.correct == [True, False, False, False, False, False, False, True]
+    assert (result.errors, result.timeouts) == (3, 2)
+    assert result.item_errors == [0, 0, 1, 1, 0, 0, 1, 0] and result.item_timeouts == [0, 1, 0, 0, 0, 1, 0, 0]
 
-    with RewardRunner([("mixed", mixed)], timeout_s=TIMEOUT) as runner:
-        result = runner.score(["19", "hang", "raise", "nan", "20", "hang"], ["19"] * 6)
-    assert result.rewards == [1.0, 0.0, 0.0, 0.0, 0.0, 0.0]
-    assert result.correct == [True, False, False, False, False, False]
-    assert (result.errors, result.timeouts) == (2, 2)
-    assert result.item_errors == [0, 0, 1, 1, 0, 0] and result.item_timeouts == [0, 1, 0, 0, 0, 1]
+
+@pytest.mark.timeout(120)
+def test_a_call_holding_the_interpreter_lock_is_killed_at_its_timeout():
+    """math-verify on a tower of powers: sympy computes 9^(9^9) in C without ever releasing the
+    lock, so no thread of this process could run until it finishes (hours)."""
+    with RewardRunner([("math", resolve_reward("math"))], timeout_s=2.0) as runner:
+        result = runner.score(["$9^{9^{9^{9}}}$", "$19$", "20"], ["19", "19", "19"])
+        assert result.per_function["math"] == [0.0, 1.0, 0.0]
+        assert result.item_timeouts == [1, 0, 0] and result.errors == 0
+        assert runner.score(["$19$"], ["19"]).rewards == [1.0]
 
 
 def test_a_slow_call_that_finishes_in_time_is_not_a_timeout():
-    def slow(completion, answer):
-        time.sleep(TIMEOUT / 4)
-        return 1.0
-
     with RewardRunner([("slow", slow)], timeout_s=TIMEOUT) as runner:
         result = runner.score(["a"] * 4, ["a"] * 4)
     assert result.rewards == [1.0] * 4 and result.timeouts == 0
 
 
-def test_concurrency_is_bounded_by_threads():
-    lock, running, peak = threading.Lock(), [0], [0]
-
-    def track(completion, answer):
-        with lock:
-            running[0] += 1
-            peak[0] = max(peak[0], running[0])
-        time.sleep(0.02)
-        with lock:
-            running[0] -= 1
-        return 1.0
-
-    with RewardRunner([("track", track)], timeout_s=5.0, threads=3) as runner:
-        assert runner.score(["a"] * 12, ["a"] * 12).rewards == [1.0] * 12
-    assert peak[0] == 3
+def test_calls_run_in_at_most_processes_processes_that_stay_for_the_next_batch():
+    with RewardRunner([("pid", process_id)], timeout_s=5.0, processes=3) as runner:
+        first = set(runner.score(["a"] * 12, ["a"] * 12).rewards)
+        assert os.getpid() not in first and 1 <= len(first) <= 3
+        assert first <= reward_processes(os.getpid()) and len(reward_processes(os.getpid())) == 3
+        assert set(runner.score(["a"] * 12, ["a"] * 12).rewards) <= reward_processes(os.getpid())
 
 
-def test_stuck_threads_are_bounded_then_scoring_fails_loudly_until_they_return(release):
-    hang = lambda completion, answer: release.wait()  # noqa: E731
-    with RewardRunner([("hang", hang)], timeout_s=TIMEOUT, max_hung_threads=2) as runner:
-        assert runner.score(["a", "b"], ["a", "b"]).timeouts == 2
-        with pytest.raises(RuntimeError, match=r"^rewards.max_hung_threads: 2 reward threads are stuck .*\(in hang\)"):
-            runner.score(["a"], ["a"])
-        release.set()
-        assert wait_until(lambda: runner.hung_threads == 0)
-        assert runner.score(["a"], ["a"]).rewards == [1.0]
-
-
-def test_close_stops_idle_workers_and_refuses_more_work():
-    runner = RewardRunner([("exact_match", exact_match)], timeout_s=5.0, threads=4)
+def test_close_stops_the_processes_and_refuses_more_work():
+    before = reward_processes(os.getpid())
+    runner = RewardRunner([("exact_match", exact_match)], timeout_s=5.0, processes=2)
+    assert reward_processes(os.getpid()) == before  # started on the first batch, not before
     runner.score(["a"] * 4, ["a"] * 4)
-    workers = [t for t in threading.enumerate() if t.name.startswith("asyncrl-reward-")]
-    assert workers
+    started = reward_processes(os.getpid()) - before
+    assert len(started) == 2
     runner.close()
     runner.close()  # idempotent
-    assert wait_until(lambda: not any(t.is_alive() for t in workers))
+    assert not started & reward_processes(os.getpid())
     with pytest.raises(RuntimeError, match="closed"):
         runner.score(["a"], ["a"])
 
@@ -252,6 +306,8 @@ def test_empty_batch_and_length_mismatch():
         ({"weights": [1.0, 2.0]}, "rewards.weights: 2 weights for 1 functions"),
         ({"weights": [math.inf]}, "rewards.weights: must be finite"),
         ({"timeout_s": 0.0}, "rewards.timeout_s"),
+        ({"processes": 0}, "rewards.processes"),
+        ({"functions": [("half", lambda c, a: 0.5)]}, "rewards.functions: 'half' cannot be sent to a reward process"),
     ],
 )
 def test_runner_rejects_bad_arguments(kwargs, match):
@@ -269,9 +325,9 @@ def test_from_config_takes_the_format_pattern_from_config_then_task():
     with pytest.raises(ValueError, match="^rewards.format_pattern"):
         RewardRunner.from_config(RewardConfig(functions=["format"]))
     runner = RewardRunner.from_config(
-        RewardConfig(functions=["exact_match", "operator:eq"], weights=[1.0, 0.5], timeout_s=2.0, threads=3)
+        RewardConfig(functions=["exact_match", "operator:eq"], weights=[1.0, 0.5], timeout_s=2.0, processes=3)
     )
-    assert (runner.names, runner.weights, runner.timeout_s, runner.threads) == (
+    assert (runner.names, runner.weights, runner.timeout_s, runner.processes) == (
         ["exact_match", "operator:eq"],
         [1.0, 0.5],
         2.0,
@@ -316,7 +372,9 @@ def test_overlong_is_configured_beside_other_rewards_and_scored_on_token_counts(
         ("rewards.functions=[]", "rewards.functions: at least one reward function is needed"),
         ("rewards.functions=[format,format]", "rewards.functions: 'format' is listed twice"),
         ("rewards.format_pattern='('", "rewards.format_pattern: invalid regex"),
-        ("rewards.threads=0", "rewards.threads"),
+        ("rewards.processes=0", "rewards.processes"),
+        ("rewards.threads=32", "rewards.threads: unknown key"),
+        ("rewards.max_hung_threads=64", "rewards.max_hung_threads: unknown key"),
     ],
 )
 def test_config_rejects_bad_reward_settings(override, message):
@@ -325,35 +383,25 @@ def test_config_rejects_bad_reward_settings(override, message):
     assert str(info.value).startswith(message)
 
 
-def test_a_call_spinning_on_the_cpu_does_not_stall_the_caller(release):
-    def spin(completion, answer):
-        while not release.is_set():
-            pass
-        return 1.0
-
-    with RewardRunner([("spin", spin)], timeout_s=TIMEOUT) as runner:
-        start = time.monotonic()
+@pytest.mark.timeout(120)
+def test_a_call_spinning_on_the_cpu_is_killed():
+    with RewardRunner([("spin", spin)], timeout_s=TIMEOUT, processes=4) as runner:
         assert runner.score(["a"] * 4, ["a"] * 4).timeouts == 4
-        assert time.monotonic() - start < 5 * TIMEOUT
 
 
-def test_first_error_and_first_timeout_of_a_function_are_logged_once(release, caplog):
-    def flaky(completion, answer):
-        if completion == "hang":
-            release.wait()
-        raise KeyError(completion)
-
+@pytest.mark.timeout(120)
+def test_first_error_and_first_timeout_of_a_function_are_logged_once(caplog):
     with RewardRunner([("flaky", flaky)], timeout_s=TIMEOUT) as runner:
         runner.score(["a", "b", "hang"], ["", "", ""])
         runner.score(["c"], [""])
     messages = [r.getMessage() for r in caplog.records if r.name == "asyncrl.rewards.runner"]
     assert len(messages) == 2
     assert any(m.startswith("reward flaky: raised KeyError") for m in messages)
-    assert any(m.startswith("reward flaky: a call ran past rewards.timeout_s=0.2s") for m in messages)
+    assert any(m.startswith(f"reward flaky: a call ran past rewards.timeout_s={TIMEOUT}s") for m in messages)
 
 
 @pytest.mark.parametrize("name", ["exact_match", "numeric_match", "math", "format", "operator:eq"])
-def test_a_pickled_runner_scores_the_same_on_its_own_threads(name):
+def test_a_pickled_runner_scores_the_same_in_its_own_processes(name):
     import pickle
 
     runner = RewardRunner([(name, resolve_reward(name, format_pattern=r"\d+"))], weights=[2.0], timeout_s=30.0)
@@ -387,3 +435,57 @@ def test_the_rollout_worker_scores_the_overlong_penalty_on_response_token_counts
     with runner:
         result = worker.evaluate([Prompt(str(i), "1+1=", "2") for i in range(3)])
     assert result.reward_mean == pytest.approx((0.0 - 0.75 - 1.0) / 3)
+
+
+@pytest.fixture
+def user_rewards(tmp_path, monkeypatch):
+    """A user's reward module, importable by name here and so in the reward processes."""
+    (tmp_path / "user_rewards.py").write_text(USER_REWARDS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_run_whose_reward_holds_the_interpreter_lock_finishes_its_steps(tmp_path, user_rewards):
+    from test_train import run
+
+    before = reward_processes(os.getpid())
+    summary, metrics, _ = run(
+        tmp_path,
+        "gil",
+        "grpo.max_steps=2",
+        "rewards.functions=[user_rewards:backtrack]",
+        "rewards.timeout_s=0.5",
+        "runtime.watchdog_s=30",
+    )
+    assert summary["steps"] == 2 and len(metrics) == 2
+    assert summary["reward_timeouts"] == sum(m["reward_timeouts"] for m in metrics) > 0
+    assert reward_processes(os.getpid()) <= before  # the run stopped its own
+
+
+@pytest.mark.slow
+def test_a_stalled_run_leaves_no_reward_processes(tmp_path):
+    from test_train import run
+
+    from asyncrl.controller import StallError
+
+    before = reward_processes(os.getpid())
+    with pytest.raises(StallError):  # the first batch is scored, then generation hangs
+        run(tmp_path, "stall", "faults.hang_generate_calls=[2]", "faults.hang_s=4", "runtime.watchdog_s=1")
+    assert reward_processes(os.getpid()) <= before
+
+
+@pytest.mark.slow
+def test_sigterm_leaves_no_reward_processes(tmp_path):
+    from test_train import SMALL
+
+    args = ["train", "--output-dir", str(tmp_path / "run"), *SMALL, "grpo.max_steps=100000"]
+    process = subprocess.Popen([sys.executable, "-m", "asyncrl.cli", *args], stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not (workers := reward_processes(process.pid)):
+        assert process.poll() is None and time.monotonic() < deadline, process.communicate()
+        time.sleep(0.2)
+    process.send_signal(signal.SIGTERM)
+    _, err = process.communicate(timeout=120)
+    assert process.returncode == 128 + signal.SIGTERM, err
+    assert all_gone(workers, process.pid)

@@ -1,4 +1,4 @@
-"""Reward functions and the runner that applies them under a wall-clock timeout per call."""
+"""Reward functions and the runner that applies them in worker processes, under a wall-clock timeout per call."""
 
 from asyncrl.rewards.functions import (
     BUILTIN_REWARDS,

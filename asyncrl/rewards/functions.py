@@ -97,8 +97,8 @@ class MathReward:
     """Equivalence by math-verify, imported on construction so that the slow first import never
     counts against a call's timeout.
 
-    math-verify's own timeouts use SIGALRM, which only works on the main thread; reward calls run
-    on worker threads, so they are switched off and the runner's wall-clock timeout applies.
+    math-verify's own timeouts (SIGALRM) are switched off: the runner's timeout, which kills the
+    call's process, applies instead, even to a call stuck in C code that holds the interpreter lock.
     """
 
     def __init__(self) -> None:

@@ -1,41 +1,47 @@
 """RewardRunner: every configured reward on every completion, each call under a wall-clock timeout.
 
-Python cannot stop a thread, so a reward call that never returns can only be left behind. Calls
-run on a pool of daemon worker threads; all calls of one ``score`` are queued at once and up to
-``threads`` of them run together. The caller waits until each call has returned or has run for
-``timeout_s``, whichever comes first. A call past its timeout scores 0 and is counted; its thread
-is abandoned (it exits if the call ever returns) and a fresh thread takes its place, so the pool
-keeps its size and the next ``score`` runs normally. Scoring n completions with a reward that
-hangs on all of them therefore takes about one timeout while n <= threads.
+A reward can hold the interpreter lock for as long as it runs: C code such as sympy raising a huge
+power or a regex backtracking never lets another thread in, so neither a timeout nor the rest of
+the run could act. Calls therefore run in a small pool of reward processes (``processes``, fresh
+interpreters started on the first ``score``; ``asyncrl.rewards.worker``), where a call past its
+timeout is ended by killing its process.
 
-Abandoned threads are bounded: while ``max_hung_threads`` of them are still stuck, ``score``
-raises instead of starting more. A reward that hangs that often is broken, and a thread leaked
-per call would eventually exhaust the process.
-
-Calls share the interpreter lock: a slow pure-Python reward's wall time includes the work of the
-calls running beside it, so ``timeout_s`` should cover a batch's compute (or lower ``threads``).
+All calls of one ``score`` are handed out at once, in chunks: an idle process takes its share of
+the calls still waiting, so few messages carry many cheap calls and a slow process leaves the rest
+to the others. A process reports each call's outcome as it finishes, so the runner knows which
+call is running and since when. A call that runs for ``timeout_s`` scores 0 and is counted; its
+process is killed, the calls it had not started go back to the waiting ones, and a fresh process
+takes its place. A call whose process dies scores 0 and is counted as an error. Either way every
+call returns its value or scores 0, and the next ``score`` runs normally.
 """
 
 from __future__ import annotations
 
-import itertools
 import logging
 import math
-import numbers
-import queue
+import multiprocessing
+import os
+import pickle
+import subprocess
+import sys
 import threading
 import time
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
+from multiprocessing.connection import wait
 from typing import TYPE_CHECKING
 
 from asyncrl.rewards.functions import RewardFn, resolve_reward
+from asyncrl.rewards.worker import Outcome
 
 if TYPE_CHECKING:
     from asyncrl.config import RewardConfig
     from asyncrl.data import Task
 
 logger = logging.getLogger(__name__)
+
+_START_WORKER = "from asyncrl.rewards.worker import main; main()"
 
 
 @dataclass
@@ -64,18 +70,7 @@ class RewardCounts:
     timeouts: int = 0
 
 
-class _Call:
-    """One function applied to one completion; a worker fills in the outcome."""
-
-    def __init__(self, name: str, fn: RewardFn, completion: str, answer: str, num_tokens: int | None) -> None:
-        self.name, self.fn, self.completion, self.answer = name, fn, completion, answer
-        self.kwargs = {"num_tokens": num_tokens} if getattr(fn, "uses_num_tokens", False) else {}
-        self.started: float | None = None
-        self.worker: threading.Thread | None = None
-        self.done = False
-        self.abandoned = False
-        self.value: object = None
-        self.error: BaseException | None = None
+_TIMED_OUT: Outcome = (0.0, "timed out")  # told apart by identity: no outcome a process sends is it
 
 
 class RewardRunner:
@@ -85,8 +80,7 @@ class RewardRunner:
         *,
         weights: Sequence[float] | None = None,
         timeout_s: float = 5.0,
-        threads: int = 32,
-        max_hung_threads: int = 64,
+        processes: int = 4,
     ) -> None:
         names = [name for name, _ in functions]
         if not names:
@@ -100,22 +94,18 @@ class RewardRunner:
             raise ValueError(f"rewards.weights: must be finite, got {weights}")
         if not (math.isfinite(timeout_s) and timeout_s > 0):
             raise ValueError(f"rewards.timeout_s: must be a positive number of seconds, got {timeout_s}")
-        if threads < 1 or max_hung_threads < 1:
-            raise ValueError("rewards.threads: threads and max_hung_threads must be at least 1")
+        if processes < 1:
+            raise ValueError(f"rewards.processes: must be at least 1, got {processes}")
         self.names = names
         self.weights = weights
         self.timeout_s = timeout_s
-        self.threads = threads
-        self.max_hung_threads = max_hung_threads
+        self.processes = processes
         self.counts = {name: RewardCounts() for name in names}
         self._functions = [fn for _, fn in functions]
-        self._tasks: queue.SimpleQueue[_Call | None] = queue.SimpleQueue()
-        self._progress = threading.Condition()  # guards everything below; notified on every call start and end
-        self._workers: set[threading.Thread] = set()
-        self._hung: dict[threading.Thread, str] = {}  # abandoned thread -> the reward it is stuck in
-        self._pending = 0  # calls queued or running, neither returned nor abandoned
+        self._payload = pickle.dumps([_picklable(name, fn) for name, fn in functions])
+        self._pool: list[_Worker] = []
+        self._lock = threading.Lock()  # one score at a time owns the pool
         self._warned: set[tuple[str, str]] = set()
-        self._thread_ids = itertools.count()
         self._closed = False
 
     @classmethod
@@ -135,22 +125,15 @@ class RewardRunner:
             "overlong_cache": cfg.overlong_cache,
         }
         functions = [(name, resolve_reward(name, **settings)) for name in cfg.functions]
-        return cls(
-            functions,
-            weights=cfg.weights,
-            timeout_s=cfg.timeout_s,
-            threads=cfg.threads,
-            max_hung_threads=cfg.max_hung_threads,
-        )
+        return cls(functions, weights=cfg.weights, timeout_s=cfg.timeout_s, processes=cfg.processes)
 
     def __getstate__(self) -> dict:
-        """Configuration and counters only: a copy (say, sent to a Ray actor) starts its own threads."""
+        """Configuration and counters only: a copy (say, sent to a Ray actor) starts its own processes."""
         return {
             "functions": list(zip(self.names, self._functions)),
             "weights": self.weights,
             "timeout_s": self.timeout_s,
-            "threads": self.threads,
-            "max_hung_threads": self.max_hung_threads,
+            "processes": self.processes,
             "counts": self.counts,
         }
 
@@ -159,12 +142,6 @@ class RewardRunner:
         counts = state.pop("counts")
         self.__init__(state.pop("functions"), **state)
         self.counts = counts
-
-    @property
-    def hung_threads(self) -> int:
-        """Abandoned threads whose call has still not returned."""
-        with self._progress:
-            return len(self._hung)
 
     def score(
         self, completions: Sequence[str], answers: Sequence[str], num_tokens: Sequence[int] | None = None
@@ -179,19 +156,16 @@ class RewardRunner:
             num_tokens = [None] * len(completions)
         elif len(num_tokens) != len(completions):
             raise ValueError(f"RewardRunner.score: {len(num_tokens)} lengths for {len(completions)} completions")
-        calls = {
-            name: [_Call(name, fn, c, a, n) for c, a, n in zip(completions, answers, num_tokens)]
-            for name, fn in zip(self.names, self._functions)
-        }
-        every_call = [call for row in calls.values() for call in row]
-        with self._progress:
-            self._check_usable()
-            for call in every_call:
-                self._tasks.put(call)
-            self._pending += len(every_call)
-            self._grow()
-            self._wait(every_call)
-            per_function, errors, timeouts = self._collect(calls, len(completions))
+        calls = [
+            (f, completion, answer, n)
+            for f in range(len(self.names))
+            for completion, answer, n in zip(completions, answers, num_tokens)
+        ]
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("RewardRunner.score: the runner is closed")
+            outcomes = self._run(calls)
+        per_function, errors, timeouts = self._collect(outcomes, len(completions))
         first = per_function[self.names[0]]
         rewards = [
             sum(w * per_function[name][i] for name, w in zip(self.names, self.weights)) for i in range(len(first))
@@ -199,13 +173,11 @@ class RewardRunner:
         return RewardResult(rewards, [s >= 1.0 for s in first], per_function, errors, timeouts)
 
     def close(self) -> None:
-        """Let idle workers exit; threads stuck in a call are daemons and die with the process."""
-        with self._progress:
-            if self._closed:
-                return
+        """Stop the worker processes; idempotent."""
+        with self._lock:
             self._closed = True
-            for _ in self._workers:
-                self._tasks.put(None)
+            while self._pool:
+                self._pool.pop().kill()
 
     def __enter__(self) -> RewardRunner:
         return self
@@ -213,76 +185,82 @@ class RewardRunner:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def _check_usable(self) -> None:
-        if self._closed:
-            raise RuntimeError("RewardRunner.score: the runner is closed")
-        if len(self._hung) >= self.max_hung_threads:
-            stuck = ", ".join(sorted(set(self._hung.values())))
-            raise RuntimeError(
-                f"rewards.max_hung_threads: {len(self._hung)} reward threads are stuck in calls past "
-                f"rewards.timeout_s (in {stuck}); no more are started. Fix the reward or raise the limit"
-            )
+    def _run(self, calls: list[tuple]) -> list[Outcome]:
+        """Every call's outcome, each within ``timeout_s`` of its start (lock held)."""
+        outcomes: list[Outcome | None] = [None] * len(calls)
+        waiting = deque(range(len(calls)))
+        try:
+            while waiting or any(worker.calls for worker in self._pool):
+                while len(self._pool) < min(self.processes, len(waiting) + self._running()):
+                    self._pool.append(_Worker(self._payload))
+                self._hand_out(waiting, calls)
+                deadlines = [worker.since + self.timeout_s for worker in self._pool if worker.running]
+                wait([worker.conn for worker in self._pool], min(deadlines) - time.monotonic() if deadlines else None)
+                for worker in list(self._pool):
+                    self._receive(worker, outcomes, waiting)
+                now = time.monotonic()
+                for worker in [w for w in self._pool if w.running and now - w.since >= self.timeout_s]:
+                    outcomes[worker.calls.popleft()] = _TIMED_OUT
+                    self._retire(worker, waiting)
+        finally:  # on an error, processes left mid-chunk are not reused
+            for worker in [w for w in self._pool if w.calls]:
+                self._retire(worker, waiting)
+        return outcomes
 
-    def _grow(self) -> None:
-        while len(self._workers) < min(self.threads, self._pending):
-            worker = threading.Thread(target=self._work, name=f"asyncrl-reward-{next(self._thread_ids)}", daemon=True)
-            self._workers.add(worker)
-            worker.start()
+    def _running(self) -> int:
+        return sum(len(worker.calls) for worker in self._pool)
 
-    def _work(self) -> None:
-        me = threading.current_thread()
-        while (call := self._tasks.get()) is not None:
-            with self._progress:
-                call.started, call.worker = time.monotonic(), me
-                self._progress.notify_all()
-            try:
-                call.value = call.fn(call.completion, call.answer, **call.kwargs)
-            except BaseException as err:  # a reward's failure is scored, never propagated into the pool
-                call.error = err
-            with self._progress:
-                if call.abandoned:  # replaced long ago: leave the pool
-                    del self._hung[me]
-                    return
-                call.done = True
-                self._pending -= 1
-                self._progress.notify_all()
+    def _hand_out(self, waiting: deque[int], calls: list[tuple]) -> None:
+        """Each idle process takes its share of the waiting calls, the larger the more are left."""
+        for worker in self._pool:
+            if waiting and worker.ready and not worker.calls:
+                share = [waiting.popleft() for _ in range(-(-len(waiting) // self.processes))]
+                worker.hand(share, [calls[i] for i in share])
 
-    def _wait(self, calls: list[_Call]) -> None:
-        """Until every call has returned or been abandoned at its deadline (lock held)."""
-        while True:
-            now = time.monotonic()
-            for call in calls:
-                if not call.done and call.started is not None and now - call.started >= self.timeout_s:
-                    self._abandon(call)
-            calls = [call for call in calls if not (call.done or call.abandoned)]
-            if not calls:
-                return
-            deadlines = [call.started + self.timeout_s for call in calls if call.started is not None]
-            self._progress.wait(min(deadlines) - now if deadlines else None)
+    def _receive(self, worker: _Worker, outcomes: list[Outcome | None], waiting: deque[int]) -> None:
+        """Every message the process has sent; one that died is retired, its running call an error."""
+        try:
+            while worker.conn.poll():
+                kind, body = worker.conn.recv()
+                if kind == "failed":
+                    self._retire(worker, waiting)
+                    raise RuntimeError(f"rewards.functions: a reward process cannot load the functions ({body})")
+                if kind == "ready":
+                    worker.ready = True
+                else:
+                    outcomes[worker.calls.popleft()] = body
+                worker.since = time.monotonic()
+        except (EOFError, OSError):
+            if not worker.ready:
+                self._retire(worker, waiting)
+                raise RuntimeError(
+                    f"rewards.functions: a reward process exited while starting (exit code {worker.exit_code()})"
+                ) from None
+            if worker.calls:
+                outcomes[worker.calls.popleft()] = (0.0, f"its process died (exit code {worker.exit_code()})")
+            self._retire(worker, waiting)
 
-    def _abandon(self, call: _Call) -> None:
-        call.abandoned = True
-        self._pending -= 1
-        self._workers.discard(call.worker)
-        self._hung[call.worker] = call.name
-        self._grow()
+    def _retire(self, worker: _Worker, waiting: deque[int]) -> None:
+        """Kill the process; the calls it had not finished wait for another."""
+        waiting.extendleft(reversed(worker.calls))
+        worker.calls.clear()
+        worker.kill()
+        self._pool.remove(worker)
 
-    def _collect(self, calls: dict[str, list[_Call]], size: int) -> tuple[dict[str, list[float]], list[int], list[int]]:
+    def _collect(self, outcomes: list[Outcome], size: int) -> tuple[dict[str, list[float]], list[int], list[int]]:
         """Scores per function, and per completion the number of calls that failed or timed out."""
         per_function: dict[str, list[float]] = {}
         errors, timeouts = [0] * size, [0] * size
-        for name, row in calls.items():
+        for f, name in enumerate(self.names):
             counts, scores = self.counts[name], []
-            for i, call in enumerate(row):
+            for i, outcome in enumerate(outcomes[f * size : (f + 1) * size]):
                 counts.calls += 1
-                if call.abandoned:
+                score, problem = outcome
+                if outcome is _TIMED_OUT:
                     counts.timeouts += 1
                     timeouts[i] += 1
                     self._warn_once(name, "timeout", f"a call ran past rewards.timeout_s={self.timeout_s}s")
-                    scores.append(0.0)
-                    continue
-                score, problem = _as_score(call)
-                if problem is not None:
+                elif problem is not None:
                     counts.errors += 1
                     errors[i] += 1
                     self._warn_once(name, "error", problem)
@@ -296,13 +274,48 @@ class RewardRunner:
             logger.warning("reward %s: %s; it scores 0 (later ones are only counted)", name, detail)
 
 
-def _as_score(call: _Call) -> tuple[float, str | None]:
-    """(score, None), or (0.0, what went wrong)."""
-    if call.error is not None:
-        return 0.0, f"raised {type(call.error).__name__}: {call.error}"
-    value = call.value
-    if not isinstance(value, numbers.Real):
-        return 0.0, f"returned {type(value).__name__}, not a number"
-    if not math.isfinite(value):
-        return 0.0, f"returned {value}"
-    return float(value), None
+class _Worker:
+    """One reward process and the calls handed to it, in order: the first is the one running."""
+
+    def __init__(self, payload: bytes) -> None:
+        self.conn, child = multiprocessing.Pipe()
+        command = [sys.executable, "-c", _START_WORKER, str(child.fileno()), str(os.getpid())]
+        path = {"PYTHONPATH": os.pathsep.join(sys.path)}  # the run's imports resolve the same way there
+        self.process = subprocess.Popen(
+            command, pass_fds=[child.fileno()], stdin=subprocess.DEVNULL, env={**os.environ, **path}
+        )
+        child.close()
+        self.conn.send_bytes(payload)
+        self.ready = False
+        self.calls: deque[int] = deque()
+        self.since = 0.0  # when the running call started: the hand-over, or the last message
+
+    @property
+    def running(self) -> bool:
+        return self.ready and bool(self.calls)
+
+    def hand(self, ids: list[int], calls: list[tuple]) -> None:
+        self.conn.send(calls)
+        self.calls.extend(ids)
+        self.since = time.monotonic()
+
+    def exit_code(self) -> int:
+        return self.process.wait()
+
+    def kill(self) -> None:
+        self.process.kill()
+        self.process.wait()
+        self.conn.close()
+
+
+def _picklable(name: str, fn: RewardFn) -> RewardFn:
+    """``fn`` itself, once it is known to pickle: a process receives the functions by pickle (a
+    module-level function travels as its import path)."""
+    try:
+        pickle.dumps(fn)
+    except Exception as err:
+        raise ValueError(
+            f"rewards.functions: '{name}' cannot be sent to a reward process ({type(err).__name__}: {err}); "
+            "give a module-level function or a picklable object"
+        ) from None
+    return fn

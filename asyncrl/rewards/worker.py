@@ -1,0 +1,66 @@
+"""The reward process: a fresh interpreter that RewardRunner starts, and kills when a call runs
+past its timeout.
+
+It is never forked from the run's process (whose threads a fork would copy mid-operation) and
+never imports the run's main module: it loads the reward functions the runner pickled, then
+scores the chunks of calls it is handed, sending each call's outcome as soon as it has one.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+import numbers
+import os
+import pickle
+import signal
+import sys
+from multiprocessing.connection import Connection
+
+from asyncrl.rewards.functions import RewardFn
+
+Outcome = tuple[float, str | None]  # a call's score, and what went wrong or None
+
+_PR_SET_PDEATHSIG = 1
+
+
+def main() -> None:
+    """``python -c 'from asyncrl.rewards.worker import main; main()' FD PARENT_PID``."""
+    conn, parent = Connection(int(sys.argv[1])), int(sys.argv[2])
+    _die_with(parent)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the run's to handle; it then closes the pool
+    try:
+        functions = pickle.loads(conn.recv_bytes())
+    except Exception as err:  # a function that imports in the run but not here
+        conn.send(("failed", f"{type(err).__name__}: {err}"))
+        return
+    try:
+        conn.send(("ready", None))
+        while True:
+            for f, completion, answer, num_tokens in conn.recv():
+                conn.send(("scored", call(functions[f], completion, answer, num_tokens)))
+    except (EOFError, BrokenPipeError):  # the runner is gone
+        return
+
+
+def call(fn: RewardFn, completion: str, answer: str, num_tokens: int | None) -> Outcome:
+    """(score, None), or (0.0, what went wrong)."""
+    kwargs = {"num_tokens": num_tokens} if getattr(fn, "uses_num_tokens", False) else {}
+    try:
+        value = fn(completion, answer, **kwargs)
+    except BaseException as err:  # a reward's failure is scored, never propagated
+        return 0.0, f"raised {type(err).__name__}: {err}"
+    if not isinstance(value, numbers.Real):
+        return 0.0, f"returned {type(value).__name__}, not a number"
+    if not math.isfinite(value):
+        return 0.0, f"returned {value}"
+    return float(value), None
+
+
+def _die_with(parent: int) -> None:
+    """On Linux, be killed when the run's process dies, even by kill -9 and even mid-call: a call
+    stuck in C code would otherwise keep this process spinning."""
+    if sys.platform == "linux":
+        ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent:  # it died before that took effect
+        os._exit(0)
