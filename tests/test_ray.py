@@ -239,8 +239,10 @@ EXIT_AT_CALL = 50  # in a batch of weights version 1: after evaluation 0 (8 call
 
 
 def exit_once(completion: str, answer: str) -> float:
-    """exact_match, except that the process exits at its EXIT_AT_CALL-th call while the session's
-    marker file exists; the first to rename the marker exits, so it happens once."""
+    """exact_match, except that the rollout actor is killed at its EXIT_AT_CALL-th reward call while
+    the session's marker file exists; the first to rename the marker kills, so it happens once. The
+    call runs in the actor's reward process (one, so it sees all the actor's calls in order), whose
+    parent is the actor."""
     marker = os.environ.get("ASYNCRL_TEST_EXIT_MARKER")
     if next(_reward_calls) >= EXIT_AT_CALL and marker:
         try:
@@ -248,7 +250,7 @@ def exit_once(completion: str, answer: str) -> float:
         except FileNotFoundError:
             pass
         else:
-            os._exit(1)
+            os.kill(os.getppid(), signal.SIGKILL)
     return exact_match(completion, answer)
 
 
@@ -257,7 +259,9 @@ def test_a_generator_that_dies_mid_run_is_restarted_with_the_latest_weights(ray_
     marker = ray_cluster
     marker.write_text("")
     _, _, local_groups = local_run("grpo.max_steps=5")
-    summary, _, groups = run(tmp_path, "ray", RAY, "grpo.max_steps=5", "rewards.functions=[test_ray:exit_once]")
+    summary, _, groups = run(
+        tmp_path, "ray", RAY, "grpo.max_steps=5", "rewards.functions=[test_ray:exit_once]", "rewards.processes=1"
+    )
     assert not marker.exists() and marker.with_name(f"{marker.name}.used").exists()  # it did die
     assert summary["steps"] == 5 and summary["rollout_retries"] >= 1
     assert [(g["step"], g["prompt_uid"]) for g in groups] == [(g["step"], g["prompt_uid"]) for g in local_groups]
