@@ -13,6 +13,7 @@ from __future__ import annotations
 import atexit
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -25,6 +26,7 @@ from pathlib import Path
 SERVER_SCRIPT = Path(__file__).with_name("vllm_server.py")
 WEIGHT_ENGINES = {"file": "asyncrl_file", "collective": "asyncrl_collective"}  # registered by vllm_server.py
 PORT_ATTEMPTS = 5  # fresh ports tried when another process takes the one picked
+ERROR_LINE = re.compile(r"(\(.+?\) ERROR .+?\] )?\w*(Error|Exception): ")  # an exception's message, logged or raw
 ADDRESS_IN_USE = b"Address already in use"  # in the log of a server whose port was taken
 WHOLE_PREFILL_MIN_BATCHED_TOKENS = 8192  # tokens per scheduler step on CPU, at least max_model_len
 
@@ -151,7 +153,7 @@ class VLLMServer:
                 if ADDRESS_IN_USE in self.log_path.read_bytes()[log_start:]:
                     return False
                 raise ServerError(
-                    f"the vLLM server exited with code {self.process.returncode}: {self._last_log_line()}"
+                    f"the vLLM server exited with code {self.process.returncode}: {self._failure(log_start)}"
                 )
             if time.monotonic() > deadline:
                 self.stop()
@@ -191,9 +193,14 @@ class VLLMServer:
             process.wait()
         _signal_group(process.pid, signal.SIGKILL)  # an engine-core child that outlived its parent
 
-    def _last_log_line(self) -> str:
-        lines = [line for line in self.log_path.read_text(errors="replace").splitlines() if line.strip()]
-        return f"{lines[-1].strip()[-300:] if lines else 'no output'} (log: {self.log_path})"
+    def _failure(self, log_start: int) -> str:
+        """The first exception message the launch logged from ``log_start`` on (the root cause;
+        the engine's own failure and shutdown noise follow it), else its last line."""
+        output = self.log_path.read_bytes()[log_start:].decode(errors="replace")
+        lines = [line.strip() for line in output.splitlines() if line.strip()]
+        causes = [line[len(match.group(1) or "") :] for line in lines if (match := ERROR_LINE.match(line))]
+        cause = (causes or lines[-1:] or ["no output"])[0]
+        return f"{cause[:300]} (log: {self.log_path})"
 
 
 def _free_port() -> int:
