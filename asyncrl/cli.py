@@ -335,6 +335,20 @@ def bench_backends(
     common.write_result("backends", settings, rows, output)
 
 
+@bench_app.command("memory")
+def bench_memory(
+    quick: bool = typer.Option(False, "--quick", help="a smoke run: the 16M model"),
+    updates: int = typer.Option(4, "--updates", min=2, max=8, help="K: mini-batch updates of the measured step"),
+    output: Path | None = typer.Option(None, "--output", help=OUTPUT_HELP),
+) -> None:
+    """Peak RSS of a step of K mini-batch updates against one update, on a ~100M-parameter model."""
+    from asyncrl.bench import common, memory
+
+    settings = {"models": ["16M"] if quick else ["100M"], "updates": updates}
+    rows = memory.run(models=tuple(settings["models"]), updates=updates)
+    common.write_result("memory", settings, rows, output)
+
+
 @bench_app.command("e2e")
 def bench_e2e(
     quick: bool = typer.Option(False, "--quick", help="a smoke run: a tiny model, a few steps, one seed"),

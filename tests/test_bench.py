@@ -320,3 +320,12 @@ def test_e2e_variants_add_minibatch_and_dynamic_sampling_rows():
     )
     assert set(result["runs"]) == set(e2e.VARIANTS)
     assert all(run["samples"] == 2 * 4 * 4 for run in result["runs"].values())
+
+
+def test_memory_of_several_updates_holds_no_second_copy_of_the_step_start(capsys, tmp_path):
+    (row,) = bench(capsys, tmp_path, "memory")["results"]
+    assert row["model"] == "16M" and row["updates"] == 4 and row["parameters"] > 16e6
+    assert row["extra_bytes"] == row["peak_rss_bytes_k4"] - row["peak_rss_bytes_k1"]
+    assert row["in_memory_snapshot_bytes"] == 12 * row["parameters"]
+    # a copy of weights and moments in memory would make this about 1
+    assert row["extra_over_in_memory_snapshot"] < 0.5

@@ -13,6 +13,7 @@ from asyncrl.generation.hf import HFGenerator
 from asyncrl.models import SampledDistribution, build_tiny_model
 from asyncrl.trainer import PolicyTrainer, StepInProgressError
 from asyncrl.trainer.optim import lr_factor
+from asyncrl.trainer.snapshot import FileStore, HostStore
 from asyncrl.types import RolloutGroup, TrainBatch
 from asyncrl.verify import random_batch
 
@@ -91,6 +92,33 @@ def test_abort_then_rerun_is_bit_identical_to_no_failure(fail_in):
     run_steps(clean, batches)
     run_steps(faulty, batches, fail_at=1, fail_in=fail_in)
     assert clean.version == faulty.version == 3
+    assert_bit_identical(snapshot(clean), snapshot(faulty))
+
+
+def updates_of(trainer, batch, fail_after: int | None = None):
+    """One step of three mini-batch updates; ``fail_after`` updates, the step fails and aborts."""
+    trainer.begin_train_step()
+    for index, part in enumerate(batch.split([4, 4, 4])):
+        if index == fail_after:
+            trainer.abort_train_step()
+            return
+        trainer.train_microbatch(part)
+        if index < 2:
+            trainer.finish_update()
+    trainer.finish_train_step()
+
+
+@pytest.mark.parametrize("store", [HostStore(pin=False), FileStore()], ids=["host", "file"])
+def test_aborting_after_updates_restores_the_step_start_kept_off_the_device(store):
+    """The first step too, whose optimizer state did not exist when the snapshot was taken."""
+    clean, faulty = make_trainer(), make_trainer()
+    faulty._step_start.store = store
+    batches = [batch_for(clean, seed) for seed in (1, 2)]
+    for batch in batches:
+        updates_of(clean, batch)
+        updates_of(faulty, batch, fail_after=2)
+        assert not faulty.step_open and faulty._step_start.keys is None
+        updates_of(faulty, batch)
     assert_bit_identical(snapshot(clean), snapshot(faulty))
 
 

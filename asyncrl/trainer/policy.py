@@ -30,6 +30,7 @@ from asyncrl.config import LossConfig, RunConfig, TrainerConfig
 from asyncrl.models import SampledDistribution, token_logprobs
 from asyncrl.trainer.optim import build_optimizer, build_scheduler
 from asyncrl.trainer.recompute import checkpoint_activations
+from asyncrl.trainer.snapshot import StepSnapshot
 from asyncrl.types import TokenLossInputs, TrainBatch
 
 if TYPE_CHECKING:
@@ -78,7 +79,6 @@ class _StepState:
     is_weight_max: Tensor
     num_microbatches: int = 0  # since the last update
     updates: list[_Update] = field(default_factory=list)
-    snapshot: dict | None = None  # weights and optimizer state at step start, once an update was taken
 
 
 @dataclass
@@ -166,6 +166,7 @@ class PolicyTrainer:
         self.scheduler = build_scheduler(self.optimizer, trainer_cfg, total_steps)
         self.version = 0
         self._step: _StepState | None = None
+        self._step_start = StepSnapshot(self.device)  # taken before a step's first of several updates
 
     @classmethod
     def from_config(cls, config: RunConfig, model: nn.Module, parallel: ParallelContext | None = None) -> PolicyTrainer:
@@ -233,11 +234,12 @@ class PolicyTrainer:
     def finish_update(self) -> None:
         """One optimizer update on the micro-batches trained since the step began or since its last
         update, normalized by their own D; the step stays open for its next mini-batch (docs/loss.md,
-        "Several updates per step"). The weights and optimizer state at step start are kept until
-        the step finishes, so ``abort_train_step`` still restores them exactly."""
+        "Several updates per step"). The weights and optimizer state at step start are kept, off the
+        training device (trainer/snapshot.py), until the step finishes, so ``abort_train_step``
+        still restores them exactly."""
         state = self._require_step("finish_update")
-        if state.snapshot is None:
-            state.snapshot = self._snapshot()
+        if not self._step_start.taken:
+            self._step_start.save(self.params, self.optimizer)
         self._update(state)
         self.optimizer.zero_grad(set_to_none=True)
 
@@ -254,6 +256,7 @@ class PolicyTrainer:
             self.scheduler.step()
         self.version += 1
         self._step = None
+        self._step_start.discard()
         return self._step_result(state.updates)
 
     def _update(self, state: _StepState) -> None:
@@ -316,8 +319,9 @@ class PolicyTrainer:
         """Drop the open step (idempotent): gradients, accumulators and RNG go back to step start."""
         if self._step is not None:
             self._set_rng_state(self._step.rng_state)
-            if self._step.snapshot is not None:
-                self._restore(self._step.snapshot)
+            if self._step_start.taken:
+                self._step_start.restore(self.params, self.optimizer)
+        self._step_start.discard()
         self.optimizer.zero_grad(set_to_none=True)
         self._step = None
 
@@ -506,19 +510,6 @@ class PolicyTrainer:
         self.scheduler.load_state_dict(state["scheduler"])
         self.version = int(state["version"])
         self._set_rng_state(state["rng_state"])
-
-    def _snapshot(self) -> dict:
-        """Weights and optimizer state, to undo the updates a step has taken before it finished."""
-        return {
-            "params": [p.detach().clone() for p in self.params],
-            "optimizer": copy.deepcopy(self.optimizer.state_dict()),
-        }
-
-    @torch.no_grad()
-    def _restore(self, snapshot: dict) -> None:
-        for param, saved in zip(self.params, snapshot["params"]):
-            param.copy_(saved)
-        self.optimizer.load_state_dict(snapshot["optimizer"])
 
     def _rng_state(self) -> dict[str, Tensor]:
         """The generators a step may draw from (dropout): the CPU one, and the trainer's GPU."""
