@@ -282,3 +282,38 @@ def test_init_parallel_rejects_a_mesh_that_does_not_match_the_started_ranks(tmp_
         assert parallel.gradient_compensation == 1.0
     finally:
         dist.destroy_process_group()
+
+
+def _abort_after_updates_on_fsdp_ranks(rank: int, world_size: int) -> bytes:
+    """Two FSDP ranks: steps of three updates, the faulty trainer aborting each once after two."""
+    from test_trainer import updates_of
+
+    model, batch, loss_cfg, trainer_cfg = build_problem("token-mean", torch.float64, 0, updates=3)
+    loss_cfg = loss_cfg.model_copy(update={"kl_coef": 0.0})
+    parallel = init_parallel(ParallelConfig(dp=2))
+    clean, faulty = (
+        PolicyTrainer(
+            copy.deepcopy(model), trainer_cfg, loss_cfg, importance_sampling="tis", total_steps=5, parallel=parallel
+        )
+        for _ in range(2)
+    )
+    share = batch.select([(4 * rank + row) % len(batch) for row in range(12)])
+    for _ in range(2):
+        updates_of(clean, share)
+        updates_of(faulty, share, fail_after=2)
+        updates_of(faulty, share)
+    same = [torch.equal(a.to_local(), b.to_local()) for a, b in zip(clean.params, faulty.params)]
+    moments = [
+        torch.equal(
+            clean.optimizer.state[a]["exp_avg_sq"].to_local(), faulty.optimizer.state[b]["exp_avg_sq"].to_local()
+        )
+        for a, b in zip(clean.params, faulty.params)
+    ]
+    buffer = io.BytesIO()
+    torch.save((all(same), all(moments)), buffer)
+    return buffer.getvalue()
+
+
+def test_aborting_after_updates_on_fsdp_ranks_restores_each_rank_s_shards_exactly():
+    for payload in launch(_abort_after_updates_on_fsdp_ranks, 2):
+        assert torch.load(io.BytesIO(payload)) == (True, True)
