@@ -50,7 +50,7 @@ import time
 from collections.abc import Awaitable, Sequence
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from asyncrl.algorithms.grpo import zero_variance_groups
 from asyncrl.buffer import ReplayBuffer
@@ -67,9 +67,10 @@ if TYPE_CHECKING:  # worker-side types; the controller never imports model code
     from asyncrl.rollout import RolloutBatch
     from asyncrl.trainer.worker import StepReport
 
+T = TypeVar("T")
 STATE_VERSION = 2
-ABORT_TIMEOUT_S = 60.0
-REFILL_PREFIX = "refill:"  # uid prefix of the prompts that refill a step (dynamic sampling)  # a trainer too stuck to abort its step within this is left behind
+ABORT_TIMEOUT_S = 60.0  # a trainer too stuck to abort its step within this is left behind
+REFILL_PREFIX = "refill:"  # uid prefix of the prompts that refill a step (dynamic sampling)
 
 
 class RolloutFailedError(RunStopped):
@@ -162,7 +163,7 @@ class SingleController:
 
         self.version = 0
         self.changes = Changes()
-        self.gate = RolloutGate(0, self.changes, wait_for_admissions=sampler.gated)
+        self.gate = RolloutGate(0, self.changes, wait_for_admissions=sampler.gated, max_in_flight=self.max_in_flight)
         self.weight_sync = WeightSync(
             trainer, self.rollout_workers, self.gate, mode=config.sync.mode, timeout_s=config.sync.timeout_s
         )
@@ -197,22 +198,30 @@ class SingleController:
         Raises ``RunStopped`` (checkpoint saved where possible) or the error that stopped it."""
         with self._signals_handled():
             try:
-                if self.version == 0 or self.eval_due:
-                    await self.evaluate()
                 self.last_progress = time.monotonic()
                 try:
                     async with asyncio.TaskGroup() as tasks:
                         self._tasks = tasks
-                        loops = [tasks.create_task(self.rollout_loop()), tasks.create_task(self.train_loop())]
-                        tasks.create_task(self.watchdog(loops))
+                        work = tasks.create_task(self._evaluate_train_evaluate(tasks))
+                        tasks.create_task(self.watchdog(work))
                 except BaseExceptionGroup as group:
                     raise _first_error(group) from None
-                if not self.evals or self.evals[-1]["step"] != self.version:
-                    await self.evaluate()
             except RunStopped as err:
                 raise await self._stopped(err) from err.__cause__
-        await self.checkpoint()
         return self.version
+
+    async def _evaluate_train_evaluate(self, tasks: asyncio.TaskGroup) -> None:
+        """The whole run, under the watchdog: the first evaluation, both loops, the last
+        evaluation and the final checkpoint."""
+        if self.version == 0 or self.eval_due:
+            self.waiting["train loop"] = f"the evaluation at step {self.version}"
+            await self.evaluate()
+        await asyncio.gather(tasks.create_task(self.rollout_loop()), tasks.create_task(self.train_loop()))
+        if not self.evals or self.evals[-1]["step"] != self.version:
+            self.waiting["train loop"] = f"the evaluation at step {self.version}"
+            await self.evaluate()
+        self.waiting["train loop"] = f"the final checkpoint of step {self.version}"
+        await self.checkpoint()
 
     async def _stopped(self, err: BaseException) -> BaseException:
         """Save what the run holds before it stops, when the trainer can be trusted to save it."""
@@ -248,10 +257,13 @@ class SingleController:
             await self.changes.next()
 
     def _admit(self) -> tuple[list[RolloutJob], bool]:
-        """Admit and reserve until refused; True when the sampler or the data refused (settled)."""
+        """Admit and reserve until refused; True when the sampler or the data refused (settled).
+
+        The open step's unused refill budget stays free: those slots are counted in the buffer's
+        capacity for refills, and a sampler that admits up to capacity would otherwise take them."""
         jobs: list[RolloutJob] = []
         while self.gate.in_flight + len(jobs) < self.max_in_flight:
-            if self.data_exhausted:
+            if self.data_exhausted or self.buffer.num_free <= self.refill_budget - self.step_refills:
                 return jobs, True
             admission = self.sampler.admit(self.gate.version, self.buffer)
             if admission is None:
@@ -343,6 +355,8 @@ class SingleController:
         if prompt is None:
             self.buffer.cancel(job.slot_id)
             del self.jobs[job.slot_id]
+            if job.prompt.uid.startswith(REFILL_PREFIX):  # the open step no longer waits for it
+                self.step_refills -= 1
             self.gate.add_in_flight(-1)
             return
         self._queue_retries([[replace(job, prompt=prompt, retries=0)]])
@@ -375,10 +389,13 @@ class SingleController:
                 self.waiting["train loop"] = f"the weight sync after step {self.version}"
                 sync_start = time.perf_counter()
                 try:
-                    sync = await self.weight_sync.sync()
-                except (SyncTimeoutError, WeightLoadError) as err:
-                    failed = SyncReport.failed(self.version - 1, time.perf_counter() - sync_start)
+                    sync = await self._interruptible(self.weight_sync.sync())
+                except (SyncTimeoutError, WeightLoadError, RunInterrupted) as err:
+                    how = "interrupted" if isinstance(err, RunInterrupted) else "failed"
+                    failed = SyncReport.failed(self.version - 1, time.perf_counter() - sync_start, how)
                     self._log_step(report, failed, time.perf_counter() - step_start)  # the step itself is done
+                    if isinstance(err, RunInterrupted):
+                        raise
                     if isinstance(err, SyncTimeoutError):
                         raise SyncTimedOut(err) from None
                     raise WeightLoadFailedError(str(err)) from err.__cause__
@@ -540,6 +557,23 @@ class SingleController:
         if self.interrupt is not None:
             raise RunInterrupted(self.interrupt, self.version)
 
+    async def _interruptible(self, awaitable: Awaitable[T]) -> T:
+        """``awaitable``'s result, or ``RunInterrupted`` as soon as a signal arrives. For the waits
+        that can last as long as a generation batch (a weight sync, a checkpoint's drain, an
+        evaluation queued behind a batch): the stop checkpoint never waits for running generation."""
+        work = asyncio.ensure_future(awaitable)
+        signalled = asyncio.ensure_future(self.changes.wait_for(lambda: self.interrupt is not None))
+        try:
+            await asyncio.wait([work, signalled], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            signalled.cancel()
+            signal_came_first = not work.done()
+            if signal_came_first:
+                work.cancel()
+        if signal_came_first:
+            self._check_interrupt()
+        return work.result()
+
     def _on_signal(self, signum: int) -> None:
         """First SIGINT / SIGTERM: stop at the next safe point and checkpoint. A second one is not
         caught any more, so it ends the process the default way."""
@@ -564,15 +598,15 @@ class SingleController:
                 for sig in (signal.SIGINT, signal.SIGTERM):
                     loop.remove_signal_handler(sig)
 
-    async def watchdog(self, loops: list[asyncio.Task]) -> None:
-        """Stop the run when neither loop has made progress for ``runtime.watchdog_s``."""
+    async def watchdog(self, work: asyncio.Task) -> None:
+        """Stop the run when it has made no progress for ``runtime.watchdog_s``."""
         limit = self.config.runtime.watchdog_s
         if limit is None:
             return
-        while not all(loop.done() for loop in loops):
-            await asyncio.wait(loops, timeout=min(limit / 4, 1.0))
+        while not work.done():
+            await asyncio.wait([work], timeout=min(limit / 4, 1.0))
             idle = time.monotonic() - self.last_progress
-            if idle > limit and not all(loop.done() for loop in loops):
+            if idle > limit and not work.done():
                 waits = "; ".join(f"{loop} waits on {what}" for loop, what in self.waiting.items())
                 raise StallError(
                     f"no progress for {idle:.1f}s (runtime.watchdog_s={limit:g}): {waits}; "
@@ -609,8 +643,10 @@ class SingleController:
         for attempt in range(self.max_retries + 1):
             worker = self.rollout_workers[attempt % len(self.rollout_workers)]
             try:
-                result = await worker.evaluate(prompts)
+                result = await self._interruptible(worker.evaluate(prompts))
                 break
+            except RunStopped:
+                raise
             except Exception as err:
                 self.last_progress = time.monotonic()
                 if attempt == self.max_retries:
@@ -638,8 +674,8 @@ class SingleController:
         checkpoint holds whole groups and a resumed run regenerates nothing."""
         self.progress.status(f"checkpointing step {self.version}")
         if not self.stopping:
-            await self.gate.close()
-        await self.gate.drained()
+            await self._interruptible(self.gate.close())
+        await self._interruptible(self.gate.drained())
         path = await self.trainer.save_checkpoint(
             str(self.run_dir), self.version, self.state_dict(), self.config.checkpoint.keep_last
         )
@@ -706,8 +742,9 @@ class SingleController:
         ]
         self.buffer.load_state_dict(buffer_state)
         pending = []
+        split = {prompt.uid: prompt for loader in (self.loader, self.refill_loader) for prompt in loader.prompts}
         for job_state in state["pending"]:
-            job = _job_from_state(job_state)
+            job = _job_from_state(job_state, split)
             slot_id = self.buffer.reserve(job.start_version, job.target_step)
             self.jobs[slot_id] = pending_job = replace(job, slot_id=slot_id)
             pending.append(pending_job)
@@ -733,18 +770,25 @@ class SingleController:
 
 
 def _job_state(job: RolloutJob) -> dict:
+    """Plain text only: an answer object that carries more (a dataset entry) is taken back from the
+    train split on resume, so a checkpoint never holds a task's own classes."""
     return {
-        "prompt": {"uid": job.prompt.uid, "text": job.prompt.text, "answer": job.prompt.answer},
+        "prompt": {"uid": job.prompt.uid, "text": job.prompt.text, "answer": str(job.prompt.answer)},
         "start_version": job.start_version,
         "target_step": job.target_step,
         "retries": job.retries,
     }
 
 
-def _job_from_state(state: dict) -> RolloutJob:
+def _job_from_state(state: dict, split: dict[str, Prompt]) -> RolloutJob:
+    """The saved job with the split's own prompt (its uid is the saved one less the epoch suffix)."""
+    saved = state["prompt"]
+    prompt = split.get(saved["uid"].rsplit("/", 1)[0])
+    if prompt is None or (prompt.text, prompt.answer) != (saved["text"], saved["answer"]):
+        raise ValueError(f"pending prompt {saved['uid']} is not in this run's train split")
     return RolloutJob(
         slot_id=-1,
-        prompt=Prompt(**state["prompt"]),
+        prompt=replace(prompt, uid=saved["uid"]),
         start_version=state["start_version"],
         target_step=state["target_step"],
         retries=state["retries"],

@@ -18,8 +18,10 @@ never drift apart. A sync then:
 4. reopens the gate at the new version.
 
 ``sync.timeout_s`` bounds the sync's own phases, each on its own: closing the gate, the export and
-the loads. Waiting for running generation is not the sync: a long batch does not fail it, and a
-generation that hangs is the watchdog's to stop (``runtime.watchdog_s``).
+the loads. Waiting for running generation is not the sync: a long batch does not fail it, nor does
+a gate that stays closing while the rollout loop waits for room under the in-flight limit (room
+comes only when a batch finishes); a generation that hangs is the watchdog's to stop
+(``runtime.watchdog_s``).
 """
 
 from __future__ import annotations
@@ -52,12 +54,13 @@ class SyncReport:
     pause_s: float  # gate closed: no new rollouts admitted
     transfer_s: float  # export from the trainer + load into every generator
     bytes: int
-    transport: str  # in_process, object_store or broadcast (runtime/ray.py); failed: see failed()
+    transport: str  # in_process, object_store or broadcast (runtime/ray.py); failed, interrupted: see failed()
 
     @classmethod
-    def failed(cls, held_version: int, seconds: float) -> SyncReport:
-        """A sync that stopped the run: the step before it is still logged, with this in its place."""
-        return cls(version=held_version, pause_s=seconds, transfer_s=seconds, bytes=0, transport="failed")
+    def failed(cls, held_version: int, seconds: float, transport: str = "failed") -> SyncReport:
+        """A sync that stopped the run (it ``failed``, or a signal ``interrupted`` it): the step
+        before it is still logged, with this in its place."""
+        return cls(version=held_version, pause_s=seconds, transfer_s=seconds, bytes=0, transport=transport)
 
 
 class Changes:
@@ -88,13 +91,17 @@ class RolloutGate:
 
     ``closing`` lets the rollout loop finish admitting under the current version; the loop calls
     ``settled()`` once the sampler (or the data) refuses further admissions, and only then is the
-    gate closed. ``in_flight`` counts dispatched groups that are neither committed nor cancelled.
+    gate closed. ``in_flight`` counts dispatched groups that are neither committed nor cancelled;
+    at ``max_in_flight`` the rollout loop admits nothing until a batch finishes.
     """
 
-    def __init__(self, version: int, changes: Changes, *, wait_for_admissions: bool) -> None:
+    def __init__(
+        self, version: int, changes: Changes, *, wait_for_admissions: bool, max_in_flight: int | None = None
+    ) -> None:
         self.version = version
         self.changes = changes
         self.wait_for_admissions = wait_for_admissions
+        self.max_in_flight = max_in_flight
         self.in_flight = 0
         self.running_batches = 0  # generation calls submitted to a worker and not yet returned
         self.loading = False  # weights are being loaded: nothing may be dispatched until open()
@@ -104,11 +111,20 @@ class RolloutGate:
     def admitting(self) -> bool:
         return self._state != "closed"
 
+    @property
+    def closing_waits_for_generation(self) -> bool:
+        """Closing, and the rollout loop cannot admit what it still may until a batch finishes."""
+        return self._state == "closing" and self.max_in_flight is not None and self.in_flight >= self.max_in_flight
+
     async def close(self) -> None:
         """Stop admissions; with ``wait_for_admissions``, after the loop has admitted all it may."""
+        self.request_close()
+        await self.changes.wait_for(lambda: not self.admitting)
+
+    def request_close(self) -> None:
+        """Begin closing; the gate is closed once ``admitting`` is False."""
         self._state = "closing" if self.wait_for_admissions else "closed"
         self.changes.notify()
-        await self.changes.wait_for(lambda: self._state == "closed")
 
     def settled(self) -> None:
         """The rollout loop's admission pass ended because nothing more may be admitted now."""
@@ -166,7 +182,7 @@ class WeightSync:
     async def sync(self) -> SyncReport:
         """Bring every generator to the trainer's current version; see the module docstring."""
         start = time.perf_counter()
-        await self._phase("closing the rollout gate", self.gate.close())
+        await self._close_gate()
         if self.mode == "drain":
             await self.gate.drained()
         self.gate.loading = True
@@ -197,6 +213,24 @@ class WeightSync:
             bytes=state_dict_bytes(weights),
             transport=getattr(weights, "transport", "in_process"),
         )
+
+    async def _close_gate(self) -> None:
+        """Close the gate within ``sync.timeout_s``, not counting the time the rollout loop waits
+        for running generation to make room under the in-flight limit."""
+        self.gate.request_close()
+        budget = self.timeout_s
+        while self.gate.admitting:
+            waiting_for_generation = self.gate.closing_waits_for_generation
+            started = time.perf_counter()
+            try:
+                async with asyncio.timeout(None if waiting_for_generation else budget):
+                    await self.gate.changes.next()
+            except TimeoutError:
+                raise SyncTimeoutError(
+                    f"weight sync exceeded sync.timeout_s={self.timeout_s:g}s while closing the rollout gate"
+                ) from None
+            if not waiting_for_generation:
+                budget -= time.perf_counter() - started
 
     async def _export(self) -> tuple[int, Any, float]:
         start = time.perf_counter()

@@ -1,7 +1,13 @@
 """Zero-variance filtering end to end: steps with nothing to learn, refill, resume."""
 
+import json
+
 import pytest
-from test_train import deterministic, run
+from test_train import SMALL, deterministic, run
+
+from asyncrl.config import load_config
+from asyncrl.data import build_task
+from asyncrl.models import build_tokenizer
 
 
 def constant_zero(completion: str, answer: str) -> float:
@@ -45,3 +51,44 @@ def test_refill_keeps_every_step_at_prompts_per_step_informative_groups_reproduc
     assert all(g["lag"] <= 1 for g in groups)
     _, again, groups_again = run(tmp_path, "b", *settings)
     assert deterministic(again) == deterministic(metrics) and groups_again == groups
+
+
+@pytest.mark.slow
+def test_refill_works_under_the_windowed_sampler(tmp_path):
+    """The windowed sampler admits up to capacity; the refill budget's slots stay free for refills."""
+    settings = [
+        "sampler.name=windowed",
+        "grpo.filter_zero_variance=true",
+        "grpo.max_refill_groups=32",
+        "rewards.functions=[test_dynamic_sampling:even_answers_score_even_lengths]",
+        "grpo.max_steps=3",
+    ]
+    _, metrics, _ = run(tmp_path, "windowed", *settings)
+    assert all(m["num_informative_groups"] == 4 for m in metrics)
+    assert all(m["refill_groups"] > 0 for m in metrics if m["num_filtered_groups"] > 0)
+    assert metrics[-1]["refill_groups_total"] > 0
+
+
+@pytest.mark.slow
+def test_refills_given_up_after_their_stream_runs_out_do_not_hold_up_the_step(tmp_path):
+    """Every refill prompt fails and is skipped; once the refill stream is used up, the step stops
+    waiting for the refills it cancels and closes on the groups it has."""
+    settings = [
+        "data.num_problems=24",
+        "data.eval_size=8",
+        "data.epochs=1",
+        "grpo.filter_zero_variance=true",
+        "grpo.max_refill_groups=8",
+        "rewards.functions=[test_dynamic_sampling:constant_zero]",
+        "runtime.on_rollout_failure=skip",
+        "runtime.max_rollout_retries=0",
+        "runtime.watchdog_s=30",
+        "grpo.max_steps=2",
+    ]
+    config = load_config(None, [*SMALL, *settings])
+    train_prompts = build_task(config.data, build_tokenizer(config)).train
+    every_refill = json.dumps([f"refill:{prompt.uid}" for prompt in train_prompts])
+    summary, metrics, _ = run(tmp_path, "run", *settings, f"faults.failing_prompts={every_refill}")
+    assert summary["steps"] == 2
+    assert metrics[-1]["skipped_prompts"] == len(train_prompts)
+    assert [m["refill_groups"] for m in metrics] == [0, 0] and [m["num_groups"] for m in metrics] == [4, 4]

@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -19,12 +20,15 @@ from asyncrl.cli import main
 from asyncrl.controller import (
     EvaluationFailedError,
     NonFiniteStepsError,
+    RunInterrupted,
+    SingleController,
     StallError,
     TrainStepError,
     WeightLoadFailedError,
 )
+from asyncrl.faults import FaultyRolloutWorker
 from asyncrl.metrics import read_jsonl, strip_timing
-from asyncrl.weights import SyncTimeoutError
+from asyncrl.weights import SyncTimeoutError, WeightSync
 
 pytestmark = pytest.mark.slow
 COUNTERS = ("step_retries", "skipped", "nonfinite_steps", "skipped_prompts", "rollout_retries", "loss", "grad_norm")
@@ -149,10 +153,17 @@ def test_a_weight_load_that_fails_checkpoints_the_step_it_follows_and_resumes(tm
     assert len(read_jsonl(tmp_path / "broken" / "metrics.jsonl")) == 4
 
 
-def test_generation_longer_than_the_sync_timeout_does_not_fail_the_sync(tmp_path):
-    # max_lag 1: step 1's batches (calls 2 and 3) run while step 0's sync waits; call 2 takes 1.5 s
+@pytest.mark.parametrize("limit", [None, 2])
+def test_generation_longer_than_the_sync_timeout_does_not_fail_the_sync(tmp_path, limit):
+    # max_lag 1: step 1's batches (calls 2 and 3) run while step 0's sync waits; call 2 takes 1.5 s.
+    # With at most 2 groups in flight, call 3 waits for call 2 to finish, and so does closing the gate.
     summary, metrics, _ = run(
-        tmp_path, "long", "faults.hang_generate_calls=[2]", "faults.hang_s=1.5", "sync.timeout_s=0.5"
+        tmp_path,
+        "long",
+        "faults.hang_generate_calls=[2]",
+        "faults.hang_s=1.5",
+        "sync.timeout_s=0.5",
+        f"runtime.max_inflight_groups={'null' if limit is None else limit}",
     )
     assert summary["steps"] == 4 and metrics[0]["time/sync_pause_s"] > 0.5
 
@@ -166,6 +177,19 @@ def test_the_watchdog_stops_a_stalled_run_naming_what_each_loop_waits_on(tmp_pat
     assert "rollout loop waits on" in message and "train loop waits on groups for step 0" in message
     assert err.value.checkpoint is None and not (tmp_path / "stall" / "checkpoints").exists()
     assert time.monotonic() - start < 30
+
+
+def test_the_watchdog_also_watches_the_first_evaluation(tmp_path, monkeypatch):
+    original = FaultyRolloutWorker.evaluate
+
+    def slow_first_evaluation(self, prompts):
+        if self.eval_calls == 0:
+            time.sleep(4)
+        return original(self, prompts)
+
+    monkeypatch.setattr(FaultyRolloutWorker, "evaluate", slow_first_evaluation)
+    with pytest.raises(StallError, match="train loop waits on the evaluation at step 0"):
+        run(tmp_path, "stall", "faults.hang_generate_calls=[1000]", "runtime.watchdog_s=1")
 
 
 def start_cli(tmp_path, name, *overrides):
@@ -191,6 +215,58 @@ def test_a_signal_checkpoints_the_run_and_exits_128_plus_signal(tmp_path, signum
     checkpoint = resolve_checkpoint(tmp_path / "run")
     assert checkpoint.name == f"step-{step:06d}" and load_state(checkpoint)["run"]["version"] == step
     assert len(read_jsonl(metrics)) == step
+
+
+WAITS_ON_WORKERS = {  # the train loop waits behind a rollout worker's call: the method entered, the call that hangs
+    "weight sync": (WeightSync, "sync", "generate", 2, []),
+    "checkpoint": (SingleController, "checkpoint", "generate", 4, ["checkpoint.every_steps=1"]),
+    "evaluation": (SingleController, "evaluate", "evaluate", 1, ["logging.eval_every_steps=1"]),
+}
+
+
+@pytest.mark.parametrize("where", WAITS_ON_WORKERS)
+def test_a_signal_while_the_run_waits_on_a_rollout_worker_checkpoints_before_the_call_ends(
+    tmp_path, monkeypatch, where
+):
+    """SIGTERM arrives while the train loop waits behind a generation batch or an evaluation that
+    does not end until a checkpoint appears: the stop checkpoint must not wait for it."""
+    owner, waiting_method, worker_method, hung_call, overrides = WAITS_ON_WORKERS[where]
+    entered, outcome = threading.Event(), {}
+    original_wait, original_call = getattr(owner, waiting_method), getattr(FaultyRolloutWorker, worker_method)
+
+    async def waits(self, *args, **kwargs):
+        if not isinstance(self, SingleController) or self.version >= 1:  # not the first evaluation
+            entered.set()
+        return await original_wait(self, *args, **kwargs)
+
+    def hangs(self, jobs):
+        calls = self.calls if worker_method == "generate" else self.eval_calls
+        if calls == hung_call:
+            assert entered.wait(120), f"the run never reached the {where}"
+            signal.raise_signal(signal.SIGTERM)
+            deadline = time.monotonic() + 120
+            while not list((tmp_path / "run" / "checkpoints").glob("step-*/manifest.json")):
+                if time.monotonic() > deadline:
+                    outcome["checkpoint"] = "never written while this call ran"
+                    break
+                time.sleep(0.05)
+            outcome.setdefault("checkpoint", "written while this call ran")
+        return original_call(self, jobs)
+
+    monkeypatch.setattr(owner, waiting_method, waits)
+    monkeypatch.setattr(FaultyRolloutWorker, worker_method, hangs)
+    with pytest.raises(RunInterrupted) as err:
+        run(tmp_path, "run", "faults.hang_generate_calls=[1000]", *overrides)  # any fault wraps the worker
+    assert outcome["checkpoint"] == "written while this call ran"
+    assert err.value.exit_code == 128 + signal.SIGTERM and err.value.checkpoint is not None
+    state = load_state(err.value.checkpoint)["run"]
+    assert state["version"] == 1 and state["eval_due"] == (where == "evaluation")
+    metrics = read_jsonl(tmp_path / "run" / "metrics.jsonl")
+    assert [m["step"] for m in metrics] == [1]
+    assert metrics[0]["sync_transport"] == ("interrupted" if where == "weight sync" else "in_process")
+    monkeypatch.undo()
+    summary, _, _ = run(tmp_path, "run", resume=tmp_path / "run")
+    assert summary["steps"] == 4
 
 
 def test_a_kill_during_a_checkpoint_write_leaves_the_previous_one_intact(tmp_path, capsys):

@@ -125,6 +125,31 @@ def test_generation_longer_than_the_timeout_does_not_fail_the_sync(mode):
     assert report.version == 1 and report.transfer_s < 0.1 and report.pause_s >= 0.3
 
 
+def test_a_gate_held_closing_by_the_in_flight_limit_does_not_fail_the_sync():
+    """Closing waits for room under the in-flight limit, which only a finished batch makes: that
+    wait is generation, not the sync. The same wait with room to spare does count."""
+
+    async def main(in_flight):
+        runtime = LocalRuntime()
+        trainer = runtime.spawn(lambda: Recorder([]), "trainer")
+        generator = runtime.spawn(lambda: Recorder([]), "gen")
+        gate = RolloutGate(0, Changes(), wait_for_admissions=True, max_in_flight=2)
+        gate.add_in_flight(in_flight)
+        sync = asyncio.create_task(WeightSync(trainer, [generator], gate, mode="inflight", timeout_s=0.1).sync())
+        await asyncio.sleep(0.3)
+        try:
+            if sync.done():
+                return sync.exception()
+            gate.add_in_flight(-1)  # a batch finished: the rollout loop admits what it may, then settles
+            gate.settled()
+            return await asyncio.wait_for(sync, 5)
+        finally:
+            runtime.shutdown()
+
+    assert asyncio.run(main(in_flight=2)).version == 1
+    assert isinstance(asyncio.run(main(in_flight=1)), SyncTimeoutError)
+
+
 class SlowLoad(Recorder):
     def load_weights(self, weights: dict, version: int) -> None:
         time.sleep(0.5)
