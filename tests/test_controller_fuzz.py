@@ -539,7 +539,7 @@ def check_run(controller: SingleController, ledger: Ledger, steps: int, scenario
 
     # Each finished step trained a full step of groups, but for the last one when the data ran out;
     # with filtering, a step's refills keep it at prompts_per_step informative groups while its
-    # budget lasts (under in_order; the other samplers may find the buffer full).
+    # budget lasts (admission leaves the budget's slots free, whatever the sampler).
     per_step = Counter(trained_at for _, trained_at in ledger.trained)
     informative = Counter(trained_at for group, trained_at in ledger.trained if not is_flat(group.prompt_uid))
     refills = {record["step"] - 1: record["refill_groups"] for record in controller.metrics.steps}
@@ -548,7 +548,7 @@ def check_run(controller: SingleController, ledger: Ledger, steps: int, scenario
     for step, count in per_step.items():
         assert 1 <= count <= scenario.prompts_per_step + refills[step] and refills[step] <= budget
         assert count >= scenario.prompts_per_step or controller.data_exhausted, f"step {step} trained {count} groups"
-        if scenario.refill_budget is not None and isinstance(sampler, InOrderSampler) and not controller.data_exhausted:
+        if scenario.refill_budget is not None and not controller.data_exhausted:
             full = informative[step] >= scenario.prompts_per_step or refills[step] == budget
             assert full, f"refill: step {step} has {informative[step]} informative groups, {refills[step]} refills"
     assert controller.refill_groups == sum(refills.values())
