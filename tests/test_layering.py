@@ -1,0 +1,72 @@
+"""The layering contracts of pyproject.toml (checked in CI by `lint-imports`) hold, each one breaks
+on an import that crosses it, and the imports they ignore exist for annotations only."""
+
+import tomllib
+from copy import deepcopy
+from pathlib import Path
+
+import grimp
+import pytest
+from importlinter.configuration import configure
+from importlinter.contracts.forbidden import ForbiddenContract
+from importlinter.contracts.layers import LayersContract
+
+configure()  # what `lint-imports` sets up before checking: the timer a check reads
+
+PYPROJECT = Path(__file__).resolve().parents[1] / "pyproject.toml"
+SECTION = tomllib.loads(PYPROJECT.read_text())["tool"]["importlinter"]
+CONTRACTS = {options["id"]: options for options in SECTION["contracts"]}
+SESSION = {
+    "root_packages": [SECTION["root_package"]],
+    "include_external_packages": SECTION["include_external_packages"],
+}
+
+# For each contract, one import that must break it. The workers' one is indirect: a worker reaches
+# the controller through the shared types module.
+PLANTED = {
+    "layers": ("asyncrl.controller", "asyncrl.run"),
+    "workers": ("asyncrl.types", "asyncrl.controller"),
+    "control-side": ("asyncrl.weights", "asyncrl.models.tiny"),
+    "torch-free": ("asyncrl.sampler", "torch"),
+    "grpo": ("asyncrl.algorithms.grpo", "asyncrl.models.logprobs"),
+    "models": ("asyncrl.models.logprobs", "asyncrl.algorithms.grpo"),
+}
+
+
+def build_graph(**options) -> grimp.ImportGraph:
+    return grimp.build_graph(SECTION["root_package"], include_external_packages=True, cache_dir=None, **options)
+
+
+@pytest.fixture(scope="module")
+def graph() -> grimp.ImportGraph:
+    return build_graph()
+
+
+def check(contract_id: str, graph: grimp.ImportGraph) -> bool:
+    options = CONTRACTS[contract_id]
+    kind = {"forbidden": ForbiddenContract, "layers": LayersContract}[options["type"]]
+    contract = kind(name=options["name"], session_options=SESSION, contract_options=options)
+    return contract.check(deepcopy(graph), verbose=False).kept  # a check removes its ignored imports
+
+
+def test_every_contract_has_a_planted_violation():
+    assert set(CONTRACTS) == set(PLANTED)
+
+
+@pytest.mark.parametrize("contract_id", PLANTED)
+def test_a_contract_holds_and_breaks_on_a_planted_import(graph, contract_id):
+    assert check(contract_id, graph)
+    planted = deepcopy(graph)
+    importer, imported = PLANTED[contract_id]
+    planted.add_import(importer=importer, imported=imported)
+    assert not check(contract_id, planted)
+
+
+def test_the_ignored_imports_are_for_annotations_only():
+    """An import a contract ignores must sit under TYPE_CHECKING: at run time it does not happen."""
+    ignored = [line for options in SECTION["contracts"] for line in options.get("ignore_imports", [])]
+    assert ignored
+    runtime = build_graph(exclude_type_checking_imports=True)
+    for line in ignored:
+        importer, imported = (name.strip() for name in line.split("->"))
+        assert not runtime.direct_import_exists(importer=importer, imported=imported), line
