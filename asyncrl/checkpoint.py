@@ -13,11 +13,18 @@ A checkpoint is a directory ``<run>/checkpoints/step-<V>/`` holding
   short, emptied or altered after the save no longer matches, so it is refused by name before
   anything is parsed (docs/reliability.md).
 
-It is written into a temporary directory and renamed into place, and ``latest`` (its name, for
-other tools) is rewritten the same way afterwards, so a crash at any moment leaves the previous
-checkpoint intact. Saving a step that already has a checkpoint writes a new directory
-(``step-<V>-1``, ...) and removes the old one only after that, so a whole checkpoint of the step
-exists at every instant. A run resumes from its newest ``step-*`` directory.
+It is written into a temporary directory, every file and the directory are flushed to disk
+(fsync), it is renamed into place and the rename is flushed too; ``latest`` (its name, for other
+tools) is rewritten the same way afterwards, and only then are older checkpoints removed. So a
+process or host crash at any moment leaves a whole checkpoint, and a write that fails (a full disk)
+removes its temporary directory and stops the run naming the last complete checkpoint. Saving a
+step that already has a checkpoint writes a new directory (``step-<V>-1``, ...) and removes the old
+one only after that, so a whole checkpoint of the step exists at every instant. A run resumes from
+its newest ``step-*`` directory.
+
+The state is checked before anything is written: an object that ``torch.load(weights_only=True)``
+would refuse is a ``TypeError`` naming its key path, so a checkpoint that could not be resumed is
+never saved.
 """
 
 from __future__ import annotations
@@ -26,7 +33,9 @@ import hashlib
 import json
 import os
 import pickle
+import re
 import shutil
+from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
 
@@ -36,6 +45,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 from asyncrl.config import ConfigError
+from asyncrl.errors import RunStopped
 
 STATE_FILE = "state.pt"
 WEIGHTS_FILE = "model.safetensors"
@@ -46,6 +56,19 @@ LATEST_FILE = "latest"
 
 class CheckpointError(ConfigError):
     """A checkpoint that is missing, damaged or does not fit the run: one line naming the file."""
+
+
+class CheckpointWriteError(RunStopped):
+    """A checkpoint could not be written (a full disk, say): the run stops, and since the same
+    write would fail again, without trying another checkpoint first."""
+
+    saves_checkpoint = False
+
+
+# What torch.load(weights_only=True) loads back without running code: these exact types.
+PLAIN_VALUES = (type(None), bool, int, float, complex, str, bytes, bytearray, torch.dtype, torch.device, torch.Size)
+PLAIN_CONTAINERS = (dict, OrderedDict, list, tuple, set)
+PLAIN_TENSORS = (torch.Tensor, nn.Parameter)
 
 
 def checkpoint_root(run_dir: str | Path) -> Path:
@@ -61,23 +84,32 @@ def save_checkpoint(
     state: dict,
     keep_last: int,
 ) -> Path:
-    """Write checkpoint ``step`` atomically, point ``latest`` at it, keep the newest ``keep_last`` steps."""
+    """Write checkpoint ``step`` atomically and durably, point ``latest`` at it, keep the newest
+    ``keep_last`` steps. A failed write raises ``CheckpointWriteError`` and leaves no trace."""
+    _check_plain(state, "state")
     root = checkpoint_root(run_dir)
     root.mkdir(parents=True, exist_ok=True)
     for stale in root.glob(".tmp-step-*"):  # left by a writer that died mid-write; one run, one writer
         shutil.rmtree(stale, ignore_errors=True)
     tmp = root / f".tmp-step-{step:06d}-{os.getpid()}"
-    tmp.mkdir()
-    write_model(tmp)
-    tokenizer.save_pretrained(tmp)
-    torch.save(state, tmp / STATE_FILE)
-    run_state = state.get("run")
-    if isinstance(run_state, dict) and "config" in run_state:
-        (tmp / RUN_CONFIG_FILE).write_text(run_state["config"])
-    _write_manifest(tmp)
-    final = _free_name(root, step)
-    os.replace(tmp, final)
-    _write_text_atomic(root / LATEST_FILE, final.name)
+    try:
+        tmp.mkdir()
+        write_model(tmp)
+        tokenizer.save_pretrained(tmp)
+        with open(tmp / STATE_FILE, "wb") as f:  # a file object: a full disk is an OSError naming it
+            torch.save(state, f)
+        run_state = state.get("run")
+        if isinstance(run_state, dict) and "config" in run_state:
+            (tmp / RUN_CONFIG_FILE).write_text(run_state["config"])
+        _write_manifest(tmp)
+        _fsync_tree(tmp)
+        final = _free_name(root, step)
+        os.replace(tmp, final)
+        _fsync(root)
+        _write_text_atomic(root / LATEST_FILE, final.name)
+    except Exception as err:  # whatever the writer (torch, safetensors, tokenizers, the OS) raised
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise _write_failed(root, step, err) from err
     superseded = [p for p in _step_dirs(root) if _step_of(p) == step and p != final]
     for old in superseded:
         shutil.rmtree(old)
@@ -86,6 +118,55 @@ def save_checkpoint(
         if _step_of(old) in steps[:-keep_last]:
             shutil.rmtree(old)
     return final
+
+
+def _check_plain(value, path: str) -> None:
+    """Raise TypeError naming the key path of the first value ``torch.load(weights_only=True)``
+    would refuse (a subclass of str counts: its class would have to be imported to load it)."""
+    kind = type(value)
+    if kind in PLAIN_VALUES or kind in PLAIN_TENSORS:
+        return
+    if kind not in PLAIN_CONTAINERS:
+        raise TypeError(
+            f"checkpoint state: {path} is a {kind.__module__}.{kind.__qualname__}; a checkpoint holds only "
+            f"tensors and plain values, so it could not be loaded back"
+        )
+    if isinstance(value, dict):
+        for key, item in value.items():
+            _check_plain(key, f"{path} key {key!r}")
+            _check_plain(item, f"{path}[{key!r}]")
+    else:
+        for index, item in enumerate(value):
+            _check_plain(item, f"{path}[{index}]")
+
+
+def _fsync(path: Path) -> None:
+    """Flush a file, or a directory's entries, to disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_tree(directory: Path) -> None:
+    """Every file under ``directory``, then each directory, deepest first, ``directory`` itself last."""
+    paths = sorted(directory.rglob("*"), key=lambda p: (p.is_dir(), -len(p.parts)))
+    for path in [*paths, directory]:
+        _fsync(path)
+
+
+def _write_failed(root: Path, step: int, err: Exception) -> CheckpointWriteError:
+    """One line: what could not be written, why, and the checkpoint a resumed run would start from."""
+    cause = " ".join(f"{type(err).__name__}: {err}".split())[:300]
+    complete = _step_dirs(root)
+    stop = CheckpointWriteError(
+        f"checkpoint step-{step:06d} could not be written in {root} ({cause}); "
+        + (f"the last complete checkpoint is {complete[-1]}" if complete else "no checkpoint of this run is complete")
+    )
+    if complete:
+        stop.add_note(f"continue from it with: asyncrl train --resume {root.parent}")
+    return stop
 
 
 def _free_name(root: Path, step: int) -> Path:
@@ -210,15 +291,27 @@ def load_state(checkpoint_dir: Path) -> dict:
     path = Path(checkpoint_dir) / STATE_FILE
     try:
         state = torch.load(path, weights_only=True)
-    except pickle.UnpicklingError:
-        raise CheckpointError(
-            f"{path}: holds objects other than tensors and plain values; refused, and nothing in it was run"
-        ) from None
+    except pickle.UnpicklingError as err:
+        raise CheckpointError(f"{path}: {_refusal(err)}; refused, and nothing in it was run") from None
     except Exception as err:
         raise CheckpointError(f"{path}: cannot be read ({type(err).__name__})") from None
     if not isinstance(state, dict):
         raise CheckpointError(f"{path}: holds a {type(state).__name__}, not a checkpoint state")
     return state
+
+
+def _refusal(err: pickle.UnpicklingError) -> str:
+    """What torch's weights-only unpickler met, named: a global from a module it blocks (os, sys:
+    what a file built to run code calls), any other global (a class that is not a plain value, say
+    one an older asyncrl saved), or else only that it was not plain."""
+    message = str(err)
+    blocked = re.search(r"unsupported GLOBAL (\S{1,200}) whose module (\S{1,200}) is blocked", message)
+    if blocked:
+        return f"holds {blocked[1]}, from module {blocked[2]}, which torch blocks because loading it could run code"
+    unsupported = re.search(r"Unsupported global: GLOBAL (\S{1,200})", message)
+    if unsupported:
+        return f"holds {unsupported[1]}, which is not a tensor or a plain value"
+    return "holds objects other than tensors and plain values"
 
 
 def load_run_state(checkpoint_dir: Path) -> dict:
@@ -269,5 +362,10 @@ def load_weights(model: nn.Module, checkpoint_dir: Path) -> None:
 
 def _write_text_atomic(path: Path, text: str) -> None:
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(text)
+        _fsync(tmp)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    _fsync(path.parent)

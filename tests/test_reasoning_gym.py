@@ -7,6 +7,7 @@ import sys
 import pytest
 from test_train import SMALL
 
+from asyncrl.checkpoint import load_state
 from asyncrl.cli import main
 from asyncrl.config import ConfigError, load_config
 from asyncrl.data import PromptLoader, build_task
@@ -178,6 +179,23 @@ def test_a_short_run_is_scored_by_the_task_reward(tmp_path, capsys):
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == 4 and 0.0 <= summary["final_eval_accuracy"] <= 1.0
     capsys.readouterr()
+
+
+@pytest.mark.slow
+def test_a_run_stopped_while_a_batch_generates_resumes_and_finishes(tmp_path, capsys):
+    """The stop's checkpoint holds the prompts still generating, as plain text; the resumed run
+    takes each one's dataset entry back from the split, so the task reward still scores them."""
+    run_dir = tmp_path / "run"
+    failing = "faults.generate_errors=[" + ", ".join(map(str, range(40))) + "]"
+    train = ["train", "--output-dir", str(run_dir), *SMALL, *CHAIN_SUM, "generation.max_new_tokens=6"]
+    assert main([*train, "data.eval_size=16", "runtime.max_rollout_retries=0", failing]) == 1
+    assert "generation failed 1 times" in capsys.readouterr().err
+    checkpoint = run_dir / "checkpoints" / "step-000000"
+    pending = load_state(checkpoint)["run"]["pending"]
+    assert pending and all(type(job["prompt"]["answer"]) is str for job in pending)
+    assert main(["train", "--resume", str(run_dir), "faults.generate_errors=[]"]) == 0, capsys.readouterr().err
+    rows = read_jsonl(run_dir / "metrics.jsonl")
+    assert len(rows) == 4 and sum(row["reward_errors"] for row in rows) == 0
 
 
 BASIC_SUMS = [  # "Calculate 0 + 4 + 8." -> "12": 1,268 distinct questions from 4,000 entries

@@ -10,7 +10,9 @@ does for any other task. A prompt's uid is ``dataset/index``.
 An entry's reference answer is an ``EntryAnswer``: the answer text (what the warm start trains on
 and exact_match compares against) that also carries its entry, so the ``task`` reward can call the
 dataset's own ``score_answer(completion, entry)`` inside the reward runner, under its timeout and
-error counting. The package is imported only when such a task is built.
+error counting. A checkpoint stores only its text (it holds plain values alone); a resumed run takes
+the entry back from the regenerated split by the prompt's uid. The package is imported only when
+such a task is built.
 """
 
 from __future__ import annotations
