@@ -158,6 +158,8 @@ def _fsync_tree(directory: Path) -> None:
 
 def _write_failed(root: Path, step: int, err: Exception) -> CheckpointWriteError:
     """One line: what could not be written, why, and the checkpoint a resumed run would start from."""
+    if not isinstance(err, OSError) and isinstance(err.__context__, OSError):
+        err = err.__context__  # torch's zip writer reports a full disk as "unexpected pos" while handling it
     cause = " ".join(f"{type(err).__name__}: {err}".split())[:300]
     complete = _step_dirs(root)
     stop = CheckpointWriteError(
