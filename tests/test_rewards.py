@@ -72,7 +72,7 @@ def mixed(completion, answer):
 
 
 def slow(completion, answer):
-    time.sleep(TIMEOUT / 4)
+    time.sleep(TIMEOUT / 10)
     return 1.0
 
 
@@ -263,9 +263,11 @@ def test_a_call_holding_the_interpreter_lock_is_killed_at_its_timeout():
 
 
 def test_a_slow_call_that_finishes_in_time_is_not_a_timeout():
-    with RewardRunner([("slow", slow)], timeout_s=TIMEOUT) as runner:
-        result = runner.score(["a"] * 4, ["a"] * 4)
-    assert result.rewards == [1.0] * 4 and result.timeouts == 0
+    """One process runs 20 calls of a tenth of the timeout each: together they take twice the
+    timeout, so none is a timeout only if the timeout counts from each call's own start."""
+    with RewardRunner([("slow", slow)], timeout_s=TIMEOUT, processes=1) as runner:
+        result = runner.score(["a"] * 20, ["a"] * 20)
+    assert result.rewards == [1.0] * 20 and result.timeouts == 0
 
 
 def test_calls_run_in_at_most_processes_processes_that_stay_for_the_next_batch():
