@@ -74,6 +74,15 @@ def test_trainer_logprobs_equal_the_models_own_forward(checkpoints, name):
     torch.testing.assert_close(logprobs[2:3, 6:], left, rtol=0, atol=1e-5)  # positions count real tokens only
 
 
+def test_a_softcapping_model_loads_with_the_attention_that_applies_its_softcap(checkpoints):
+    ids, mask = rows()
+    loaded, _ = token_logprobs(load_model(checkpoints / "gemma2", dtype=torch.float32), ids, mask)
+    eager, _ = token_logprobs(
+        load_model(checkpoints / "gemma2", dtype=torch.float32, attn_implementation="eager"), ids, mask
+    )
+    torch.testing.assert_close(loaded, eager, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("name", ARCHITECTURES)
 def test_generation_scores_what_the_trainer_scores(checkpoints, name):
     model = load_model(checkpoints / name, dtype=torch.float32)

@@ -36,11 +36,13 @@ def load_model(
 
     Weights load from safetensors only: a directory holding just a pickled ``pytorch_model.bin``
     is refused rather than unpickled. ``dtype=None`` keeps the checkpoint's dtype; ``attn_implementation=None`` lets transformers
-    choose (sdpa where available).
+    choose (sdpa where available), except that a model with attention logit softcapping (Gemma 2)
+    gets eager attention: sdpa cannot softcap, and transformers before 5.21 picks it anyway, silently
+    computing a different model.
     """
     directory = _local_dir(path, "config.json")
     try:
-        return AutoModelForCausalLM.from_pretrained(
+        model = AutoModelForCausalLM.from_pretrained(
             directory,
             dtype="auto" if dtype is None else dtype,
             attn_implementation=attn_implementation,
@@ -49,6 +51,9 @@ def load_model(
         )
     except Exception as err:  # transformers reports a damaged file with many error types
         raise ValueError(f"{directory}: cannot be loaded as a model ({_first_line(err)})") from None
+    if attn_implementation is None and getattr(model.config, "attn_logit_softcapping", None) is not None:
+        model.set_attn_implementation("eager")
+    return model
 
 
 def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
