@@ -3,7 +3,6 @@ exact delivery, rank 0's held copy, and the stop signal that frees a waiting mem
 
 import socket
 import threading
-import time
 
 import pytest
 import torch
@@ -114,12 +113,11 @@ def test_rank0_holds_only_the_last_version_it_sent(group):
 
 def test_the_stop_signal_frees_a_receiver_waiting_on_a_member_that_never_joins(group):
     """Member 2 never receives (as if dead): without the signal, member 1 would wait out the
-    group's timeout; with it, it gives up at once, and rank 0 still holds the version."""
+    group's timeout and fail with the group's own error; with it, it gives up with this one, and
+    rank 0 still holds the version."""
     rendezvous, (rank0, waiting, _) = group
     layout = rank0.send(weights(5), 5)
-    started = time.monotonic()
     threading.Timer(0.5, signal_stop, args=(rendezvous, "member 2 died")).start()
     with pytest.raises(BroadcastError, match="stopped while this generator waited"):
         waiting.receive(layout)
-    assert time.monotonic() - started < GROUP_TIMEOUT_S / 4
     assert mismatches(rank0.held(5), weights(5)) == [] and rank0.aborted

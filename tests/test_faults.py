@@ -169,14 +169,13 @@ def test_generation_longer_than_the_sync_timeout_does_not_fail_the_sync(tmp_path
 
 
 def test_the_watchdog_stops_a_stalled_run_naming_what_each_loop_waits_on(tmp_path):
-    start = time.monotonic()
+    """Without the watchdog the hang would end and the run finish: no StallError."""
     with pytest.raises(StallError) as err:
         run(tmp_path, "stall", "faults.hang_generate_calls=[1]", "faults.hang_s=4", "runtime.watchdog_s=1")
     message = str(err.value)
     assert "no progress for" in message and "(runtime.watchdog_s=1)" in message
     assert "rollout loop waits on" in message and "train loop waits on groups for step 0" in message
     assert err.value.checkpoint is None and not (tmp_path / "stall" / "checkpoints").exists()
-    assert time.monotonic() - start < 30
 
 
 def test_the_watchdog_also_watches_the_first_evaluation(tmp_path, monkeypatch):
