@@ -85,7 +85,7 @@ def save_checkpoint(
     keep_last: int,
 ) -> Path:
     """Write checkpoint ``step`` atomically and durably, point ``latest`` at it, keep the newest
-    ``keep_last`` steps. A failed write raises ``CheckpointWriteError`` and leaves no trace."""
+    ``keep_last`` steps. A failed write removes its temporary directory and raises ``CheckpointWriteError``."""
     _check_plain(state, "state")
     root = checkpoint_root(run_dir)
     root.mkdir(parents=True, exist_ok=True)
@@ -96,7 +96,7 @@ def save_checkpoint(
         tmp.mkdir()
         write_model(tmp)
         tokenizer.save_pretrained(tmp)
-        with open(tmp / STATE_FILE, "wb") as f:  # a file object: a full disk is an OSError naming it
+        with open(tmp / STATE_FILE, "wb") as f:  # through Python's file, a full disk stays an OSError
             torch.save(state, f)
         run_state = state.get("run")
         if isinstance(run_state, dict) and "config" in run_state:
