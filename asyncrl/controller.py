@@ -52,13 +52,13 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from asyncrl.algorithms.grpo import zero_variance_groups
 from asyncrl.buffer import ReplayBuffer
 from asyncrl.config import RunConfig, dump_config
 from asyncrl.data import Prompt, PromptLoader, Task
 from asyncrl.errors import RunStopped
 from asyncrl.handles import RolloutHandle, TrainerHandle
 from asyncrl.metrics import RunCounters, StepClock, step_record
+from asyncrl.refill import DynamicSampling
 from asyncrl.sampler import Sampler
 from asyncrl.types import RolloutGroup, RolloutJob
 from asyncrl.weights import Changes, RolloutGate, SyncReport, SyncTimeoutError, WeightLoadError, WeightSync
@@ -70,7 +70,6 @@ if TYPE_CHECKING:  # worker-side types; the controller never imports model code
 T = TypeVar("T")
 STATE_VERSION = 2
 ABORT_TIMEOUT_S = 60.0  # a trainer too stuck to abort its step within this is left behind
-REFILL_PREFIX = "refill:"  # uid prefix of the prompts that refill a step (dynamic sampling)
 
 
 class RolloutFailedError(RunStopped):
@@ -151,15 +150,7 @@ class SingleController:
         self.groups_per_batch = max(1, config.generation.batch_size // config.grpo.generations_per_prompt)
         self.max_in_flight = config.runtime.max_inflight_groups or buffer.capacity
         self.max_retries = config.runtime.max_rollout_retries
-        # dynamic sampling: replacements come from a stream of their own, so that which prompts
-        # refill a step never depends on how refills and admissions interleave
-        self.refill_budget = config.grpo.max_refill_groups
-        self.refill_loader = PromptLoader(
-            [replace(prompt, uid=f"{REFILL_PREFIX}{prompt.uid}") for prompt in loader.prompts],
-            shuffle_seed=loader.shuffle_seed + 1,
-            epochs=loader.epochs,
-        )
-        self.refill_exhausted = False
+        self.refills = DynamicSampling(loader, config.grpo.max_refill_groups)
 
         self.version = 0
         self.changes = Changes()
@@ -177,8 +168,6 @@ class SingleController:
         self.nonfinite_steps = 0
         self.nonfinite_streak = 0
         self.empty_steps = 0  # steps without an informative group: no update (docs/loss.md)
-        self.step_refills = 0  # replacement prompts dispatched for the open step
-        self.refill_groups = 0  # over the run
         self.step_groups: list[RolloutGroup] = []  # taken by the open step; kept until it finishes
         self.interrupt: int | None = None
         self.last_progress = time.monotonic()
@@ -259,11 +248,10 @@ class SingleController:
     def _admit(self) -> tuple[list[RolloutJob], bool]:
         """Admit and reserve until refused; True when the sampler or the data refused (settled).
 
-        The open step's unused refill budget stays free: those slots are counted in the buffer's
-        capacity for refills, and a sampler that admits up to capacity would otherwise take them."""
+        The open step's unused refill budget stays free (``DynamicSampling.reserved_slots``)."""
         jobs: list[RolloutJob] = []
         while self.gate.in_flight + len(jobs) < self.max_in_flight:
-            if self.data_exhausted or self.buffer.num_free <= self.refill_budget - self.step_refills:
+            if self.data_exhausted or self.buffer.num_free <= self.refills.reserved_slots:
                 return jobs, True
             admission = self.sampler.admit(self.gate.version, self.buffer)
             if admission is None:
@@ -346,17 +334,17 @@ class SingleController:
                 f"prompt {job.prompt.uid}: {attempts}; last error: {type(err).__name__}: {err}"
             ) from err
         self.skipped_prompts += 1
-        if job.prompt.uid.startswith(REFILL_PREFIX):  # a refill is replaced from its own stream
-            prompt = None if self.refill_exhausted else self.refill_loader.next()
-            self.refill_exhausted = prompt is None
+        refill = self.refills.is_refill(job.prompt)
+        if refill:  # a refill is replaced from its own stream
+            prompt = self.refills.next_prompt()
         else:
             prompt = None if self.data_exhausted else self.loader.next()
             self.data_exhausted = prompt is None
         if prompt is None:
             self.buffer.cancel(job.slot_id)
             del self.jobs[job.slot_id]
-            if job.prompt.uid.startswith(REFILL_PREFIX):  # the open step no longer waits for it
-                self.step_refills -= 1
+            if refill:
+                self.refills.given_up()
             self.gate.add_in_flight(-1)
             return
         self._queue_retries([[replace(job, prompt=prompt, retries=0)]])
@@ -424,10 +412,9 @@ class SingleController:
             try:
                 report = await self._attempt_step()
                 self.step_groups = []
+                refills = self.refills.end_step()
                 if report is not None:
-                    report.data.num_refill_groups = self.step_refills
-                self.refill_groups += self.step_refills
-                self.step_refills = 0
+                    report.data.num_refill_groups = refills
                 return report
             except Exception as err:
                 await self._abort_step()
@@ -447,49 +434,14 @@ class SingleController:
 
     async def _attempt_step(self) -> StepReport | None:
         """Stream step V's groups into the split step: first those a failed attempt had taken."""
-        version, target = self.version, self.prompts_per_step
+        version = self.version
         self.waiting["train loop"] = f"trainer.begin_step({version})"
         await self.trainer.begin_step(version)
         if self.step_groups:
             self.waiting["train loop"] = f"trainer.train_groups, rerunning step {version}"
             await self.trainer.train_groups(list(self.step_groups))
-        while True:
-            self._check_interrupt()
-            if len(self.step_groups) >= target + self.step_refills:
-                refill = self._refill()
-                if refill == "wait":
-                    self.waiting["train loop"] = f"room under runtime.max_inflight_groups to refill step {version}"
-                    await self.changes.next()
-                if refill != "done":
-                    continue
-                break
-            # Evict on every pass: a stale group committed mid-step would otherwise hold a slot.
-            if evicted := self.buffer.evict(self.sampler.evict(version, self.buffer)):
-                self.num_evicted += evicted
-                self.changes.notify()
-            remaining = target + self.step_refills - len(self.step_groups)
-            exhausted = self.data_exhausted and self.gate.in_flight == 0
-            min_k = 1 if exhausted else min(self.chunk_groups, remaining)
-            slot_ids = self._in_dispatch_order(self.sampler.select(version, self.buffer, min_k, remaining))
-            if len(slot_ids) < min_k:
-                if exhausted:
-                    break
-                self.waiting["train loop"] = (
-                    f"groups for step {version} ({len(self.step_groups)} of {target} trained, "
-                    f"{self.buffer.num_ready} ready, {self.gate.in_flight} generating)"
-                )
-                wait_start = time.perf_counter()
-                await self.changes.next()
-                self.clock.train_wait_s += time.perf_counter() - wait_start
-                continue
-            groups = self.buffer.take(slot_ids)
-            self.step_groups.extend(groups)
-            self.changes.notify()
-            self.waiting["train loop"] = f"trainer.train_groups ({len(groups)} groups of step {version})"
-            busy_start = time.perf_counter()
-            await self.trainer.train_groups(groups)
-            self.clock.train_s += time.perf_counter() - busy_start
-            self.last_progress = time.monotonic()
+        while await self._next_chunk(version):
+            pass
         if not self.step_groups:
             await self.trainer.abort_step()
             return None
@@ -499,33 +451,62 @@ class SingleController:
         self.clock.train_s += time.perf_counter() - busy_start
         return report
 
-    def _refill(self) -> str:
-        """Dynamic sampling: once every group the step waits for has arrived, dispatch one batch of
-        replacement prompts for the groups ``grpo.filter_zero_variance`` drops, within the step's
-        budget, the free buffer slots and the in-flight limit. Returns "dispatched" (the step waits
-        for them), "wait" (the in-flight limit is reached: retry after a change) or "done".
+    async def _next_chunk(self, version: int) -> bool:
+        """Train the next chunk of step V's groups, or wait for one; False once the step has all
+        it will get (its groups and refills, or what exists when the data ran out)."""
+        self._check_interrupt()
+        wanted = self.prompts_per_step + self.refills.step_refills
+        if len(self.step_groups) >= wanted:
+            return await self._refill_round(version)
+        # Evict on every pass: a stale group committed mid-step would otherwise hold a slot.
+        if evicted := self.buffer.evict(self.sampler.evict(version, self.buffer)):
+            self.num_evicted += evicted
+            self.changes.notify()
+        remaining = wanted - len(self.step_groups)
+        exhausted = self.data_exhausted and self.gate.in_flight == 0
+        min_k = 1 if exhausted else min(self.chunk_groups, remaining)
+        slot_ids = self._in_dispatch_order(self.sampler.select(version, self.buffer, min_k, remaining))
+        if len(slot_ids) < min_k:
+            if not exhausted:
+                await self._wait_for_groups(version)
+            return not exhausted
+        groups = self.buffer.take(slot_ids)
+        self.step_groups.extend(groups)
+        self.changes.notify()
+        self.waiting["train loop"] = f"trainer.train_groups ({len(groups)} groups of step {version})"
+        busy_start = time.perf_counter()
+        await self.trainer.train_groups(groups)
+        self.clock.train_s += time.perf_counter() - busy_start
+        self.last_progress = time.monotonic()
+        return True
 
-        A refill is generated with the current weights (lag 0) and stamped with the step's target
-        step, and a round is dispatched only when the step's groups are all in, so under ``in_order``
-        what refills a step is a function of the config alone."""
-        informative = sum(not bool(zero_variance_groups(group.rewards)) for group in self.step_groups)
-        count = min(self.prompts_per_step - informative, self.refill_budget - self.step_refills, self.buffer.num_free)
-        if count <= 0 or self.stopping or self.refill_exhausted:
-            return "done"
+    async def _wait_for_groups(self, version: int) -> None:
+        self.waiting["train loop"] = (
+            f"groups for step {version} ({len(self.step_groups)} of {self.prompts_per_step} trained, "
+            f"{self.buffer.num_ready} ready, {self.gate.in_flight} generating)"
+        )
+        wait_start = time.perf_counter()
+        await self.changes.next()
+        self.clock.train_wait_s += time.perf_counter() - wait_start
+
+    async def _refill_round(self, version: int) -> bool:
+        """Every group the step waited for is in: dispatch replacements for the filtered ones
+        (``DynamicSampling``), or wait for room to; False when the step wants none."""
+        informative = sum(group.informative for group in self.step_groups)
+        count = self.refills.wanted(self.prompts_per_step - informative, self.buffer.num_free)
+        if count <= 0 or self.stopping:
+            return False
         count = min(count, self.max_in_flight - self.gate.in_flight)
         if count <= 0:
-            return "wait"
-        jobs = []
-        for _ in range(count):
-            prompt = self.refill_loader.next()
-            if prompt is None:
-                self.refill_exhausted = True
-                break
-            slot_id = self.buffer.reserve(self.gate.version, self.step_groups[0].target_step)
-            jobs.append(RolloutJob(slot_id, prompt, self.gate.version, self.step_groups[0].target_step))
-        self.step_refills += len(jobs)
-        self._dispatch(jobs)
-        return "dispatched" if jobs else "done"
+            self.waiting["train loop"] = f"room under runtime.max_inflight_groups to refill step {version}"
+            await self.changes.next()
+            return True
+        target = self.step_groups[0].target_step
+        prompts = self.refills.take(count)
+        self._dispatch(
+            [RolloutJob(self.buffer.reserve(self.gate.version, target), p, self.gate.version, target) for p in prompts]
+        )
+        return bool(prompts)
 
     async def _abort_step(self) -> None:
         """Abort the trainer's open step; bounded, since the trainer may be what is stuck."""
@@ -699,10 +680,7 @@ class SingleController:
             "nonfinite_steps": self.nonfinite_steps,
             "nonfinite_streak": self.nonfinite_streak,
             "empty_steps": self.empty_steps,
-            "step_refills": self.step_refills,
-            "refill_groups": self.refill_groups,
-            "refill_exhausted": self.refill_exhausted,
-            "refill_loader": self.refill_loader.state_dict(),
+            **self.refills.state_dict(),
             "eval_due": self.eval_due,
             "config": self.config_text,
             "sampler": self.sampler.state_dict(),
@@ -725,24 +703,20 @@ class SingleController:
             "nonfinite_steps",
             "nonfinite_streak",
             "empty_steps",
-            "step_refills",
-            "refill_groups",
-            "refill_exhausted",
         ):
             setattr(self, name, state.get(name, 0))
         self.eval_due = bool(state.get("eval_due", False))
         self.step_groups = [RolloutGroup.from_state_dict(group) for group in state.get("step_groups", [])]
         self.sampler.load_state_dict(state["sampler"])
         self.loader.load_state_dict(state["loader"])
-        if "refill_loader" in state:
-            self.refill_loader.load_state_dict(state["refill_loader"])
+        self.refills.load_state_dict(state)
         buffer_state = dict(state["buffer"])
         buffer_state["ready"] = [
             {**slot, "group": RolloutGroup.from_state_dict(slot["group"])} for slot in buffer_state["ready"]
         ]
         self.buffer.load_state_dict(buffer_state)
         pending = []
-        split = {prompt.uid: prompt for loader in (self.loader, self.refill_loader) for prompt in loader.prompts}
+        split = {prompt.uid: prompt for loader in (self.loader, self.refills.loader) for prompt in loader.prompts}
         for job_state in state["pending"]:
             job = _job_from_state(job_state, split)
             slot_id = self.buffer.reserve(job.start_version, job.target_step)
@@ -754,7 +728,7 @@ class SingleController:
 
     def _log_step(self, report: StepReport, sync: SyncReport, step_s: float) -> None:
         counters = RunCounters(
-            refill_groups_total=self.refill_groups,
+            refill_groups_total=self.refills.total,
             evicted_groups=self.num_evicted,
             skipped_prompts=self.skipped_prompts,
             step_retries=self.step_retries,

@@ -480,7 +480,7 @@ def fuzz_once(sampler_cls: type, scenario: Scenario, buffer_cls: type = CheckedB
         progress=Sink(),
         run_dir="fuzz-run",
     )
-    controller.refill_loader = RecordingLoader(controller.refill_loader.prompts, scenario.epochs, ledger)
+    controller.refills.loader = RecordingLoader(controller.refills.loader.prompts, scenario.epochs, ledger)
 
     async def bounded_run() -> int:
         return await asyncio.wait_for(scheduler.drive(controller), RUN_TIMEOUT_S)
@@ -495,7 +495,7 @@ def fuzz_once(sampler_cls: type, scenario: Scenario, buffer_cls: type = CheckedB
         cancelled_slots=controller.buffer.num_cancelled_total,
         evicted=len(ledger.evicted),
         data_exhausted=controller.data_exhausted,
-        refills=controller.refill_groups,
+        refills=controller.refills.total,
     )
 
 
@@ -551,7 +551,7 @@ def check_run(controller: SingleController, ledger: Ledger, steps: int, scenario
         if scenario.refill_budget is not None and not controller.data_exhausted:
             full = informative[step] >= scenario.prompts_per_step or refills[step] == budget
             assert full, f"refill: step {step} has {informative[step]} informative groups, {refills[step]} refills"
-    assert controller.refill_groups == sum(refills.values())
+    assert controller.refills.total == sum(refills.values())
 
     assert [record["step"] for record in controller.metrics.steps] == list(range(1, steps + 1))
 

@@ -82,7 +82,7 @@ def test_refills_given_up_after_their_stream_runs_out_do_not_hold_up_the_step(tm
         "rewards.functions=[test_dynamic_sampling:constant_zero]",
         "runtime.on_rollout_failure=skip",
         "runtime.max_rollout_retries=0",
-        "runtime.watchdog_s=30",
+        "runtime.watchdog_s=120",
         "grpo.max_steps=2",
     ]
     config = load_config(None, [*SMALL, *settings])

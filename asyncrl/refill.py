@@ -1,0 +1,88 @@
+"""Dynamic sampling: replacement prompts for the groups that zero-variance filtering drops.
+
+Replacements come from a prompt stream of their own (the train split reshuffled, uids prefixed
+``refill:``), so which prompts refill a step never depends on how refills and admissions
+interleave. The controller asks for a round only once every group the step waits for has arrived;
+a round is stamped with the current weights and the step's target, and bounded by the step's
+budget (``grpo.max_refill_groups``), the buffer's free slots and the in-flight limit. Under
+``in_order`` what refills a step is then a function of the config alone.
+
+The step's unused budget is also the number of buffer slots that admissions leave free: the buffer
+is sized for them (``RunConfig.buffer_capacity``), and a sampler that admits up to capacity would
+otherwise take them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from asyncrl.data import Prompt, PromptLoader
+
+REFILL_PREFIX = "refill:"
+
+
+class DynamicSampling:
+    def __init__(self, loader: PromptLoader, budget: int) -> None:
+        self.budget = budget
+        self.loader = PromptLoader(
+            [replace(prompt, uid=f"{REFILL_PREFIX}{prompt.uid}") for prompt in loader.prompts],
+            shuffle_seed=loader.shuffle_seed + 1,
+            epochs=loader.epochs,
+        )
+        self.exhausted = False
+        self.step_refills = 0  # replacement prompts dispatched for the open step and not given up
+        self.total = 0  # over the run
+
+    @staticmethod
+    def is_refill(prompt: Prompt) -> bool:
+        return prompt.uid.startswith(REFILL_PREFIX)
+
+    @property
+    def reserved_slots(self) -> int:
+        """Buffer slots that admissions leave free for the open step's refills."""
+        return self.budget - self.step_refills
+
+    def wanted(self, missing: int, free_slots: int) -> int:
+        """How many replacements the step may still take for ``missing`` informative groups."""
+        if self.exhausted:
+            return 0
+        return max(0, min(missing, self.budget - self.step_refills, free_slots))
+
+    def take(self, count: int) -> list[Prompt]:
+        """Up to ``count`` replacement prompts, counted against the step's budget."""
+        prompts = []
+        while len(prompts) < count and (prompt := self.next_prompt()) is not None:
+            prompts.append(prompt)
+        self.step_refills += len(prompts)
+        return prompts
+
+    def next_prompt(self) -> Prompt | None:
+        """The stream's next prompt (also what replaces a refill that failed for good)."""
+        prompt = None if self.exhausted else self.loader.next()
+        self.exhausted = prompt is None
+        return prompt
+
+    def given_up(self) -> None:
+        """A refill of the open step failed for good and nothing replaces it: the step stops waiting for it."""
+        self.step_refills -= 1
+
+    def end_step(self) -> int:
+        """The open step's refill count, added to the run's total; the next step starts at 0."""
+        count, self.step_refills = self.step_refills, 0
+        self.total += count
+        return count
+
+    def state_dict(self) -> dict:
+        return {
+            "step_refills": self.step_refills,
+            "refill_groups": self.total,
+            "refill_exhausted": self.exhausted,
+            "refill_loader": self.loader.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self.step_refills = state.get("step_refills", 0)
+        self.total = state.get("refill_groups", 0)
+        self.exhausted = state.get("refill_exhausted", False)
+        if "refill_loader" in state:
+            self.loader.load_state_dict(state["refill_loader"])
