@@ -363,10 +363,11 @@ def test_loaded_weights_generate_like_a_generator_built_from_them():
 
 def test_load_weights_casts_to_the_generators_dtype():
     gen = generator(dtype=torch.bfloat16)
-    gen.load_weights(small_model(seed=1, dtype=torch.float32).state_dict(), version=1)
+    weights = small_model(seed=1, dtype=torch.float32).state_dict()
+    gen.load_weights(weights, version=1)
     assert all(p.dtype == torch.bfloat16 for p in gen.model.parameters())
-    expected = small_model(seed=1, dtype=torch.bfloat16).state_dict()
-    assert all(torch.equal(t, expected[name]) for name, t in gen.model.state_dict().items())
+    # against a cast, not a model built in bfloat16: before torch 2.12 a CPU bfloat16 init draws other values
+    assert all(torch.equal(t, weights[name].bfloat16()) for name, t in gen.model.state_dict().items())
 
 
 @pytest.mark.parametrize(
