@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Literal, get_args, get_origin
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
 
 AggMode = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
 
@@ -60,7 +60,7 @@ class DataConfig(Section):
     task: str = Field(
         "running_sum",
         description="built-in task (arithmetic, running_sum; docs/data.md), jsonl / parquet for a local file, "
-        "hf_dataset for a Hugging Face dataset directory, or reasoning_gym",
+        "hf_dataset for a Hugging Face dataset directory, reasoning_gym, or package.module:Class (docs/plugins.md)",
     )
     path: str | None = Field(None, description="the jsonl / parquet file, or the hf_dataset directory")
     eval_path: str | None = Field(
@@ -90,37 +90,21 @@ class DataConfig(Section):
         default_factory=dict, description="reasoning_gym: the dataset's settings, e.g. {min_terms: 2, max_terms: 2}"
     )
 
+    task_options: dict[str, Any] = Field(
+        default_factory=dict,
+        description="settings of a task that declares them (its Options model, docs/plugins.md); built-ins take none",
+    )
+
+    _checker: tuple[bool, bool] = PrivateAttr((False, False))  # the task's has_checker, checker_required
+
     @model_validator(mode="after")
     def _task_known(self) -> DataConfig:
-        from asyncrl.data.synthetic import SYNTHETIC_TASKS, check_difficulty
+        """Builds the task part once, which checks its name, options and settings, and keeps what it
+        declares about its checker; its prompts are read only when the run builds the task."""
+        from asyncrl.data.tasks import task_source
 
-        if self.task in SYNTHETIC_TASKS or self.task == "reasoning_gym":
-            for name in ("path", "eval_path"):
-                if getattr(self, name) is not None:
-                    raise ValueError(f"data.{name}: set, but data.task '{self.task}' is built in; use jsonl or parquet")
-        for name in ("dataset", "dataset_config"):
-            if self.task != "reasoning_gym" and getattr(self, name):
-                raise ValueError(f"data.{name}: set, but data.task is '{self.task}'; it is read only by reasoning_gym")
-        if self.task != "hf_dataset" and (self.eval_split is not None or self.split != "train"):
-            name = "eval_split" if self.eval_split is not None else "split"
-            raise ValueError(f"data.{name}: set, but data.task is '{self.task}'; it is read only by hf_dataset")
-        if self.task == "hf_dataset" and self.eval_path is not None:
-            raise ValueError("data.eval_path: hf_dataset holds out a split of data.path; name it with data.eval_split")
-        if self.task in SYNTHETIC_TASKS:
-            check_difficulty(self.task, self.difficulty)
-        elif self.task == "reasoning_gym":
-            if self.dataset is None:
-                raise ValueError(
-                    "data.dataset: required when data.task is reasoning_gym (a reasoning-gym dataset name, e.g. chain_sum)"
-                )
-        elif self.task in ("jsonl", "parquet", "hf_dataset"):
-            if self.path is None:
-                raise ValueError(f"data.path: required when data.task is {self.task}")
-        else:
-            raise ValueError(
-                f"data.task: unknown task '{self.task}'; built-ins are {', '.join(SYNTHETIC_TASKS)}, "
-                "or jsonl / parquet / hf_dataset / reasoning_gym"
-            )
+        source = task_source(self)
+        self._checker = (getattr(source, "has_checker", False), getattr(source, "checker_required", False))
         return self
 
 
@@ -176,8 +160,14 @@ class VLLMConfig(Section):
 class GenerationConfig(Section):
     """How rollouts are sampled."""
 
-    backend: Literal["hf", "vllm"] = Field(
-        "hf", description="generation backend: transformers in process, or vLLM servers (section vllm)"
+    backend: str = Field(
+        "hf",
+        description="generation backend: hf (transformers in process), vllm (vLLM servers, section vllm), or "
+        "package.module:attr (docs/plugins.md); resolved when the generator is built, as backends import torch",
+    )
+    backend_options: dict[str, Any] = Field(
+        default_factory=dict,
+        description="settings of a backend that declares them (its Options model); built-ins take none",
     )
     max_new_tokens: int = Field(16, ge=1, description="response length limit")
     temperature: float = Field(
@@ -191,6 +181,13 @@ class GenerationConfig(Section):
     num_workers: int = Field(
         1, ge=1, description="rollout workers, each with its own generator: Ray actors; the local runtime runs one"
     )
+
+    @model_validator(mode="after")
+    def _backend_named(self) -> GenerationConfig:
+        from asyncrl.plugins import check_spec
+
+        check_spec("backend", self.backend, "generation.backend")
+        return self
 
     @model_validator(mode="after")
     def _samples_can_differ(self) -> GenerationConfig:
@@ -215,7 +212,12 @@ class RewardConfig(Section):
     functions: list[str] = Field(
         default_factory=lambda: ["exact_match"],
         description="exact_match, numeric_match, math, format, overlong, task (the task's own checker: "
-        "reasoning_gym, running_sum), or package.module:function; the first one decides accuracy",
+        "reasoning_gym, running_sum), or package.module:attr (docs/plugins.md); the first one decides accuracy",
+    )
+    options: dict[str, dict[str, Any]] = Field(
+        default_factory=dict,
+        description="settings of a listed reward that declares them (its Options model), by its entry in functions; "
+        "built-ins take theirs from the keys below",
     )
     weights: list[float] | None = Field(None, description="one weight per function; null: all 1")
     timeout_s: float = Field(5.0, gt=0.0, description="wall-clock limit of one reward call; past it the reward is 0")
@@ -237,18 +239,17 @@ class RewardConfig(Section):
 
     @model_validator(mode="after")
     def _functions_valid(self) -> RewardConfig:
-        from asyncrl.rewards.functions import BUILTIN_REWARDS
+        from asyncrl.rewards.functions import reward_part
 
         if not self.functions:
             raise ValueError("rewards.functions: at least one reward function is needed")
+        for name in self.options:
+            if name not in self.functions:
+                raise ValueError(f"rewards.options.{name}: not in rewards.functions")
         for name in self.functions:
-            if name not in BUILTIN_REWARDS and ":" not in name:
-                raise ValueError(
-                    f"rewards.functions: unknown reward '{name}'; built-ins are {', '.join(BUILTIN_REWARDS)}, "
-                    "or give package.module:function"
-                )
             if self.functions.count(name) > 1:
                 raise ValueError(f"rewards.functions: '{name}' is listed twice")
+            reward_part(name, self.options.get(name))
         if "overlong" in self.functions and self.overlong_cache is None:
             raise ValueError("rewards.overlong_cache: the overlong reward needs a cache length L_cache")
         if self.weights is not None and len(self.weights) != len(self.functions):
@@ -376,7 +377,13 @@ class LossConfig(Section):
 class SamplerConfig(Section):
     """The staleness contract between the rollout and train loops."""
 
-    name: str = Field("in_order", description="in_order, weight_fifo, windowed, or module:Class")
+    name: str = Field(
+        "in_order", description="in_order, weight_fifo, windowed, or package.module:Class (docs/plugins.md)"
+    )
+    options: dict[str, Any] = Field(
+        default_factory=dict,
+        description="settings of a sampler that declares them (its Options model); built-ins take none",
+    )
     max_lag: int = Field(1, ge=0, description="how many weight versions behind trained data may be; 0 is synchronous")
     buffer_capacity: int | None = Field(
         None, ge=1, description="replay buffer size in groups; null: the sampler's minimum plus grpo.max_refill_groups"
@@ -582,6 +589,8 @@ class FaultsConfig(Section):
 class RunConfig(Section):
     """One asyncrl run."""
 
+    _required_capacity: int = PrivateAttr(0)  # the sampler's buffer minimum, found while validating
+
     seed: int = Field(0, description="run seed: sampling seeds derive from it, the prompt uid and the sample index")
     model: ModelConfig = Field(default_factory=ModelConfig)
     tokenizer: TokenizerConfig = Field(default_factory=TokenizerConfig)
@@ -609,8 +618,15 @@ class RunConfig(Section):
 
     @model_validator(mode="after")
     def _sampler_capacity(self) -> RunConfig:
-        sampler = self._sampler()
+        """Builds the sampler once, which checks its name and options, and keeps the capacity it needs
+        (the run builds its own: a sampler has state)."""
+        from asyncrl.sampler import build_sampler
+
+        sampler = build_sampler(
+            self.sampler.name, self.grpo.prompts_per_step, self.sampler.max_lag, self.sampler.options
+        )
         required = sampler.required_capacity(self.grpo.prompts_per_step) + self.grpo.max_refill_groups
+        self._required_capacity = required
         capacity = self.sampler.buffer_capacity
         if capacity is not None and capacity < required:
             why = "prompts_per_step * (max_lag + 1) for a gated sampler; less would deadlock"
@@ -652,16 +668,13 @@ class RunConfig(Section):
 
     @model_validator(mode="after")
     def _task_reward(self) -> RunConfig:
-        if self.data.task == "reasoning_gym" and "task" not in self.rewards.functions:
+        has_checker, checker_required = self.data._checker
+        if checker_required and "task" not in self.rewards.functions:
             raise ValueError(
-                "rewards.functions: data.task reasoning_gym is scored by its dataset's own checker; "
+                f"rewards.functions: data.task {self.data.task} is scored by its own checker; "
                 "list task (rewards.functions=[task])"
             )
-        from asyncrl.data.synthetic import SYNTHETIC_TASKS
-
-        builtin = SYNTHETIC_TASKS.get(self.data.task)
-        checked = self.data.task == "reasoning_gym" or (builtin is not None and builtin.score is not None)
-        if not checked and "task" in self.rewards.functions:
+        if not has_checker and "task" in self.rewards.functions:
             raise ValueError(
                 f"rewards.functions: the task reward needs a task with its own checker; data.task '{self.data.task}' has none"
             )
@@ -722,17 +735,12 @@ class RunConfig(Section):
         gpus = self.runtime.trainer_gpus >= 1 and self.runtime.generator_gpus >= 1
         return "nccl" if gpus and self.trainer.device != "cpu" else "gloo"
 
-    def _sampler(self):
-        from asyncrl.sampler import build_sampler
-
-        return build_sampler(self.sampler.name, self.grpo.prompts_per_step, self.sampler.max_lag)
-
     @property
     def buffer_capacity(self) -> int:
         """The configured capacity, or the sampler's minimum when none is given."""
         if self.sampler.buffer_capacity is not None:
             return self.sampler.buffer_capacity
-        return self._sampler().required_capacity(self.grpo.prompts_per_step) + self.grpo.max_refill_groups
+        return self._required_capacity
 
     @property
     def importance_sampling(self) -> str:
@@ -817,7 +825,7 @@ def _check_finite(config: BaseModel, path: tuple[str, ...] = ()) -> None:
 
 SHOWN_CHARS = 200  # an input value echoed in an error is cut to this many characters
 MAX_YAML_VALUES = 100_000  # values a YAML document may expand to through aliases; a run config has a few hundred
-_NAMES_ITS_FIELD = re.compile(r"^[a-z_]+(\.[a-z_]+)+: ")
+_NAMES_ITS_FIELD = re.compile(r"^[a-z_]+\.[a-z_]+\S*: ")  # options name their key: rewards.options.m:f.scale
 
 
 def _format_validation_error(err: ValidationError) -> ConfigError:

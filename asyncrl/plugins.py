@@ -1,9 +1,52 @@
-"""Custom code named in a config as ``package.module:attribute``: the only way user code is loaded."""
+"""The parts a config names: a built-in name or custom code as ``package.module:attribute``.
+
+Every kind of part (sampler, reward, task, generation backend) is found one way: ``resolve``
+looks a built-in name up in ``BUILTINS``, which points at the built-in's own ``module:attribute``,
+and imports it exactly as it imports a user's path. Built-ins are paths, not objects, so naming a
+kind imports nothing heavy until a part of it is used. ``import_attribute`` is the only way user
+code is loaded (docs/security.md).
+
+A part declares its settings as a pydantic model in its ``Options`` attribute; ``validate_options``
+checks the config's ``options`` mapping against it and returns the keywords the part is built with.
+A part without ``Options`` takes none. What a part can do beyond its kind's contract, it declares
+as an attribute too (docs/plugins.md), so no caller compares names.
+"""
 
 from __future__ import annotations
 
 import importlib
+from collections.abc import Mapping
 from typing import Any
+
+from pydantic import BaseModel, ValidationError
+
+BUILTINS: dict[str, dict[str, str]] = {
+    "sampler": {
+        "in_order": "asyncrl.sampler:InOrderSampler",
+        "weight_fifo": "asyncrl.sampler:WeightFifoSampler",
+        "windowed": "asyncrl.sampler:WindowedSampler",
+    },
+    "reward": {
+        "exact_match": "asyncrl.rewards.functions:exact_match",
+        "numeric_match": "asyncrl.rewards.functions:numeric_match",
+        "math": "asyncrl.rewards.functions:MathReward",
+        "format": "asyncrl.rewards.functions:FormatReward",
+        "overlong": "asyncrl.rewards.functions:OverlongPenalty",
+        "task": "asyncrl.rewards.functions:TaskReward",
+    },
+    "task": {
+        "arithmetic": "asyncrl.data.tasks:SyntheticTaskSource",
+        "running_sum": "asyncrl.data.tasks:SyntheticTaskSource",
+        "jsonl": "asyncrl.data.tasks:FileTaskSource",
+        "parquet": "asyncrl.data.tasks:FileTaskSource",
+        "hf_dataset": "asyncrl.data.tasks:HFDatasetTaskSource",
+        "reasoning_gym": "asyncrl.data.tasks:ReasoningGymTaskSource",
+    },
+    "backend": {
+        "hf": "asyncrl.generation.hf:build_hf_generator",
+        "vllm": "asyncrl.generation.vllm:build_vllm_generator",
+    },
+}
 
 
 def import_attribute(name: str, field: str) -> Any:
@@ -14,3 +57,39 @@ def import_attribute(name: str, field: str) -> Any:
     except Exception as err:  # a missing module or attribute, or the module's own code raising on import
         hint = "; is its directory on PYTHONPATH?" if isinstance(err, ModuleNotFoundError) else ""
         raise ValueError(f"{field}: cannot load '{name}' ({type(err).__name__}: {err}){hint}") from None
+
+
+def check_spec(kind: str, spec: str, field: str) -> None:
+    """A built-in name of ``kind`` or a ``package.module:attribute`` path, without importing it."""
+    if spec not in BUILTINS[kind] and ":" not in spec:
+        builtins = ", ".join(BUILTINS[kind])
+        raise ValueError(f"{field}: unknown {kind} '{spec}'; built-ins are {builtins}, or give package.module:attr")
+
+
+def resolve(kind: str, spec: str, field: str) -> Any:
+    """The part ``spec`` names: a built-in of ``kind`` or a user's ``package.module:attribute``."""
+    check_spec(kind, spec, field)
+    return import_attribute(BUILTINS[kind].get(spec, spec), field)
+
+
+def validate_options(part: Any, spec: str, options: Mapping[str, Any], field: str) -> dict[str, Any]:
+    """``options`` checked by the part's ``Options`` model, as the keywords it is built with; the
+    first problem is one ValueError naming ``field.<key>``."""
+    model = getattr(part, "Options", None)
+    if model is None:
+        if options:
+            raise ValueError(f"{field}.{next(iter(options))}: unknown option; '{spec}' takes no options")
+        return {}
+    if not (isinstance(model, type) and issubclass(model, BaseModel)):
+        raise ValueError(f"{field}: '{spec}'.Options must be a pydantic model class")
+    for key in options:
+        if key not in model.model_fields:
+            known = ", ".join(model.model_fields) or "none"
+            raise ValueError(f"{field}.{key}: unknown option of '{spec}' (its options: {known})")
+    try:
+        validated = model.model_validate(dict(options))
+    except ValidationError as err:
+        first = err.errors()[0]
+        where = ".".join(str(p) for p in (field, *first["loc"]))
+        raise ValueError(f"{where}: {first['msg'].removeprefix('Value error, ')}") from None
+    return dict(validated)

@@ -167,7 +167,7 @@ def _rollout_worker(config: RunConfig, generator: Any, rewards: RewardRunner, to
         run_seed=config.seed,
         group_size=config.grpo.generations_per_prompt,
         sampling=SamplingParams.from_config(config.generation),
-        inflight=config.sync.mode == "inflight" and config.generation.backend == "vllm",
+        inflight=config.sync.mode == "inflight" and getattr(generator, "loads_while_generating", False),
     )
     return inject_rollout_faults(worker, config.faults)
 
@@ -189,7 +189,9 @@ def drive(
         rollout_workers=rollout_workers,
         task=task,
         loader=PromptLoader(task.train, shuffle_seed=config.data.shuffle_seed, epochs=config.data.epochs),
-        sampler=build_sampler(config.sampler.name, config.grpo.prompts_per_step, config.sampler.max_lag),
+        sampler=build_sampler(
+            config.sampler.name, config.grpo.prompts_per_step, config.sampler.max_lag, config.sampler.options
+        ),
         buffer=ReplayBuffer(config.buffer_capacity),
         metrics=metrics,
         progress=progress,

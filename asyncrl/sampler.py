@@ -17,8 +17,9 @@ A group's lag when trained at version V is ``V - start_version``. Built-ins, by 
 - ``weight_fifo``: the same admission gate; trains any group with lag <= max_lag, oldest first.
 - ``windowed``: admission bounded by capacity only; trains any group with lag <= max_lag, oldest
   first. Both evict groups whose lag exceeds max_lag.
-- ``module:Class``: any class with the ``Sampler`` methods and a ``(prompts_per_step, max_lag)``
-  constructor.
+- ``package.module:Class``: any class with the ``Sampler`` methods, built as
+  ``Class(prompts_per_step, max_lag, **options)`` with ``sampler.options`` checked by its ``Options``
+  model (docs/plugins.md); built-ins take no options.
 
 Retrying a failed rollout needs no new admission. Either keep its slot reserved and commit the
 regenerated group to it (it keeps its place in dispatch order), or ``buffer.cancel`` it and
@@ -30,11 +31,12 @@ in flight when a checkpoint was taken: resume them with their recorded values.
 from __future__ import annotations
 
 import inspect
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
 from asyncrl.buffer import ReplayBuffer, Slot
-from asyncrl.plugins import import_attribute
+from asyncrl.plugins import resolve, validate_options
 
 
 @dataclass(frozen=True)
@@ -150,18 +152,9 @@ class WindowedSampler(_DispatchCountingSampler):
     gated = False
 
 
-BUILTIN_SAMPLERS: dict[str, type] = {cls.name: cls for cls in (InOrderSampler, WeightFifoSampler, WindowedSampler)}
-
-
 def resolve_sampler(name: str) -> type:
     """The sampler class for a built-in name or a ``package.module:ClassName`` path."""
-    if name in BUILTIN_SAMPLERS:
-        return BUILTIN_SAMPLERS[name]
-    builtins = ", ".join(BUILTIN_SAMPLERS)
-    if ":" not in name:
-        raise ValueError(f"sampler.name: unknown sampler '{name}'; built-ins are {builtins}, or give module:Class")
-    class_name = name.partition(":")[2]
-    cls = import_attribute(name, "sampler.name")
+    cls = resolve("sampler", name, "sampler.name")
     if not isinstance(cls, type):
         raise ValueError(f"sampler.name: '{name}' is not a class")
     missing = [m for m in PROTOCOL_METHODS if not callable(getattr(cls, m, None))]
@@ -170,16 +163,18 @@ def resolve_sampler(name: str) -> type:
     if missing:
         missing_list = ", ".join(missing)
         raise ValueError(f"sampler.name: '{name}' does not implement the Sampler protocol; missing {missing_list}")
-    try:
-        inspect.signature(cls).bind(prompts_per_step=1, max_lag=0)
-    except TypeError:
-        raise ValueError(
-            f"sampler.name: '{name}' must be constructible as {class_name}(prompts_per_step, max_lag)"
-        ) from None
-    except ValueError:
-        pass  # no inspectable signature (a class implemented in C)
     return cls
 
 
-def build_sampler(name: str, prompts_per_step: int, max_lag: int) -> Sampler:
-    return resolve_sampler(name)(prompts_per_step=prompts_per_step, max_lag=max_lag)
+def build_sampler(name: str, prompts_per_step: int, max_lag: int, options: Mapping[str, Any] | None = None) -> Sampler:
+    """``Class(prompts_per_step, max_lag, **options)``, the options checked by ``Class.Options``."""
+    cls = resolve_sampler(name)
+    keywords = validate_options(cls, name, options or {}, "sampler.options")
+    try:
+        inspect.signature(cls).bind(prompts_per_step=prompts_per_step, max_lag=max_lag, **keywords)
+    except TypeError:
+        shown = ", ".join(["prompts_per_step", "max_lag", *(f"{k}=..." for k in keywords)])
+        raise ValueError(f"sampler.name: '{name}' must be constructible as {cls.__name__}({shown})") from None
+    except ValueError:
+        pass  # no inspectable signature (a class implemented in C)
+    return cls(prompts_per_step=prompts_per_step, max_lag=max_lag, **keywords)

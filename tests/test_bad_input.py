@@ -358,6 +358,9 @@ async def awaited(completion, answer):
 
 
 class Scorer:
+    def __init__(self, scale):
+        self.scale = scale
+
     def __call__(self, completion, answer):
         return 1.0
 
@@ -400,7 +403,7 @@ def plugins(tmp_path, monkeypatch):
         ),
         (
             "bad_input_plugins:Scorer",
-            "'bad_input_plugins:Scorer' is a class; give a function taking (completion, answer), or an instance",
+            "'bad_input_plugins:Scorer' is a class that must be constructible as Scorer()",
         ),
         ("bad_input_plugins:asyncio", "'bad_input_plugins:asyncio' is not callable"),
     ],

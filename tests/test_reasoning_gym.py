@@ -106,8 +106,8 @@ def test_the_loader_resumes_a_reasoning_gym_split():
             ["data.task=reasoning_gym", "rewards.functions=[task]"],
             "data.dataset: required when data.task is reasoning_gym",
         ),
-        (["data.dataset=chain_sum"], "data.dataset: set, but data.task is 'running_sum'"),
-        (["data.dataset_config={max_terms: 2}"], "data.dataset_config: set, but data.task is 'running_sum'"),
+        (["data.dataset=chain_sum"], "data.dataset: set, but data.task 'running_sum' does not read it"),
+        (["data.dataset_config={max_terms: 2}"], "data.dataset_config: set, but data.task 'running_sum' does not read it"),
         (
             ["data.task=reasoning_gym", "data.dataset=chain_sum"],
             "rewards.functions: data.task reasoning_gym is scored by",
@@ -116,7 +116,7 @@ def test_the_loader_resumes_a_reasoning_gym_split():
             ["data.task=arithmetic", "data.difficulty=1", "rewards.functions=[task]"],
             "rewards.functions: the task reward needs a task with its own checker",
         ),
-        ([*CHAIN_SUM, "data.path=x.jsonl"], "data.path: set, but data.task 'reasoning_gym' is built in"),
+        ([*CHAIN_SUM, "data.path=x.jsonl"], "data.path: set, but data.task 'reasoning_gym' does not read it"),
     ],
 )
 def test_config_rejects_inconsistent_reasoning_gym_settings(overrides, message):

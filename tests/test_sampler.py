@@ -230,7 +230,7 @@ def test_custom_sampler_resolves_from_module_and_class(custom_module):
     [
         (
             "fifo",
-            "sampler.name: unknown sampler 'fifo'; built-ins are in_order, weight_fifo, windowed, or give module:Class",
+            "sampler.name: unknown sampler 'fifo'; built-ins are in_order, weight_fifo, windowed, or give package.module:attr",
         ),
         ("no_such_module:X", "sampler.name: cannot load 'no_such_module:X' (ModuleNotFoundError"),
         (":X", "sampler.name: cannot load ':X'"),

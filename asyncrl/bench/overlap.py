@@ -68,7 +68,9 @@ def build_controller(config: RunConfig, trainer: Any, rollout_workers: list[Any]
         rollout_workers=rollout_workers,
         task=task,
         loader=PromptLoader(task.train, shuffle_seed=0, epochs=None),
-        sampler=build_sampler(config.sampler.name, config.grpo.prompts_per_step, config.sampler.max_lag),
+        sampler=build_sampler(
+            config.sampler.name, config.grpo.prompts_per_step, config.sampler.max_lag, config.sampler.options
+        ),
         buffer=ReplayBuffer(config.buffer_capacity),
         metrics=NullMetrics(),
         progress=NullProgress(),

@@ -91,6 +91,7 @@ class Generator(Protocol):
     """Samples completions with the weights of one trainer version."""
 
     version: int  # weight version currently loaded
+    loads_while_generating: bool  # load_weights may run beside generate (sync.mode inflight); False: drained first
 
     def generate(self, requests: Sequence[SampleRequest], params: SamplingParams) -> list[Rollout]:
         """One Rollout per request, in request order."""

@@ -23,18 +23,38 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 from transformers import PreTrainedModel
 
 from asyncrl.generation.base import SampleRequest, SamplingParams, check_vocabulary
+from asyncrl.models.factory import DTYPES
 from asyncrl.models.logprobs import SampledDistribution, position_ids_from_mask
 from asyncrl.types import Rollout
+
+if TYPE_CHECKING:
+    from asyncrl.config import RunConfig
+
+
+def build_hf_generator(
+    config: RunConfig, model: PreTrainedModel, tokenizer, stop_token_ids: Sequence[int]
+) -> HFGenerator:
+    """The ``hf`` backend: ``model`` in ``trainer.dtype``, in this process, ``generation.batch_size`` rows a chunk."""
+    pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    return HFGenerator(
+        model.to(DTYPES[config.trainer.dtype]),
+        stop_token_ids=stop_token_ids,
+        pad_token_id=pad_token_id,
+        batch_size=config.generation.batch_size,
+    )
 
 
 class HFGenerator:
     """Owns ``model`` (the caller passes its own copy) and runs on the model's device and dtype."""
+
+    loads_while_generating = False  # a sync copies into the tensors a running batch reads
 
     def __init__(
         self, model: PreTrainedModel, *, stop_token_ids: Sequence[int], pad_token_id: int, batch_size: int

@@ -198,6 +198,8 @@ class VLLMGenerator:
     ``max_new_tokens`` ("length"); with no stop ids, only at ``max_new_tokens``.
     """
 
+    loads_while_generating = True  # the server swaps weights between decoding steps of running requests
+
     def __init__(
         self,
         *,

@@ -1,11 +1,12 @@
 """Reward functions and the runner that applies them in worker processes, under a wall-clock timeout per call."""
 
 from asyncrl.rewards.functions import (
-    BUILTIN_REWARDS,
     FormatReward,
     MathReward,
     OverlongPenalty,
+    RewardContext,
     RewardFn,
+    TaskReward,
     exact_match,
     numeric_match,
     resolve_reward,
@@ -13,14 +14,15 @@ from asyncrl.rewards.functions import (
 from asyncrl.rewards.runner import RewardCounts, RewardResult, RewardRunner
 
 __all__ = [
-    "BUILTIN_REWARDS",
     "FormatReward",
     "MathReward",
     "OverlongPenalty",
+    "RewardContext",
     "RewardCounts",
     "RewardFn",
     "RewardResult",
     "RewardRunner",
+    "TaskReward",
     "exact_match",
     "numeric_match",
     "resolve_reward",

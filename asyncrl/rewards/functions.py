@@ -12,7 +12,13 @@ Built-ins, by name:
   (``OverlongPenalty``; docs/data.md).
 - ``task``: the task's own checker (a reasoning-gym dataset's ``score_answer``, running_sum's credit
   per partial sum).
-- ``package.module:function``: any importable callable taking (completion, answer).
+- ``package.module:attr``: a function (or an instance) taking (completion, answer), or a class
+  built as ``Class(**options)`` with ``rewards.options[spec]`` checked by its ``Options`` model.
+
+A class with a ``from_run(context, **options)`` classmethod is built by it instead, for a reward
+that needs the run (a ``RewardContext``): that is how ``format``, ``overlong`` and ``task`` get the
+task's pattern and checker and generation.max_new_tokens. Built-ins are resolved exactly like a
+user's path (asyncrl/plugins.py, docs/plugins.md).
 
 A reward with ``uses_num_tokens = True`` is also given the response's length in tokens, as the
 keyword ``num_tokens``: text alone does not say how many tokens the generator spent.
@@ -23,13 +29,25 @@ from __future__ import annotations
 import inspect
 import logging
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
+from typing import Any
 
-from asyncrl.plugins import import_attribute
+from asyncrl.plugins import resolve, validate_options
 
 RewardFn = Callable[[str, str], float]
-BUILTIN_REWARDS = ("exact_match", "numeric_match", "math", "format", "overlong", "task")
+
+
+@dataclass(frozen=True)
+class RewardContext:
+    """What a reward built by ``from_run`` may need from the run besides its options."""
+
+    format_pattern: str | None = None  # rewards.format_pattern, else the task's own
+    task_score: RewardFn | None = None  # the task's own checker
+    max_new_tokens: int | None = None  # generation.max_new_tokens
+    overlong_cache: int | None = None  # rewards.overlong_cache
+
 
 _NUMBER = re.compile(r"[+-]?(\d+(\.\d*)?|\.\d+)([eE][+-]?\d+)?")
 
@@ -60,6 +78,12 @@ class FormatReward:
     def __init__(self, pattern: str) -> None:
         self.pattern = re.compile(pattern)
 
+    @classmethod
+    def from_run(cls, context: RewardContext) -> FormatReward:
+        if context.format_pattern is None:
+            raise ValueError("rewards.format_pattern: the format reward needs a pattern and the task has none")
+        return cls(context.format_pattern)
+
     def __call__(self, completion: str, answer: str) -> float:
         return float(self.pattern.fullmatch(completion.strip()) is not None)
 
@@ -77,6 +101,14 @@ class OverlongPenalty:
                 f"rewards.overlong_cache: {cache} must be between 1 and generation.max_new_tokens {max_new_tokens}"
             )
         self.max_new_tokens, self.cache = max_new_tokens, cache
+
+    @classmethod
+    def from_run(cls, context: RewardContext) -> OverlongPenalty:
+        if context.max_new_tokens is None or context.overlong_cache is None:
+            raise ValueError(
+                "rewards.overlong_cache: the overlong reward needs a cache length and generation.max_new_tokens"
+            )
+        return cls(context.max_new_tokens, context.overlong_cache)
 
     def __call__(self, completion: str, answer: str, *, num_tokens: int) -> float:
         over = num_tokens - (self.max_new_tokens - self.cache)
@@ -117,50 +149,58 @@ class MathReward:
         return MathReward, ()
 
 
+class TaskReward:
+    """The ``task`` reward: the task's own checker, which the run supplies."""
+
+    @staticmethod
+    def from_run(context: RewardContext) -> RewardFn:
+        if context.task_score is None:
+            raise ValueError(
+                "rewards.functions: the task reward needs a task with its own checker (reasoning_gym, running_sum)"
+            )
+        return context.task_score
+
+
+def reward_part(name: str, options: Mapping[str, Any] | None = None) -> tuple[Any, dict[str, Any]]:
+    """What ``name`` resolves to, and its checked options: what the config checks at load time."""
+    part = resolve("reward", name, "rewards.functions")
+    if not callable(part):
+        raise ValueError(f"rewards.functions: '{name}' is not callable")
+    keywords = validate_options(
+        part if isinstance(part, type) else None, name, options or {}, f"rewards.options.{name}"
+    )
+    if isinstance(part, type):
+        build = getattr(part, "from_run", None)
+        try:
+            inspect.signature(build or part).bind(*([RewardContext()] if build else []), **keywords)
+        except TypeError:
+            shown = ", ".join(["context"] * (build is not None) + [f"{k}=..." for k in keywords])
+            how = f"{part.__name__}.from_run" if build else part.__name__
+            raise ValueError(
+                f"rewards.functions: '{name}' is a class that must be constructible as {how}({shown})"
+            ) from None
+        except ValueError:
+            pass  # no inspectable signature
+    return part, keywords
+
+
 def resolve_reward(
     name: str,
+    options: Mapping[str, Any] | None = None,
     *,
     format_pattern: str | None = None,
     task_score: RewardFn | None = None,
     max_new_tokens: int | None = None,
     overlong_cache: int | None = None,
 ) -> RewardFn:
-    """A built-in reward by name, or a ``package.module:function`` path. ``task_score`` is the
-    task's own checker, the ``task`` reward."""
-    if name == "exact_match":
-        return exact_match
-    if name == "numeric_match":
-        return numeric_match
-    if name == "math":
-        return MathReward()
-    if name == "format":
-        if format_pattern is None:
-            raise ValueError("rewards.format_pattern: the format reward needs a pattern and the task has none")
-        return FormatReward(format_pattern)
-    if name == "overlong":
-        if max_new_tokens is None or overlong_cache is None:
-            raise ValueError(
-                "rewards.overlong_cache: the overlong reward needs a cache length and generation.max_new_tokens"
-            )
-        return OverlongPenalty(max_new_tokens, overlong_cache)
-    if name == "task":
-        if task_score is None:
-            raise ValueError(
-                "rewards.functions: the task reward needs a task with its own checker (reasoning_gym, running_sum)"
-            )
-        return task_score
-    if ":" not in name:
-        raise ValueError(
-            f"rewards.functions: unknown reward '{name}'; built-ins are {', '.join(BUILTIN_REWARDS)}, "
-            "or give package.module:function"
-        )
-    fn = import_attribute(name, "rewards.functions")
-    if isinstance(fn, type):
-        raise ValueError(
-            f"rewards.functions: '{name}' is a class; give a function taking (completion, answer), or an instance"
-        )
-    if not callable(fn):
-        raise ValueError(f"rewards.functions: '{name}' is not callable")
+    """The reward function ``name`` gives: a built-in name or a ``package.module:attr`` path, built
+    with ``options``. ``task_score`` is the task's own checker, the ``task`` reward."""
+    part, keywords = reward_part(name, options)
+    fn = part
+    if isinstance(part, type):
+        build = getattr(part, "from_run", None)
+        context = RewardContext(format_pattern, task_score, max_new_tokens, overlong_cache)
+        fn = build(context, **keywords) if build else part(**keywords)
     if inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None)):  # noqa: B004 (not a callable check)
         raise ValueError(f"rewards.functions: '{name}' is async; rewards are called, not awaited: use a plain def")
     try:

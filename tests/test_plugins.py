@@ -1,0 +1,163 @@
+"""One way to plug in a part: a user's sampler, reward, task and generation backend, each with
+options, named as ``package.module:attr`` in a config and used by a real run."""
+
+import json
+import textwrap
+
+import pytest
+from test_bad_input import error
+from test_train import SMALL
+
+from asyncrl.config import load_config
+from asyncrl.generation import build_generator
+from asyncrl.models.factory import build_model, build_tokenizer
+from asyncrl.plugins import BUILTINS, resolve
+from asyncrl.run import train
+
+PLUGINS = '''
+from pydantic import BaseModel
+
+from asyncrl.data import Prompt, Task
+from asyncrl.generation.hf import build_hf_generator
+from asyncrl.sampler import InOrderSampler
+
+built_samplers = []
+
+
+class Counted(InOrderSampler):
+    """in_order, recording each construction and its options."""
+
+    class Options(BaseModel):
+        label: str
+
+    def __init__(self, prompts_per_step, max_lag, label):
+        super().__init__(prompts_per_step, max_lag)
+        built_samplers.append(label)
+
+
+class Scaled:
+    """exact match, times a scale."""
+
+    class Options(BaseModel):
+        scale: float = 1.0
+
+    def __init__(self, scale):
+        self.scale = scale
+
+    def __call__(self, completion, answer):
+        return self.scale * float(completion.strip() == answer.strip())
+
+
+class Doubling:
+    """Prompts "n+n=" for n below count."""
+
+    class Options(BaseModel):
+        count: int
+
+    def __init__(self, data, count):
+        if count < data.eval_size + 1:
+            raise ValueError(f"data.task_options.count: {count} leaves no train prompts")
+        self.data, self.count = data, count
+
+    def build(self):
+        prompts = [Prompt(uid=f"d{n}", text=f"{n}+{n}=", answer=str(2 * n)) for n in range(self.count)]
+        return Task("doubling", train=prompts[self.data.eval_size :], heldout=prompts[: self.data.eval_size])
+
+
+def hf_inflight(config, model, tokenizer, stop_token_ids, loads_while_generating):
+    """The hf generator, declaring the capability its option gives (only the false one is true of it)."""
+    generator = build_hf_generator(config, model, tokenizer, stop_token_ids)
+    generator.loads_while_generating = loads_while_generating
+    return generator
+
+
+class _InflightOptions(BaseModel):
+    loads_while_generating: bool
+
+
+hf_inflight.Options = _InflightOptions
+'''
+
+PARTS = [
+    "sampler.name=my_parts:Counted",
+    "sampler.options={label: run}",
+    "rewards.functions=['my_parts:Scaled']",
+    "rewards.options={'my_parts:Scaled': {scale: 2.0}}",
+    "data.task=my_parts:Doubling",
+    "data.task_options={count: 40}",
+    "data.eval_size=4",
+    "generation.backend=my_parts:hf_inflight",
+    "generation.backend_options={loads_while_generating: false}",
+]
+
+
+@pytest.fixture
+def my_parts(tmp_path, monkeypatch):
+    (tmp_path / "parts").mkdir()
+    (tmp_path / "parts" / "my_parts.py").write_text(textwrap.dedent(PLUGINS))
+    monkeypatch.syspath_prepend(str(tmp_path / "parts"))
+    monkeypatch.delitem(__import__("sys").modules, "my_parts", raising=False)
+    return __import__("importlib").import_module("my_parts")
+
+
+def test_a_run_uses_a_users_sampler_reward_task_and_backend_with_their_options(tmp_path, my_parts):
+    config = load_config(None, [*SMALL, *PARTS, f"logging.output_dir={tmp_path / 'run'}", "grpo.max_steps=2"])
+    assert my_parts.built_samplers == ["run"]  # validating the config built it once, buffer_capacity did not
+    assert config.buffer_capacity == config.grpo.prompts_per_step * (config.sampler.max_lag + 1)
+    assert my_parts.built_samplers == ["run"]
+    train(config)
+    assert my_parts.built_samplers == ["run", "run"]  # and the run its own
+    groups = [json.loads(line) for line in (tmp_path / "run" / "groups.jsonl").read_text().splitlines()]
+    assert groups and all(g["prompt_uid"].startswith("d") for g in groups)
+    metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert len(metrics) == 2
+
+
+@pytest.mark.parametrize("loads", [True, False])
+def test_the_backend_declares_whether_it_loads_while_generating(my_parts, loads):
+    config = load_config(None, [*SMALL, *PARTS, f"generation.backend_options={{loads_while_generating: {loads}}}"])
+    tokenizer = build_tokenizer(config)
+    generator = build_generator(config, build_model(config, tokenizer), tokenizer)
+    assert generator.loads_while_generating is loads
+    from asyncrl.run import _rollout_worker
+
+    worker = _rollout_worker(config, generator, None, tokenizer)
+    assert worker.inflight is loads  # asked of the generator, whatever its backend is called
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        (
+            "sampler.options={label: x, colour: red}",
+            "sampler.options.colour: unknown option of 'my_parts:Counted' (its options: label)",
+        ),
+        ("sampler.options={}", "sampler.options.label: Field required"),
+        (
+            "rewards.options={'my_parts:Scaled': {scale: big}}",
+            "rewards.options.my_parts:Scaled.scale: Input should be a valid number, unable to parse string as a number",
+        ),
+        ("rewards.options={exact_match: {scale: 2}}", "rewards.options.exact_match: not in rewards.functions"),
+        ("data.task_options={count: 2}", "data.task_options.count: 2 leaves no train prompts"),
+        (
+            "data.path=x.jsonl",
+            "data.path: set, but data.task 'my_parts:Doubling' does not read it (read by jsonl, parquet, hf_dataset)",
+        ),
+        ("sampler.name=in_order", "sampler.options.label: unknown option; 'in_order' takes no options"),
+    ],
+)
+def test_bad_options_are_one_line_errors_naming_the_key(my_parts, capsys, override, message):
+    assert error(capsys, "config", *SMALL, *PARTS, override) == message
+
+
+def test_bad_backend_options_stop_the_run_in_one_line(my_parts, capsys, tmp_path):
+    message = error(
+        capsys, "train", "--output-dir", str(tmp_path / "run"), *SMALL, *PARTS, "generation.backend_options={}"
+    )
+    assert message == "generation.backend_options.loads_while_generating: Field required"
+
+
+@pytest.mark.parametrize("kind", list(BUILTINS))
+def test_every_builtin_is_found_the_way_a_users_part_is(kind):
+    for name, path in BUILTINS[kind].items():
+        assert resolve(kind, name, "field") is resolve(kind, path, "field")
