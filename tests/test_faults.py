@@ -70,8 +70,10 @@ def test_a_train_step_that_keeps_failing_stops_with_a_checkpoint_that_resumes_ex
     with pytest.raises(TrainStepError, match=r"train step 2 failed 1 times \(trainer.max_step_retries=0\)") as err:
         run(tmp_path, "part", "sampler.max_lag=0", "grpo.min_groups_per_chunk=2", "faults.train_errors=[2]")
     assert err.value.checkpoint == tmp_path / "part" / "checkpoints" / "step-000002"
-    state = load_state(err.value.checkpoint)
-    assert state["run"]["version"] == 2 and len(state["run"]["step_groups"]) == 2  # the aborted step's first chunk
+    state = load_state(err.value.checkpoint)["run"]
+    taken, ready = len(state["step_groups"]), len(state["buffer"]["ready"])
+    # the aborted step's chunks (how many were ready at its first chunk is timing), the rest still ready
+    assert state["version"] == 2 and taken >= 2 and taken + ready == 4
     summary, resumed, resumed_groups = run(
         tmp_path, "part", "sampler.max_lag=0", "grpo.min_groups_per_chunk=2", resume=tmp_path / "part"
     )
