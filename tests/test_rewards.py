@@ -278,6 +278,18 @@ def test_calls_run_in_at_most_processes_processes_that_stay_for_the_next_batch()
         assert set(runner.score(["a"] * 12, ["a"] * 12).rewards) <= reward_processes(os.getpid())
 
 
+def test_a_reward_process_that_died_while_idle_is_replaced():
+    with RewardRunner([("exact_match", exact_match)], timeout_s=5.0, processes=2) as runner:
+        runner.score(["a"] * 4, ["a"] * 4)
+        dead = reward_processes(os.getpid())
+        for pid in dead:
+            os.kill(pid, signal.SIGKILL)
+        assert all_gone(dead, os.getpid())
+        result = runner.score(["a", "b"] * 4, ["a"] * 8)
+        assert result.rewards == [1.0, 0.0] * 4 and result.errors == result.timeouts == 0
+        assert not dead & reward_processes(os.getpid())
+
+
 def test_close_stops_the_processes_and_refuses_more_work():
     before = reward_processes(os.getpid())
     runner = RewardRunner([("exact_match", exact_match)], timeout_s=5.0, processes=2)

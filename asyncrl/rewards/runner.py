@@ -124,7 +124,7 @@ class RewardRunner:
             "max_new_tokens": max_new_tokens,
             "overlong_cache": cfg.overlong_cache,
         }
-        functions = [(name, resolve_reward(name, cfg.options.get(name), **settings)) for name in cfg.functions]
+        functions = [(name, resolve_reward(name, **settings)) for name in cfg.functions]
         return cls(functions, weights=cfg.weights, timeout_s=cfg.timeout_s, processes=cfg.processes)
 
     def __getstate__(self) -> dict:
@@ -191,6 +191,8 @@ class RewardRunner:
         waiting = deque(range(len(calls)))
         try:
             while waiting or any(worker.calls for worker in self._pool):
+                for worker in [w for w in self._pool if not w.calls and w.process.poll() is not None]:
+                    self._retire(worker, waiting)  # it died while idle
                 while len(self._pool) < min(self.processes, len(waiting) + self._running()):
                     self._pool.append(_Worker(self._payload))
                 self._hand_out(waiting, calls)
@@ -214,8 +216,9 @@ class RewardRunner:
         """Each idle process takes its share of the waiting calls, the larger the more are left."""
         for worker in self._pool:
             if waiting and worker.ready and not worker.calls:
-                share = [waiting.popleft() for _ in range(-(-len(waiting) // self.processes))]
-                worker.hand(share, [calls[i] for i in share])
+                worker.calls.extend(waiting.popleft() for _ in range(-(-len(waiting) // self.processes)))
+                worker.conn.send([calls[i] for i in worker.calls])
+                worker.since = time.monotonic()
 
     def _receive(self, worker: _Worker, outcomes: list[Outcome | None], waiting: deque[int]) -> None:
         """Every message the process has sent; one that died is retired, its running call an error."""
@@ -231,14 +234,14 @@ class RewardRunner:
                     outcomes[worker.calls.popleft()] = body
                 worker.since = time.monotonic()
         except (EOFError, OSError):
-            if not worker.ready:
-                self._retire(worker, waiting)
-                raise RuntimeError(
-                    f"rewards.functions: a reward process exited while starting (exit code {worker.exit_code()})"
-                ) from None
+            code = worker.process.wait()
             if worker.calls:
-                outcomes[worker.calls.popleft()] = (0.0, f"its process died (exit code {worker.exit_code()})")
+                outcomes[worker.calls.popleft()] = (0.0, f"its process died (exit code {code})")
             self._retire(worker, waiting)
+            if not worker.ready:
+                raise RuntimeError(
+                    f"rewards.functions: a reward process exited while starting (exit code {code})"
+                ) from None
 
     def _retire(self, worker: _Worker, waiting: deque[int]) -> None:
         """Kill the process; the calls it had not finished wait for another."""
@@ -293,14 +296,6 @@ class _Worker:
     @property
     def running(self) -> bool:
         return self.ready and bool(self.calls)
-
-    def hand(self, ids: list[int], calls: list[tuple]) -> None:
-        self.conn.send(calls)
-        self.calls.extend(ids)
-        self.since = time.monotonic()
-
-    def exit_code(self) -> int:
-        return self.process.wait()
 
     def kill(self) -> None:
         self.process.kill()
