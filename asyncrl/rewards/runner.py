@@ -124,7 +124,7 @@ class RewardRunner:
             "max_new_tokens": max_new_tokens,
             "overlong_cache": cfg.overlong_cache,
         }
-        functions = [(name, resolve_reward(name, **settings)) for name in cfg.functions]
+        functions = [(name, resolve_reward(name, cfg.options.get(name), **settings)) for name in cfg.functions]
         return cls(functions, weights=cfg.weights, timeout_s=cfg.timeout_s, processes=cfg.processes)
 
     def __getstate__(self) -> dict:
