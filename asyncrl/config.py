@@ -264,6 +264,21 @@ class RewardConfig(Section):
         return self
 
 
+class AlgorithmConfig(Section):
+    """The RL algorithm: advantages, the informative-group test, the per-token loss (asyncrl/algorithms)."""
+
+    name: str = Field(
+        "grpo", description="grpo (its variants are loss and grpo options), or package.module:attr (docs/plugins.md)"
+    )
+
+    @model_validator(mode="after")
+    def _named(self) -> AlgorithmConfig:
+        from asyncrl.plugins import check_spec
+
+        check_spec("algorithm", self.name, "algorithm.name")
+        return self
+
+
 class GRPOConfig(Section):
     """Step shape and advantages."""
 
@@ -598,6 +613,7 @@ class RunConfig(Section):
     generation: GenerationConfig = Field(default_factory=GenerationConfig)
     vllm: VLLMConfig = Field(default_factory=VLLMConfig)
     rewards: RewardConfig = Field(default_factory=RewardConfig)
+    algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
     grpo: GRPOConfig = Field(default_factory=GRPOConfig)
     loss: LossConfig = Field(default_factory=LossConfig)
     sampler: SamplerConfig = Field(default_factory=SamplerConfig)

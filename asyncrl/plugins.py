@@ -46,6 +46,7 @@ BUILTINS: dict[str, dict[str, str]] = {
         "hf": "asyncrl.generation.hf:build_hf_generator",
         "vllm": "asyncrl.generation.vllm:build_vllm_generator",
     },
+    "algorithm": {"grpo": "asyncrl.algorithms.grpo:build_grpo"},
 }
 
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch import Tensor
 
+from asyncrl.algorithms import Algorithm
 from asyncrl.data import Prompt, encode_prompts
 from asyncrl.generation import Generator, SampleRequest, SamplingParams, sample_seed
 from asyncrl.rewards import RewardResult, RewardRunner
@@ -49,8 +50,12 @@ class RolloutWorker:
         group_size: int,
         sampling: SamplingParams,
         inflight: bool = False,
+        algorithm: Algorithm | None = None,
     ) -> None:
-        """``inflight``: the generator takes weights while it generates (its responses then span
+        """``algorithm``: the run's, which judges whether each group is informative as it is
+        tensorized (None: ``RolloutGroup``'s own default, GRPO's test).
+
+        ``inflight``: the generator takes weights while it generates (its responses then span
         versions), so a runtime may run ``load_weights`` beside ``generate`` (``unordered_methods``)."""
         self.generator = generator
         self.inflight = inflight
@@ -61,6 +66,7 @@ class RolloutWorker:
         self.group_size = group_size
         self.sampling = sampling
         self.pad_id = tokenizer.pad_token_id
+        self.algorithm = algorithm
 
     def load_weights(self, state_dict: Mapping[str, Tensor], version: int) -> None:
         self.generator.load_weights(state_dict, version)
@@ -136,6 +142,7 @@ class RolloutWorker:
         )
         return replace(
             group,
+            informative=group.informative if self.algorithm is None else self.algorithm.informative(group.rewards),
             correct=torch.tensor(scores.correct[rows], dtype=torch.float32),
             reward_errors=sum(scores.item_errors[rows]),
             reward_timeouts=sum(scores.item_timeouts[rows]),

@@ -18,6 +18,7 @@ from typing import Any, TypeVar
 import torch
 import transformers
 
+from asyncrl.algorithms import build_algorithm
 from asyncrl.buffer import ReplayBuffer
 from asyncrl.checkpoint import (
     RUN_CONFIG_FILE,
@@ -121,7 +122,9 @@ def _start_workers(
         if config.weight_transport == "broadcast":
             runtime.connect_broadcast(ranks[0], generators, config.broadcast_backend, config.sync.timeout_s)
         return TrainerGroup(ranks), generators
-    trainer_worker = TrainerWorker(PolicyTrainer.from_config(config, model), config.grpo, tokenizer, seed=config.seed)
+    trainer_worker = TrainerWorker(
+        _input(PolicyTrainer.from_config, config, model), config.grpo, tokenizer, seed=config.seed
+    )
     if checkpoint_dir is not None:
         _from_checkpoint(
             str(checkpoint_dir / STATE_FILE), trainer_worker.load_checkpoint, checkpoint_dir, state["trainer"]
@@ -168,6 +171,7 @@ def _rollout_worker(config: RunConfig, generator: Any, rewards: RewardRunner, to
         group_size=config.grpo.generations_per_prompt,
         sampling=SamplingParams.from_config(config.generation),
         inflight=config.sync.mode == "inflight" and getattr(generator, "loads_while_generating", False),
+        algorithm=_input(build_algorithm, config),
     )
     return inject_rollout_faults(worker, config.faults)
 

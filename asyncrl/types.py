@@ -70,6 +70,7 @@ class RolloutGroup:
     reward_errors: int = 0  # reward calls that raised while scoring this group
     reward_timeouts: int = 0  # reward calls that ran past their timeout
     retries: int = 0  # failed generation attempts before this group was produced
+    informative: bool | None = None  # the run's algorithm's judgement (Algorithm.informative); None: see below
 
     def __post_init__(self) -> None:
         n, t = self.input_ids.shape
@@ -84,6 +85,8 @@ class RolloutGroup:
             raise ValueError(f"RolloutGroup.finish_reasons: {len(self.finish_reasons)} reasons for {n} samples")
         if self.end_version < self.start_version:
             raise ValueError("RolloutGroup.end_version: earlier than start_version")
+        if self.informative is None:  # built by hand, or read from a checkpoint older than the flag
+            self.informative = bool((self.rewards != self.rewards[:1]).any())  # GRPO's test: unequal rewards
 
     @property
     def size(self) -> int:

@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from asyncrl.algorithms import grpo
+from asyncrl.algorithms.grpo import GRPO
 from asyncrl.config import LossConfig, ParallelConfig, TrainerConfig
 from asyncrl.models import SampledDistribution, build_tiny_model, token_logprobs
 from asyncrl.plants import PLANTS, Plant
@@ -333,8 +334,7 @@ def _trainer(cls: type[PolicyTrainer], model, loss_cfg, trainer_cfg, parallel=No
     trainer = cls(
         copy.deepcopy(model),
         trainer_cfg,
-        loss_cfg,
-        importance_sampling="tis",
+        GRPO(loss_cfg, "tis"),
         total_steps=10,
         reference_model=copy.deepcopy(model),
         parallel=parallel,

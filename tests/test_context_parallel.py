@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from asyncrl.algorithms.grpo import GRPO
 from asyncrl.config import ParallelConfig
 from asyncrl.models import SampledDistribution, token_logprobs
 from asyncrl.trainer import PolicyTrainer
@@ -110,8 +111,7 @@ def run_step(model, batch, loss_cfg, trainer_cfg, parallel):
     trainer = PolicyTrainer(
         copy.deepcopy(model),
         trainer_cfg,
-        loss_cfg,
-        importance_sampling="tis",
+        GRPO(loss_cfg, "tis"),
         total_steps=10,
         reference_model=copy.deepcopy(model),
         parallel=parallel,

@@ -8,7 +8,6 @@ import torch
 from asyncrl.algorithms import grpo
 from asyncrl.algorithms.grpo import (
     AGG_MODES,
-    LossTerms,
     clipped_surrogate,
     group_advantages,
     importance_weights,
@@ -19,6 +18,7 @@ from asyncrl.algorithms.grpo import (
     token_loss,
     zero_variance_groups,
 )
+from asyncrl.config import LossConfig
 
 SQRT3 = math.sqrt(3.0)
 
@@ -226,7 +226,7 @@ def test_mismatch_kl_estimates_kl_of_generator_from_trainer():
     exact = float((gen * (gen.log() - train.log())).sum())
     tokens = torch.multinomial(gen, 200_000, replacement=True, generator=torch.Generator().manual_seed(0))
     lp_gen, lp_train = gen.log()[tokens][None], train.log()[tokens][None]
-    _, metrics = token_loss(lp_train, lp_train, lp_gen, f64([[1.0]]), cfg=LossTerms())
+    _, metrics = token_loss(lp_train, lp_train, lp_gen, f64([[1.0]]), cfg=LossConfig(), is_mode="tis")
     assert float(metrics["mismatch_kl"].mean()) == pytest.approx(exact, rel=0.03)
     twin = float(kl_k3(lp_train, lp_gen).mean())
     assert twin != pytest.approx(exact, rel=0.03)
@@ -246,8 +246,10 @@ def test_token_loss_composition_and_metrics():
     behaviour = f64([[-math.log(1.5)]])
     ref = logprobs.detach() + 1
     entropy = f64([[2.0]]).requires_grad_()
-    cfg = LossTerms(kl_coef=0.1, entropy_coef=0.01)
-    loss, metrics = token_loss(logprobs, old, behaviour, f64([[2.0]]), cfg=cfg, ref_logprobs=ref, entropy=entropy)
+    cfg = LossConfig(kl_coef=0.1, entropy_coef=0.01)
+    loss, metrics = token_loss(
+        logprobs, old, behaviour, f64([[2.0]]), cfg=cfg, is_mode="tis", ref_logprobs=ref, entropy=entropy
+    )
     assert_close(loss, [[-2.7 + 0.1 * (math.e - 2) - 0.02]])
     assert_close(metrics["clip"], [[0.0]])
     assert_close(metrics["is_weight"], [[1.5]])
@@ -265,12 +267,14 @@ def test_token_loss_composition_and_metrics():
 def test_token_loss_optional_terms():
     lp = f64([[-1.0, -2.0]])
     advantages = f64([[1.0]])
-    bare, metrics = token_loss(lp, lp, lp, advantages, cfg=LossTerms())
+    bare, metrics = token_loss(lp, lp, lp, advantages, cfg=LossConfig(), is_mode="tis")
     # r = 1, w = 1: l = -A
     assert_close(bare, [[-1.0, -1.0]])
     assert set(metrics) == {"clip", "is_weight", "ratio", "mismatch_kl"}
     # ref and entropy given with zero coefficients: reported, not added to the loss
-    loss, metrics = token_loss(lp, lp, lp, advantages, cfg=LossTerms(), ref_logprobs=lp + 1, entropy=lp.exp())
+    loss, metrics = token_loss(
+        lp, lp, lp, advantages, cfg=LossConfig(), is_mode="tis", ref_logprobs=lp + 1, entropy=lp.exp()
+    )
     assert torch.equal(loss, bare)
     assert set(metrics) == {"clip", "is_weight", "ratio", "mismatch_kl", "kl", "entropy"}
 
@@ -278,9 +282,9 @@ def test_token_loss_optional_terms():
 def test_token_loss_requires_inputs_for_its_terms():
     lp = f64([[-1.0]])
     with pytest.raises(ValueError, match="ref_logprobs"):
-        token_loss(lp, lp, lp, lp, cfg=LossTerms(kl_coef=0.1))
+        token_loss(lp, lp, lp, lp, cfg=LossConfig(kl_coef=0.1), is_mode="tis")
     with pytest.raises(ValueError, match="entropy"):
-        token_loss(lp, lp, lp, lp, cfg=LossTerms(entropy_coef=0.1))
+        token_loss(lp, lp, lp, lp, cfg=LossConfig(entropy_coef=0.1), is_mode="tis")
 
 
 def test_sequence_ratio_is_the_geometric_mean_of_response_token_ratios_clipped_per_sequence():
@@ -292,15 +296,15 @@ def test_sequence_ratio_is_the_geometric_mean_of_response_token_ratios_clipped_p
     old = torch.zeros_like(logprobs)
     s0 = math.sqrt(1.32)
     assert_close(sequence_ratio(logprobs, old, mask), [[s0], [1.5]])
-    cfg = LossTerms(is_mode="none", dual_clip=None, ratio_level="sequence")
-    loss, metrics = token_loss(logprobs, old, old, f64([[1.0], [1.0]]), cfg=cfg, response_mask=mask)
+    cfg = LossConfig(dual_clip=None, ratio_level="sequence")
+    loss, metrics = token_loss(logprobs, old, old, f64([[1.0], [1.0]]), cfg=cfg, is_mode="none", response_mask=mask)
     assert_close(loss * mask, [[-s0, -s0, 0.0], [-1.28] * 3])
     assert_close(metrics["clip"], [[0.0] * 3, [1.0] * 3])
     assert_close(metrics["ratio"], [[s0] * 3, [1.5] * 3])
     (loss * mask).sum().backward()
     assert_close(logprobs.grad, [[-s0, -s0, 0.0], [0.0] * 3])
     with pytest.raises(ValueError, match="response_mask"):
-        token_loss(logprobs, old, old, f64([[1.0], [1.0]]), cfg=cfg)
+        token_loss(logprobs, old, old, f64([[1.0], [1.0]]), cfg=cfg, is_mode="none")
 
 
 def test_sequence_ratio_sums_rows_with_the_given_sequence_sum():

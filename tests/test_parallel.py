@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from asyncrl.algorithms.grpo import AGG_MODES
+from asyncrl.algorithms.grpo import AGG_MODES, GRPO
 from asyncrl.cli import main
 from asyncrl.config import ConfigError, LossConfig, ParallelConfig, load_config
 from asyncrl.trainer import PolicyTrainer
@@ -94,8 +94,7 @@ def two_step_trainer(parallel=None):
     trainer = PolicyTrainer(
         model,
         trainer_cfg,
-        loss_cfg,
-        importance_sampling="tis",
+        GRPO(loss_cfg, "tis"),
         total_steps=10,
         reference_model=copy.deepcopy(model),
         parallel=parallel,
@@ -292,9 +291,7 @@ def _abort_after_updates_on_fsdp_ranks(rank: int, world_size: int) -> bytes:
     loss_cfg = loss_cfg.model_copy(update={"kl_coef": 0.0})
     parallel = init_parallel(ParallelConfig(dp=2))
     clean, faulty = (
-        PolicyTrainer(
-            copy.deepcopy(model), trainer_cfg, loss_cfg, importance_sampling="tis", total_steps=5, parallel=parallel
-        )
+        PolicyTrainer(copy.deepcopy(model), trainer_cfg, GRPO(loss_cfg, "tis"), total_steps=5, parallel=parallel)
         for _ in range(2)
     )
     share = batch.select([(4 * rank + row) % len(batch) for row in range(12)])

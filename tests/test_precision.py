@@ -9,6 +9,7 @@ import pytest
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from asyncrl.algorithms.grpo import GRPO
 from asyncrl.config import LossConfig, ParallelConfig, TrainerConfig, load_config
 from asyncrl.generation import build_generator
 from asyncrl.generation.hf import sample_next
@@ -24,7 +25,7 @@ STEPS = 10
 def trainer_for(model, dtype, parallel=None, **trainer_fields):
     cfg = TrainerConfig(lr=1e-6, max_grad_norm=None, dtype=dtype, **trainer_fields)
     loss = LossConfig(mode="seq-mean-token-mean")
-    return PolicyTrainer(model, cfg, loss, importance_sampling="none", total_steps=STEPS, parallel=parallel)
+    return PolicyTrainer(model, cfg, GRPO(loss, "none"), total_steps=STEPS, parallel=parallel)
 
 
 def relative_updates(dtype, parallel=None) -> dict[str, float]:
@@ -88,7 +89,7 @@ def test_a_bfloat16_run_builds_float32_masters_a_bfloat16_generator_and_corrects
     trainer = PolicyTrainer.from_config(config, model)
     assert {p.dtype for p in trainer.model.parameters()} == {torch.float32}
     assert {p.dtype for p in generator.model.parameters()} == {torch.bfloat16}
-    assert trainer.terms.is_mode == "tis"
+    assert trainer.algorithm.importance_sampling == "tis"
 
 
 def fsdp_updates(rank: int, world_size: int) -> bytes:

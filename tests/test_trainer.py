@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from asyncrl.algorithms import grpo
+from asyncrl.algorithms.grpo import GRPO
 from asyncrl.config import LossConfig, TrainerConfig
 from asyncrl.generation.base import SampleRequest, SamplingParams
 from asyncrl.generation.hf import HFGenerator
@@ -25,7 +26,7 @@ def make_trainer(seed: int = 0, **trainer_overrides) -> PolicyTrainer:
         VOCAB, seed=seed, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=64
     )
     cfg = TrainerConfig(lr=1e-2, **trainer_overrides)
-    return PolicyTrainer(model, cfg, LossConfig(), importance_sampling="tis", total_steps=10)
+    return PolicyTrainer(model, cfg, GRPO(LossConfig(), "tis"), total_steps=10)
 
 
 def batch_for(trainer: PolicyTrainer, seed: int):
@@ -269,7 +270,7 @@ def test_kl_penalty_requires_a_reference_model():
         VOCAB, seed=0, hidden_size=32, num_layers=1, num_heads=4, num_kv_heads=2, intermediate_size=64
     )
     with pytest.raises(ValueError, match="loss.kl_coef"):
-        PolicyTrainer(model, TrainerConfig(), LossConfig(kl_coef=0.1), importance_sampling="none", total_steps=1)
+        PolicyTrainer(model, TrainerConfig(), GRPO(LossConfig(kl_coef=0.1), "none"), total_steps=1)
 
 
 def test_lr_schedule_warmup_constant_and_cosine():
@@ -344,7 +345,7 @@ def test_step_loss_and_gradient_equal_the_design_formula(mode):
     )
     loss_cfg = LossConfig(mode=mode, norm_constant=3.0 if mode.endswith("norm") else None)
     trainer = PolicyTrainer(
-        copy.deepcopy(model), TrainerConfig(max_grad_norm=None), loss_cfg, importance_sampling="tis", total_steps=1
+        copy.deepcopy(model), TrainerConfig(max_grad_norm=None), GRPO(loss_cfg, "tis"), total_steps=1
     )
     batch = random_batch(model, num_groups=3, group_size=4, vocab_size=VOCAB, seed=5).to("cpu", torch.float64)
     trainer.begin_train_step()
@@ -358,7 +359,8 @@ def test_step_loss_and_gradient_equal_the_design_formula(mode):
         batch.prox_logprobs,
         batch.behaviour_logprobs,
         batch.advantages[:, None],
-        cfg=trainer.terms,
+        cfg=trainer.loss_cfg,
+        is_mode="tis",
         entropy=entropy,
     )
     expected = (design_weights(batch, mode, 3.0) * per_token).sum()
@@ -390,9 +392,7 @@ def test_bfloat16_policy_trains_with_float32_loss_arithmetic():
         intermediate_size=64,
     )
     before = [p.detach().float() for p in model.parameters()]
-    trainer = PolicyTrainer(
-        model, TrainerConfig(dtype="bfloat16"), LossConfig(), importance_sampling="tis", total_steps=1
-    )
+    trainer = PolicyTrainer(model, TrainerConfig(dtype="bfloat16"), GRPO(LossConfig(), "tis"), total_steps=1)
     assert trainer.compute_dtype == torch.float32  # the masters are float32 (tests/test_precision.py)
     result = trainer.train_step(batch_for(make_trainer(), 0))
     assert result.version == 1 and torch.isfinite(torch.tensor(result.loss)) and result.grad_norm > 0
@@ -404,9 +404,7 @@ def test_behaviour_clip_takes_the_ratio_to_the_generator_and_one_update_alone_ne
         model = build_tiny_model(
             VOCAB, seed=0, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=64
         )
-        trainer = PolicyTrainer(
-            model, TrainerConfig(lr=1e-2), loss_cfg, importance_sampling=importance_sampling, total_steps=10
-        )
+        trainer = PolicyTrainer(model, TrainerConfig(lr=1e-2), GRPO(loss_cfg, importance_sampling), total_steps=10)
         batch = batch_for(trainer, 5)
         batch.prox_logprobs = batch.behaviour_logprobs.clone() if prox else None
         return trainer.train_step(batch)
@@ -451,8 +449,7 @@ def test_on_policy_truncated_samples_have_unit_weights_and_nothing_clipped(trunc
         trainer = PolicyTrainer(
             copy.deepcopy(model),
             TrainerConfig(lr=1e-2, dtype="float64"),
-            LossConfig(clip_against=clip_against),
-            importance_sampling="tis" if clip_against == "proximal" else "none",
+            GRPO(LossConfig(clip_against=clip_against), "tis" if clip_against == "proximal" else "none"),
             total_steps=10,
             distribution=scored_as,
         )

@@ -218,7 +218,7 @@ def step_groups(step: int) -> list:
     with equal rewards (filtered)."""
     groups = make_groups(100 + step, count=5, version=step)
     if step == 1:
-        groups[2] = RolloutGroup(**{**groups[2].__dict__, "rewards": torch.ones(4)})
+        groups[2] = RolloutGroup(**{**groups[2].__dict__, "rewards": torch.ones(4), "informative": False})
     if step == 2:
         groups[:2] = make_groups(200, count=2, version=1)
     return [HeldGroup(g) if i % 2 else g for i, g in enumerate(groups)]

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from asyncrl.algorithms import grpo
+from asyncrl.algorithms.grpo import GRPO
 from asyncrl.checkpoint import load_state, resolve_checkpoint
 from asyncrl.config import GRPOConfig, LossConfig, TrainerConfig
 from asyncrl.models import build_char_tokenizer, build_tiny_model
@@ -24,8 +25,7 @@ def make_worker(micro_batch_size=5, kl_coef=0.0, **grpo) -> TrainerWorker:
     trainer = PolicyTrainer(
         model,
         TrainerConfig(lr=1e-2, micro_batch_size=micro_batch_size),
-        LossConfig(kl_coef=kl_coef),
-        importance_sampling="tis",
+        GRPO(LossConfig(kl_coef=kl_coef), "tis"),
         total_steps=10,
         reference_model=copy.deepcopy(model) if kl_coef else None,
     )
@@ -97,7 +97,7 @@ def test_step_data_counts_what_was_trained():
 
 def test_zero_variance_groups_are_filtered_but_counted():
     groups = make_groups(4)
-    flat = RolloutGroup(**{**groups[0].__dict__, "rewards": torch.ones(4)})
+    flat = RolloutGroup(**{**groups[0].__dict__, "rewards": torch.ones(4), "informative": False})
     report = run_step(make_worker(filter_zero_variance=True), [flat] + groups[1:], [5])
     assert report.data.num_filtered_groups == 1 and report.data.num_groups == 5
     assert report.result.num_sequences == 16
@@ -140,7 +140,8 @@ def test_checkpoint_round_trip_continues_bit_identically(tmp_path):
 def test_a_step_whose_groups_are_all_filtered_takes_no_update_and_does_not_raise():
     worker = make_worker(filter_zero_variance=True)
     flat = [
-        RolloutGroup(**{**g.__dict__, "rewards": torch.full((4,), float(i % 2))}) for i, g in enumerate(make_groups(4))
+        RolloutGroup(**{**g.__dict__, "rewards": torch.full((4,), float(i % 2)), "informative": False})
+        for i, g in enumerate(make_groups(4))
     ]
     before = copy.deepcopy(worker.trainer.model.state_dict())
     report = run_step(worker, flat, [2, 3])

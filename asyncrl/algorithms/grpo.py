@@ -1,6 +1,8 @@
-"""GRPO: group-relative advantages, per-token policy loss terms, and loss aggregation weights.
+"""GRPO: group-relative advantages, per-token policy loss terms, the ``GRPO`` algorithm, and loss
+aggregation weights.
 
-Everything here is a pure tensor function that works in the dtype of its inputs.
+Every function here is pure tensor math that works in the dtype of its inputs; ``GRPO`` binds them
+to a run's options as its ``Algorithm``.
 
 Normalization contract (docs/loss.md). For token t of sequence i in a step, with loss term l_it,
 response mask m_it, response length n_i, G sequences with n_i > 0 and N = sum_i n_i, the step
@@ -29,7 +31,8 @@ from typing import Literal, get_args
 import torch
 from torch import Tensor
 
-from asyncrl.config import AggMode
+from asyncrl.config import AggMode, LossConfig, RunConfig
+from asyncrl.types import TokenLossInputs
 
 AGG_MODES: tuple[str, ...] = get_args(AggMode)
 ISMode = Literal["none", "tis", "icepop"]
@@ -188,31 +191,14 @@ def mismatch_kl(behaviour_logprobs: Tensor, trainer_logprobs: Tensor, **clamps: 
     return kl_k3(behaviour_logprobs, trainer_logprobs, **clamps).detach()
 
 
-@dataclass(frozen=True)
-class LossTerms:
-    """Coefficients and bounds of the per-token loss (see ``token_loss``)."""
-
-    clip_low: float = 0.2
-    clip_high: float = 0.28
-    dual_clip: float | None = 3.0
-    is_mode: ISMode = "tis"
-    is_cap: float = 2.0
-    is_low: float = 0.5
-    is_high: float = 2.0
-    kl_coef: float = 0.0
-    kl_log_ratio_clamp: float = 20.0
-    kl_clamp: float = 10.0
-    entropy_coef: float = 0.0
-    ratio_level: RatioLevel = "token"
-
-
 def token_loss(
     logprobs: Tensor,
     old_logprobs: Tensor,
     behaviour_logprobs: Tensor,
     advantages: Tensor,
     *,
-    cfg: LossTerms,
+    cfg: LossConfig,
+    is_mode: ISMode,
     ref_logprobs: Tensor | None = None,
     entropy: Tensor | None = None,
     response_mask: Tensor | None = None,
@@ -220,9 +206,13 @@ def token_loss(
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """The GRPO loss per token, l = w_is * surrogate + kl_coef * k3 - entropy_coef * entropy.
 
-    With ``cfg.ratio_level`` "sequence" (GSPO) the surrogate of every token of sequence i uses
-    ``sequence_ratio`` s_i, which needs ``response_mask`` and the row sum ``sequence_sum``; "clip"
-    and "ratio" are then the sequence's, repeated on each of its tokens.
+    ``cfg`` is the run's ``loss`` section, read as it is; ``is_mode`` its importance sampling with
+    ``auto`` resolved (``RunConfig.importance_sampling``). With ``cfg.clip_against`` "behaviour"
+    the ratio is taken to ``behaviour_logprobs`` instead of ``old_logprobs`` (then w_is = 1, and
+    "mismatch_kl" measures the generator against the current policy). With ``cfg.ratio_level``
+    "sequence" (GSPO) the surrogate of every token of sequence i uses ``sequence_ratio`` s_i, which
+    needs ``response_mask`` and the row sum ``sequence_sum``; "clip" and "ratio" are then the
+    sequence's, repeated on each of its tokens.
 
     ``advantages`` is [B, T] or [B, 1]. Returns (l [B, T], metrics): per-token, detached tensors
     "clip", "is_weight", "ratio", "mismatch_kl" (``mismatch_kl``: how far the generator is from the
@@ -233,6 +223,9 @@ def token_loss(
         raise ValueError("ref_logprobs: required when kl_coef != 0")
     if cfg.entropy_coef != 0 and entropy is None:
         raise ValueError("entropy: required when entropy_coef != 0")
+    trainer_logprobs = old_logprobs  # the trainer's side of mismatch_kl
+    if cfg.clip_against == "behaviour":
+        old_logprobs, trainer_logprobs = behaviour_logprobs, logprobs.detach()
     if cfg.ratio_level == "sequence":
         if response_mask is None:
             raise ValueError("response_mask: required when ratio_level is sequence")
@@ -241,7 +234,7 @@ def token_loss(
         ratio = torch.exp(logprobs - old_logprobs)
     surrogate, clipped = _clip(ratio, advantages, cfg.clip_low, cfg.clip_high, cfg.dual_clip)
     is_weight = importance_weights(
-        old_logprobs, behaviour_logprobs, mode=cfg.is_mode, cap=cfg.is_cap, low=cfg.is_low, high=cfg.is_high
+        old_logprobs, behaviour_logprobs, mode=is_mode, cap=cfg.is_cap, low=cfg.is_low, high=cfg.is_high
     )
     loss = is_weight * surrogate
     clamps = {"log_ratio_clamp": cfg.kl_log_ratio_clamp, "kl_clamp": cfg.kl_clamp}
@@ -249,7 +242,7 @@ def token_loss(
         "clip": clipped,
         "is_weight": is_weight,
         "ratio": ratio.detach(),
-        "mismatch_kl": mismatch_kl(behaviour_logprobs, old_logprobs, **clamps),
+        "mismatch_kl": mismatch_kl(behaviour_logprobs, trainer_logprobs, **clamps),
     }
     if ref_logprobs is not None:
         kl = kl_k3(logprobs, ref_logprobs, **clamps)
@@ -261,6 +254,46 @@ def token_loss(
             loss = loss - cfg.entropy_coef * entropy
         metrics["entropy"] = entropy.detach()
     return loss, metrics
+
+
+def build_grpo(config: RunConfig) -> GRPO:
+    """The built-in ``algorithm.name: grpo``."""
+    return GRPO(config.loss, config.importance_sampling, config.grpo.baseline, config.grpo.scale_by_std)
+
+
+@dataclass(frozen=True)
+class GRPO:
+    """GRPO and its variants as options: Dr. GRPO (``scale_by_std`` false), GSPO (``loss.ratio_level``
+    sequence), DAPO's clip-higher (``loss.clip_high``) and token-mean loss (``loss.mode``), dynamic
+    sampling (``informative`` with ``grpo.filter_zero_variance``), the behaviour clip
+    (``loss.clip_against``). Implements ``asyncrl.algorithms.Algorithm``."""
+
+    options: LossConfig
+    importance_sampling: ISMode = "none"
+    baseline: Literal["mean", "leave_one_out"] = "mean"
+    scale_by_std: bool = True
+
+    def advantages(self, rewards: Tensor) -> Tensor:
+        return group_advantages(rewards, baseline=self.baseline, scale_by_std=self.scale_by_std)
+
+    def informative(self, rewards: Tensor) -> bool:
+        """A group with unequal rewards; the others have every advantage 0."""
+        return not bool(zero_variance_groups(rewards))
+
+    def token_loss(self, inputs: TokenLossInputs) -> tuple[Tensor, dict[str, Tensor]]:
+        old_logprobs = inputs.old_logprobs if inputs.old_logprobs is not None else inputs.logprobs.detach()
+        return token_loss(
+            inputs.logprobs,
+            old_logprobs,
+            inputs.behaviour_logprobs,
+            inputs.advantages,
+            cfg=self.options,
+            is_mode=self.importance_sampling,
+            ref_logprobs=inputs.ref_logprobs,
+            entropy=inputs.entropy,
+            response_mask=inputs.response_mask,
+            sequence_sum=inputs.sequence_sum,
+        )
 
 
 # ---- aggregation -----------------------------------------------------------------------------

@@ -116,13 +116,12 @@ def _model(workload: Workload, device: str, dtype: torch.dtype = torch.float32):
 
 
 def _trainer(model, workload: Workload, device: str, parallel=None):
+    from asyncrl.algorithms.grpo import GRPO
     from asyncrl.config import LossConfig, TrainerConfig
     from asyncrl.trainer.policy import PolicyTrainer
 
     config = TrainerConfig(dtype="bfloat16", micro_batch_size=workload.micro_batch_size, device=device)
-    return PolicyTrainer(
-        model, config, LossConfig(), importance_sampling="none", total_steps=workload.steps + 1, parallel=parallel
-    )
+    return PolicyTrainer(model, config, GRPO(LossConfig(), "none"), total_steps=workload.steps + 1, parallel=parallel)
 
 
 def _batch(workload: Workload, seed: int):

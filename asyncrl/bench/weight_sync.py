@@ -15,6 +15,7 @@ import time
 
 import torch
 
+from asyncrl.algorithms.grpo import GRPO
 from asyncrl.bench.common import runtime_session, spawn_pair
 from asyncrl.config import GRPOConfig, LossConfig, TrainerConfig
 from asyncrl.generation.hf import HFGenerator
@@ -50,7 +51,7 @@ def memcpy_bandwidth(num_bytes: int, repeats: int) -> float:
 def build_trainer(model_name: str) -> TrainerWorker:
     """The trainer side a run syncs from: a TrainerWorker over a PolicyTrainer."""
     model = build_tiny_model(VOCAB, seed=0, **MODELS[model_name])
-    trainer = PolicyTrainer(model, TrainerConfig(), LossConfig(), importance_sampling="none", total_steps=1)
+    trainer = PolicyTrainer(model, TrainerConfig(), GRPO(LossConfig(), "none"), total_steps=1)
     return TrainerWorker(trainer, GRPOConfig(), tokenizer=None)
 
 

@@ -74,6 +74,7 @@ class RemoteGroup:
     reward_errors: int
     reward_timeouts: int
     retries: int
+    informative: bool
     size: int
     response_tokens: int
     ref: Any = None  # ray.ObjectRef of the RolloutGroup; set by the caller that owns it

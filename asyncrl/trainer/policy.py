@@ -1,4 +1,4 @@
-"""PolicyTrainer: the GRPO train step, split into begin / micro-batches / finish / abort.
+"""PolicyTrainer: the train step of the run's algorithm, split into begin / micro-batches / finish / abort.
 
 Gradient convention, the single place the code writes it down (docs/loss.md explains it):
     every micro-batch back-propagates the *unnormalized* sum  sum_t local_w * mask * loss_t,
@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor, nn
 
-from asyncrl.algorithms import grpo
+from asyncrl.algorithms import Algorithm, build_algorithm, grpo
 from asyncrl.config import LossConfig, RunConfig, TrainerConfig
 from asyncrl.models import SampledDistribution, token_logprobs
 from asyncrl.trainer.optim import build_optimizer, build_scheduler
@@ -106,15 +106,17 @@ class PolicyTrainer:
         self,
         model: nn.Module,
         trainer_cfg: TrainerConfig,
-        loss_cfg: LossConfig,
+        algorithm: Algorithm,
         *,
-        importance_sampling: str,
         total_steps: int,
         reference_model: nn.Module | None = None,
         parallel: ParallelContext | None = None,
         distribution: SampledDistribution = SampledDistribution(),
     ) -> None:
-        """``parallel``: this rank's place among the trainer ranks; the policy is wrapped (FSDP2 or
+        """``algorithm``: advantages and the per-token loss (asyncrl/algorithms); its ``options`` are
+        the ``loss`` section, whose aggregation and scoring options the trainer reads.
+
+        ``parallel``: this rank's place among the trainer ranks; the policy is wrapped (FSDP2 or
         DDP) and both models get context-parallel attention. Every rank then makes the same calls.
 
         ``distribution``: the generator's temperature, top-k and top-p; every score (policy,
@@ -124,7 +126,7 @@ class PolicyTrainer:
         casts the gathered parameters (MixedPrecisionPolicy), otherwise autocast does. Both models
         stay in eval mode: the loss forward scores with dropout off, like the proximal logprobs,
         so an on-policy ratio is exactly 1."""
-        if loss_cfg.kl_coef > 0 and reference_model is None:
+        if algorithm.options.kl_coef > 0 and reference_model is None:
             raise ValueError("loss.kl_coef: a KL penalty needs a reference model")
         if distribution.temperature <= 0:
             raise ValueError(f"temperature: must be > 0, got {distribution.temperature}")
@@ -146,21 +148,7 @@ class PolicyTrainer:
         if reference_model is not None:
             reference_model.requires_grad_(False)
         self.cfg = trainer_cfg
-        self.loss_cfg = loss_cfg
-        self.terms = grpo.LossTerms(
-            clip_low=loss_cfg.clip_low,
-            clip_high=loss_cfg.clip_high,
-            dual_clip=loss_cfg.dual_clip,
-            is_mode=importance_sampling,
-            is_cap=loss_cfg.is_cap,
-            is_low=loss_cfg.is_low,
-            is_high=loss_cfg.is_high,
-            kl_coef=loss_cfg.kl_coef,
-            kl_log_ratio_clamp=loss_cfg.kl_log_ratio_clamp,
-            kl_clamp=loss_cfg.kl_clamp,
-            entropy_coef=loss_cfg.entropy_coef,
-            ratio_level=loss_cfg.ratio_level,
-        )
+        self.algorithm = algorithm
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = build_optimizer(self.params, trainer_cfg)
         self.scheduler = build_scheduler(self.optimizer, trainer_cfg, total_steps)
@@ -176,8 +164,7 @@ class PolicyTrainer:
         return cls(
             model,
             config.trainer,
-            config.loss,
-            importance_sampling=config.importance_sampling,
+            build_algorithm(config),
             total_steps=config.grpo.max_steps,
             reference_model=copy.deepcopy(model) if config.loss.kl_coef > 0 else None,
             parallel=parallel,
@@ -185,6 +172,10 @@ class PolicyTrainer:
                 config.scoring_temperature, config.generation.top_k, config.generation.top_p
             ),
         )
+
+    @property
+    def loss_cfg(self) -> LossConfig:
+        return self.algorithm.options
 
     @property
     def device(self) -> torch.device:
@@ -344,27 +335,8 @@ class PolicyTrainer:
     def _microbatch_loss(self, batch: TrainBatch) -> tuple[Tensor, Tensor, tuple[Tensor, Tensor]]:
         """(sum of local_w * mask * loss, this micro-batch's counters, (min, max) response IS weight)."""
         inputs = self._loss_inputs(batch)
-        old_logprobs = inputs.old_logprobs if inputs.old_logprobs is not None else inputs.logprobs.detach()
-        if self.loss_cfg.clip_against == "behaviour":
-            old_logprobs = inputs.behaviour_logprobs
-        loss, metrics = grpo.token_loss(
-            inputs.logprobs,
-            old_logprobs,
-            inputs.behaviour_logprobs,
-            inputs.advantages,
-            cfg=self.terms,
-            ref_logprobs=inputs.ref_logprobs,
-            entropy=inputs.entropy,
-            response_mask=inputs.response_mask,
-            sequence_sum=inputs.sequence_sum,
-        )
-        if self.loss_cfg.clip_against == "behaviour":  # the generator's distance from the current policy
-            metrics["mismatch_kl"] = grpo.mismatch_kl(
-                inputs.behaviour_logprobs,
-                inputs.logprobs.detach(),
-                log_ratio_clamp=self.terms.kl_log_ratio_clamp,
-                kl_clamp=self.terms.kl_clamp,
-            )
+        loss, metrics = self.algorithm.token_loss(inputs)
+        metrics.setdefault("is_weight", torch.ones_like(loss).detach())  # no importance weight: 1
         mask = inputs.response_mask
         loss_sum = (inputs.weights * loss).sum()
         zero = mask.new_zeros(())

@@ -43,7 +43,6 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from asyncrl.algorithms import grpo
 from asyncrl.checkpoint import read_weights, save_checkpoint
 from asyncrl.config import GRPOConfig
 from asyncrl.generation.base import sample_seed
@@ -162,12 +161,10 @@ class TrainerWorker:
         """Add a chunk of the step; trains every full round. Returns sequences received so far."""
         for group in groups:
             self._data.add(group, self.trainer.version)
-            if self.grpo.filter_zero_variance and bool(grpo.zero_variance_groups(group.rewards)):
+            if self.grpo.filter_zero_variance and not group.informative:
                 self._data.num_filtered_groups += 1
                 continue
-            advantages = grpo.group_advantages(
-                group.rewards, baseline=self.grpo.baseline, scale_by_std=self.grpo.scale_by_std
-            )
+            advantages = self.trainer.algorithm.advantages(group.rewards)
             if self.collect:
                 self._collected.append((group, advantages))
             else:
