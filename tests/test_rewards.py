@@ -279,12 +279,14 @@ def test_calls_run_in_at_most_processes_processes_that_stay_for_the_next_batch()
 
 
 def test_a_reward_process_that_died_while_idle_is_replaced():
-    with RewardRunner([("exact_match", exact_match)], timeout_s=5.0, processes=2) as runner:
-        runner.score(["a"] * 4, ["a"] * 4)
-        dead = reward_processes(os.getpid())
-        for pid in dead:
-            os.kill(pid, signal.SIGKILL)
-        assert all_gone(dead, os.getpid())
+    with RewardRunner([("exact_match", exact_match)], timeout_s=5.0, processes=1) as runner:
+        before = reward_processes(os.getpid())
+        runner.score(["a"] * 4, ["a"] * 4)  # one process, so it has started and scored them
+        dead = reward_processes(os.getpid()) - before
+        (pid,) = dead
+        os.kill(pid, signal.SIGKILL)
+        while Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":  # not yet reaped
+            time.sleep(0.01)
         result = runner.score(["a", "b"] * 4, ["a"] * 8)
         assert result.rewards == [1.0, 0.0] * 4 and result.errors == result.timeouts == 0
         assert not dead & reward_processes(os.getpid())
