@@ -356,7 +356,9 @@ def bench_e2e(
     max_steps: int | None = typer.Option(None, "--max-steps", min=1, help="steps per run (default 400)"),
     eval_every: int | None = typer.Option(None, "--eval-every", min=1, help="evaluation cadence (default 25)"),
     target: float = typer.Option(0.8, "--target", min=0.0, max=1.0, help="held-out accuracy to reach"),
-    against: str | None = typer.Option(None, "--against", help="also train the peer baseline: trl"),
+    against: str | None = typer.Option(
+        None, "--against", help="also train the peer baseline: trl (trl-async is refused: it needs CUDA GPUs)"
+    ),
     variants: bool = typer.Option(
         False, "--variants", help="also max_lag 1 with 4 mini-batch updates per step, and with dynamic sampling"
     ),
@@ -365,7 +367,7 @@ def bench_e2e(
     overrides: list[str] | None = typer.Argument(None, help="config overrides applied to every run"),
 ) -> None:
     """Wall time to a held-out accuracy for max_lag 0, 1 and 2 (and TRL with --against trl)."""
-    if against not in (None, "trl"):
+    if against not in (None, "trl", "trl-async"):
         raise typer.BadParameter(f"unknown baseline '{against}'; the one available is trl", param_hint="--against")
     try:
         lag_values = tuple(sorted({int(lag) for lag in lags.split(",")}))
@@ -375,6 +377,10 @@ def bench_e2e(
         raise typer.BadParameter("a max_lag is 0 or more", param_hint="--lags")
     from asyncrl.bench import common, e2e
 
+    if against == "trl-async":
+        from asyncrl.bench.trl_baseline import refuse_trl_async
+
+        refuse_trl_async()
     if against == "trl":
         from asyncrl.bench.trl_baseline import require_trl
 

@@ -241,6 +241,15 @@ def test_e2e_against_trl_without_trl_fails_before_any_run(capsys, tmp_path, monk
     assert capsys.readouterr().err == 'error: --against trl: TRL is not installed; run pip install -e ".[bench]"\n'
 
 
+def test_e2e_against_trl_async_is_refused_in_one_line_before_any_run(capsys, tmp_path, monkeypatch):
+    monkeypatch.setattr(e2e, "run_asyncrl", lambda *a, **k: pytest.fail("an asyncrl run started"))
+    output = tmp_path / "x.json"
+    assert main(["bench", "e2e", "--quick", "--against", "trl-async", "--output", str(output)]) == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith("error: --against trl-async: TRL's AsyncGRPOTrainer needs CUDA GPUs (")
+    assert line.endswith("so it is not a baseline; see docs/performance.md") and not output.exists()
+
+
 def test_trl_settings_map_every_shared_setting():
     from asyncrl.bench.trl_baseline import trl_settings
     from asyncrl.config import load_config

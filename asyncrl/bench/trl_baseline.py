@@ -133,6 +133,15 @@ def require_trl() -> None:
         raise ConfigError('--against trl: TRL is not installed; run pip install -e ".[bench]"')
 
 
+def refuse_trl_async() -> None:
+    """TRL's asynchronous trainer is no baseline: it needs CUDA GPUs end to end (docs/performance.md)."""
+    raise ConfigError(
+        "--against trl-async: TRL's AsyncGRPOTrainer needs CUDA GPUs (it generates on a vLLM server, sends it "
+        "weights over NCCL and trains with a FlashAttention-3 kernel) and fails to construct on a CPU build of "
+        "torch, so it is not a baseline; see docs/performance.md"
+    )
+
+
 def run_trl(config: RunConfig, *, seed: int, max_steps: int, eval_every_steps: int, output_dir: Path) -> dict[str, Any]:
     """Train with TRL; the evals (with training time that excludes evaluation) and wall time, as
     ``asyncrl.bench.e2e.run_asyncrl`` reports them, plus the unmatched settings."""
