@@ -63,9 +63,8 @@ from asyncrl.sampler import Sampler
 from asyncrl.types import RolloutGroup, RolloutJob
 from asyncrl.weights import Changes, RolloutGate, SyncReport, SyncTimeoutError, WeightLoadError, WeightSync
 
-if TYPE_CHECKING:  # worker-side types; the controller never imports model code
-    from asyncrl.rollout import RolloutBatch
-    from asyncrl.trainer.worker import StepReport
+if TYPE_CHECKING:
+    from asyncrl.types import RolloutBatch, StepReport
 
 T = TypeVar("T")
 STATE_VERSION = 2

@@ -11,11 +11,9 @@ from collections.abc import Awaitable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-if TYPE_CHECKING:  # worker-side types; importing this module loads no model code
+if TYPE_CHECKING:  # importing this module loads no torch
     from asyncrl.data import Prompt
-    from asyncrl.rollout import EvalResult, RolloutBatch
-    from asyncrl.trainer.worker import StepReport
-    from asyncrl.types import RolloutGroup, RolloutJob
+    from asyncrl.types import EvalResult, RolloutBatch, RolloutGroup, RolloutJob, StepReport
 
 
 class TrainerHandle(Protocol):

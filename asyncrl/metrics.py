@@ -28,7 +28,7 @@ from rich.text import Text
 from asyncrl.config import LoggingConfig
 
 if TYPE_CHECKING:
-    from asyncrl.trainer.worker import StepReport
+    from asyncrl.types import StepReport
     from asyncrl.weights import SyncReport
 
 TIMING_PREFIX = "time/"

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import torch
 from torch import Tensor
@@ -18,25 +18,7 @@ from asyncrl.algorithms import Algorithm
 from asyncrl.data import Prompt, encode_prompts
 from asyncrl.generation import Generator, SampleRequest, SamplingParams, sample_seed
 from asyncrl.rewards import RewardResult, RewardRunner
-from asyncrl.types import Rollout, RolloutGroup, RolloutJob
-
-
-@dataclass
-class RolloutBatch:
-    """The groups of one generation call, in job order, and what it cost."""
-
-    groups: list[RolloutGroup]
-    num_tokens: int
-    seconds: float
-
-
-@dataclass(frozen=True)
-class EvalResult:
-    num_prompts: int
-    accuracy: float
-    reward_mean: float
-    response_length_mean: float
-    seconds: float
+from asyncrl.types import EvalResult, Rollout, RolloutBatch, RolloutGroup, RolloutJob
 
 
 class RolloutWorker:

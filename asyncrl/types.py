@@ -1,4 +1,6 @@
-"""The data contract between modules: Rollout -> RolloutGroup -> TrainBatch -> TokenLossInputs.
+"""The data contract between modules: Rollout -> RolloutGroup -> TrainBatch -> TokenLossInputs,
+and what workers report back (RolloutBatch, EvalResult, StepReport). Every type that crosses a
+boundary lives here, so the control side names them without importing a worker module.
 
 Token layout, shared by every tensor below: a row is ``prompt + response`` followed by right
 padding. Per-token tensors are aligned with ``input_ids``: position t describes token t, so
@@ -8,8 +10,9 @@ padding. Per-token tensors are aligned with ``input_ids``: position t describes 
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 
 import torch
 from torch import Tensor
@@ -299,3 +302,93 @@ class TokenLossInputs:
     num_tokens: Tensor
     num_sequences: Tensor
     sequence_sum: Callable[[Tensor], Tensor] = _row_sum  # per-row sum over the whole sequence
+
+
+# ---- what workers report back to the controller -----------------------------------------------
+
+
+@dataclass
+class RolloutBatch:
+    """The groups of one generation call, in job order, and what it cost."""
+
+    groups: list[RolloutGroup]
+    num_tokens: int
+    seconds: float
+
+
+@dataclass(frozen=True)
+class EvalResult:
+    num_prompts: int
+    accuracy: float
+    reward_mean: float
+    response_length_mean: float
+    seconds: float
+
+
+@dataclass
+class StepResult:
+    """What one optimizer step reports; every mean is a global sum over a global count."""
+
+    version: int
+    loss: float
+    grad_norm: float
+    lr: float
+    num_sequences: int
+    num_tokens: int
+    num_microbatches: int
+    metrics: dict[str, float] = field(default_factory=dict)
+    skipped: bool = False  # non-finite loss or gradient: no update, but the step (and its data) is used up
+    num_updates: int = 1  # optimizer updates applied (K mini-batches: up to K); skipped and empty ones are not
+
+
+@dataclass
+class StepData:
+    """What a step was trained on, summed over its chunks (the controller turns it into metrics).
+
+    Built from group metadata only (no token tensors), so every rank counts the whole step."""
+
+    num_groups: int = 0
+    num_filtered_groups: int = 0
+    num_refill_groups: int = 0  # of num_groups, replacements for filtered groups (set by the controller)
+    num_samples: int = 0
+    reward_sum: float = 0.0
+    reward_sq_sum: float = 0.0
+    num_correct: float = 0.0
+    response_tokens: int = 0
+    reward_errors: int = 0
+    reward_timeouts: int = 0
+    rollout_retries: int = 0
+    lag_histogram: Counter = field(default_factory=Counter)
+    groups: list[dict] = field(default_factory=list)  # one record per group, for groups.jsonl
+
+    def add(self, group: RolloutGroup, version: int) -> None:
+        self.num_groups += 1
+        self.num_samples += group.size
+        self.reward_sum += float(group.rewards.double().sum())
+        self.reward_sq_sum += float(group.rewards.double().square().sum())
+        if group.correct is not None:
+            self.num_correct += float(group.correct.sum())
+        self.response_tokens += group.response_tokens
+        self.reward_errors += group.reward_errors
+        self.reward_timeouts += group.reward_timeouts
+        self.rollout_retries += group.retries
+        self.lag_histogram[version - group.start_version] += 1
+        self.groups.append(
+            {
+                "step": version + 1,
+                "prompt_uid": group.prompt_uid,
+                "target_step": group.target_step,
+                "start_version": group.start_version,
+                "end_version": group.end_version,
+                "trained_at": version,
+                "lag": version - group.start_version,
+                "reward_mean": float(group.rewards.mean()),
+                "num_correct": float(group.correct.sum()) if group.correct is not None else None,
+            }
+        )
+
+
+@dataclass
+class StepReport:
+    result: StepResult
+    data: StepData

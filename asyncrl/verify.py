@@ -34,11 +34,11 @@ from asyncrl.algorithms.grpo import GRPO
 from asyncrl.config import LossConfig, ParallelConfig, TrainerConfig
 from asyncrl.models import SampledDistribution, build_tiny_model, token_logprobs
 from asyncrl.plants import PLANTS, Plant
-from asyncrl.trainer import PolicyTrainer, StepResult
+from asyncrl.trainer import PolicyTrainer
 from asyncrl.trainer.context_parallel import ContextParallel, Shard
 from asyncrl.trainer.parallel import ParallelContext, init_parallel, launch
 from asyncrl.trainer.worker import split_evenly
-from asyncrl.types import TrainBatch
+from asyncrl.types import StepResult, TrainBatch
 
 UPDATE_PLANTS = ("whole-step-normalizer", "recompute-proximal")  # mistakes that need several updates
 CP_PLANTS = (

@@ -29,7 +29,6 @@ from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -41,7 +40,7 @@ from asyncrl.config import RunConfig
 from asyncrl.controller import SingleController
 from asyncrl.data import Prompt, PromptLoader, Task
 from asyncrl.sampler import InOrderSampler, WeightFifoSampler, WindowedSampler
-from asyncrl.types import RolloutGroup
+from asyncrl.types import EvalResult, RolloutBatch, RolloutGroup, StepData, StepReport, StepResult
 
 FUZZ_SEED = int(os.environ.get("ASYNCRL_FUZZ_SEED", "20250611"))
 MAX_YIELDS = 4  # event-loop turns let pass after a decision: 0 .. MAX_YIELDS - 1, chosen at random
@@ -212,7 +211,7 @@ class FakeRolloutWorker:
     def evaluate(self, prompts) -> asyncio.Future:
         return self.scheduler.submit(self.name, self._evaluate, len(prompts))
 
-    def _generate(self, jobs) -> SimpleNamespace:
+    def _generate(self, jobs) -> RolloutBatch:
         stale = [job.slot_id for job in jobs if job.start_version != self.version]
         if stale:
             self.ledger.violations.append(f"{self.name}: slots {stale} generated on weights {self.version}")
@@ -225,17 +224,15 @@ class FakeRolloutWorker:
             self.ledger.failed_batches += 1
             raise RuntimeError("injected generation failure")
         groups = [fake_group(job, self.version) for job in jobs]
-        return SimpleNamespace(groups=groups, num_tokens=2 * len(groups), seconds=0.0)
+        return RolloutBatch(groups=groups, num_tokens=2 * len(groups), seconds=0.0)
 
     def _load_weights(self, version: int) -> None:
         if version < self.version:
             self.ledger.violations.append(f"{self.name}: weights went back from {self.version} to {version}")
         self.version = version
 
-    def _evaluate(self, num_prompts: int) -> SimpleNamespace:
-        return SimpleNamespace(
-            accuracy=0.0, reward_mean=0.0, num_prompts=num_prompts, response_length_mean=1.0, seconds=0.0
-        )
+    def _evaluate(self, num_prompts: int) -> EvalResult:
+        return EvalResult(num_prompts=num_prompts, accuracy=0.0, reward_mean=0.0, response_length_mean=1.0, seconds=0.0)
 
 
 def is_poisoned(uid: str, scenario: Scenario) -> bool:
@@ -310,7 +307,7 @@ class FakeTrainer:
         self._maybe_fail()
         return len(self.step_groups)
 
-    def _finish_step(self) -> SimpleNamespace:
+    def _finish_step(self) -> StepReport:
         self._maybe_fail()
         groups, self.step_groups = self.step_groups or [], None
         self.ledger.trained += [(group, self.version) for group in groups]
@@ -334,10 +331,9 @@ class FakeTrainer:
         return Path(run_dir) / f"step-{step:06d}"
 
 
-def step_report(version: int, groups: list[RolloutGroup]) -> SimpleNamespace:
-    """The fields of a StepReport the controller's step record reads."""
-    lags = Counter(version - 1 - group.start_version for group in groups)
-    result = SimpleNamespace(
+def step_report(version: int, groups: list[RolloutGroup]) -> StepReport:
+    """A trainer's report of a step of ``groups``, trained at ``version - 1``."""
+    result = StepResult(
         version=version,
         loss=0.0,
         grad_norm=0.0,
@@ -346,24 +342,11 @@ def step_report(version: int, groups: list[RolloutGroup]) -> SimpleNamespace:
         num_tokens=len(groups),
         num_microbatches=1,
         metrics={"clip_mean": 0.0, "is_weight_mean": 1.0, "mismatch_kl_mean": 0.0},
-        skipped=False,
-        num_updates=1,
     )
-    data = SimpleNamespace(
-        num_groups=len(groups),
-        num_filtered_groups=0,
-        num_samples=len(groups),
-        reward_sum=0.0,
-        reward_sq_sum=0.0,
-        num_correct=0.0,
-        response_tokens=len(groups),
-        reward_errors=0,
-        reward_timeouts=0,
-        rollout_retries=sum(group.retries for group in groups),
-        lag_histogram=lags,
-        groups=[],
-    )
-    return SimpleNamespace(result=result, data=data)
+    data = StepData()
+    for group in groups:
+        data.add(group, version - 1)
+    return StepReport(result=result, data=data)
 
 
 class RecordingLoader(PromptLoader):

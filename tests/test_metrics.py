@@ -266,8 +266,7 @@ def test_terminal_mode_renders_bar_numbers_and_status():
 def test_step_record_is_a_function_of_its_inputs():
     from collections import Counter
 
-    from asyncrl.trainer.policy import StepResult
-    from asyncrl.trainer.worker import StepData, StepReport
+    from asyncrl.types import StepData, StepReport, StepResult
     from asyncrl.weights import SyncReport
 
     result = StepResult(

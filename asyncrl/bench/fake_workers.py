@@ -16,10 +16,7 @@ from typing import Any
 import torch
 
 from asyncrl.data import Prompt
-from asyncrl.rollout import EvalResult, RolloutBatch
-from asyncrl.trainer.policy import StepResult
-from asyncrl.trainer.worker import StepData, StepReport
-from asyncrl.types import RolloutGroup
+from asyncrl.types import EvalResult, RolloutBatch, RolloutGroup, StepData, StepReport, StepResult
 
 SEQUENCE_LENGTH = 8
 STEP_METRICS = {"clip_mean": 0.0, "is_weight_mean": 1.0, "mismatch_kl_mean": 0.0}

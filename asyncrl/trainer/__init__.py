@@ -1,5 +1,5 @@
 """The policy trainer: split train-step API, optimizer and schedule."""
 
-from asyncrl.trainer.policy import PolicyTrainer, StepInProgressError, StepResult
+from asyncrl.trainer.policy import PolicyTrainer, StepInProgressError
 
-__all__ = ["PolicyTrainer", "StepInProgressError", "StepResult"]
+__all__ = ["PolicyTrainer", "StepInProgressError"]

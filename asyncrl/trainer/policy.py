@@ -31,7 +31,7 @@ from asyncrl.models import SampledDistribution, token_logprobs
 from asyncrl.trainer.optim import build_optimizer, build_scheduler
 from asyncrl.trainer.recompute import checkpoint_activations
 from asyncrl.trainer.snapshot import StepSnapshot
-from asyncrl.types import TokenLossInputs, TrainBatch
+from asyncrl.types import StepResult, TokenLossInputs, TrainBatch
 
 if TYPE_CHECKING:
     from asyncrl.trainer.parallel import ParallelContext
@@ -45,22 +45,6 @@ _SUMMED_METRICS = ("clip", "is_weight", "ratio", "kl", "entropy", "mismatch_kl")
 
 class StepInProgressError(RuntimeError):
     """begin_train_step was called while a step is open (or a step method without one)."""
-
-
-@dataclass
-class StepResult:
-    """What one optimizer step reports; every mean is a global sum over a global count."""
-
-    version: int
-    loss: float
-    grad_norm: float
-    lr: float
-    num_sequences: int
-    num_tokens: int
-    num_microbatches: int
-    metrics: dict[str, float] = field(default_factory=dict)
-    skipped: bool = False  # non-finite loss or gradient: no update, but the step (and its data) is used up
-    num_updates: int = 1  # optimizer updates applied (K mini-batches: up to K); skipped and empty ones are not
 
 
 # Step counters accumulate in one float64 vector (summed over micro-batches, later over ranks, in

@@ -27,9 +27,8 @@ micro-batches hold its sequences, so rank 0 reports the whole step while fetchin
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -46,66 +45,13 @@ from torch.distributed.checkpoint.state_dict import (
 from asyncrl.checkpoint import read_weights, save_checkpoint
 from asyncrl.config import GRPOConfig
 from asyncrl.generation.base import sample_seed
-from asyncrl.trainer.policy import PolicyTrainer, StepResult
-from asyncrl.types import RolloutGroup, TrainBatch
+from asyncrl.trainer.policy import PolicyTrainer
+from asyncrl.types import RolloutGroup, StepData, StepReport, TrainBatch
 
 # Whole tensors, gathered from every rank onto rank 0's CPU (the other ranks get empty dicts).
 _FULL_ON_RANK0 = StateDictOptions(full_state_dict=True, cpu_offload=True)
 # Whole tensors in, each rank keeping its own shard of them.
 _FULL_INTO_SHARDS = StateDictOptions(full_state_dict=True, strict=False)
-
-
-@dataclass
-class StepData:
-    """What a step was trained on, summed over its chunks (the controller turns it into metrics).
-
-    Built from group metadata only (no token tensors), so every rank counts the whole step."""
-
-    num_groups: int = 0
-    num_filtered_groups: int = 0
-    num_refill_groups: int = 0  # of num_groups, replacements for filtered groups (set by the controller)
-    num_samples: int = 0
-    reward_sum: float = 0.0
-    reward_sq_sum: float = 0.0
-    num_correct: float = 0.0
-    response_tokens: int = 0
-    reward_errors: int = 0
-    reward_timeouts: int = 0
-    rollout_retries: int = 0
-    lag_histogram: Counter = field(default_factory=Counter)
-    groups: list[dict] = field(default_factory=list)  # one record per group, for groups.jsonl
-
-    def add(self, group: RolloutGroup, version: int) -> None:
-        self.num_groups += 1
-        self.num_samples += group.size
-        self.reward_sum += float(group.rewards.double().sum())
-        self.reward_sq_sum += float(group.rewards.double().square().sum())
-        if group.correct is not None:
-            self.num_correct += float(group.correct.sum())
-        self.response_tokens += group.response_tokens
-        self.reward_errors += group.reward_errors
-        self.reward_timeouts += group.reward_timeouts
-        self.rollout_retries += group.retries
-        self.lag_histogram[version - group.start_version] += 1
-        self.groups.append(
-            {
-                "step": version + 1,
-                "prompt_uid": group.prompt_uid,
-                "target_step": group.target_step,
-                "start_version": group.start_version,
-                "end_version": group.end_version,
-                "trained_at": version,
-                "lag": version - group.start_version,
-                "reward_mean": float(group.rewards.mean()),
-                "num_correct": float(group.correct.sum()) if group.correct is not None else None,
-            }
-        )
-
-
-@dataclass
-class StepReport:
-    result: StepResult
-    data: StepData
 
 
 @dataclass
