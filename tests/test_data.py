@@ -142,8 +142,14 @@ def test_too_few_problems_for_the_held_out_split_is_a_config_error():
         (["data.task=sums"], "data.task: unknown task 'sums'"),
         (["data.task=arithmetic", "data.difficulty=6"], "data.difficulty: arithmetic has levels 1-5, got 6"),
         (["data.difficulty=0"], "data.difficulty"),
-        (["data.path=x.jsonl"], "data.path: set, but data.task 'running_sum' does not read it (read by jsonl, parquet, hf_dataset)"),
-        (["data.eval_path=x.jsonl"], "data.eval_path: set, but data.task 'running_sum' does not read it (read by jsonl, parquet)"),
+        (
+            ["data.path=x.jsonl"],
+            "data.path: set, but data.task 'running_sum' does not read it (read by jsonl, parquet, hf_dataset)",
+        ),
+        (
+            ["data.eval_path=x.jsonl"],
+            "data.eval_path: set, but data.task 'running_sum' does not read it (read by jsonl, parquet)",
+        ),
         (["data.task=jsonl"], "data.path: required when data.task is jsonl"),
     ],
 )
@@ -356,7 +362,10 @@ def test_a_loader_over_a_reloaded_hf_dataset_resumes_where_the_saved_one_was(tmp
             ["data.task=jsonl", "data.path=x.jsonl", "data.eval_split=test"],
             "data.eval_split: set, but data.task 'jsonl' does not read it",
         ),
-        (["data.task=parquet", "data.path=x.parquet", "data.split=all"], "data.split: set, but data.task 'parquet' does not read it"),
+        (
+            ["data.task=parquet", "data.path=x.parquet", "data.split=all"],
+            "data.split: set, but data.task 'parquet' does not read it",
+        ),
         (["data.task=hf_dataset"], "data.path: required when data.task is hf_dataset"),
         (
             ["data.task=hf_dataset", "data.path=d", "data.eval_path=e.jsonl"],

@@ -107,7 +107,10 @@ def test_the_loader_resumes_a_reasoning_gym_split():
             "data.dataset: required when data.task is reasoning_gym",
         ),
         (["data.dataset=chain_sum"], "data.dataset: set, but data.task 'running_sum' does not read it"),
-        (["data.dataset_config={max_terms: 2}"], "data.dataset_config: set, but data.task 'running_sum' does not read it"),
+        (
+            ["data.dataset_config={max_terms: 2}"],
+            "data.dataset_config: set, but data.task 'running_sum' does not read it",
+        ),
         (
             ["data.task=reasoning_gym", "data.dataset=chain_sum"],
             "rewards.functions: data.task reasoning_gym is scored by",
