@@ -55,7 +55,17 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from asyncrl.buffer import ReplayBuffer
 from asyncrl.config import RunConfig, dump_config
 from asyncrl.data import Prompt, PromptLoader, Task
-from asyncrl.errors import RunStopped
+from asyncrl.errors import (
+    EvaluationFailedError,
+    NonFiniteStepsError,
+    RolloutFailedError,
+    RunInterrupted,
+    RunStopped,
+    StallError,
+    SyncTimedOut,
+    TrainStepError,
+    WeightLoadFailedError,
+)
 from asyncrl.handles import RolloutHandle, TrainerHandle
 from asyncrl.metrics import RunCounters, StepClock, step_record
 from asyncrl.refill import DynamicSampling
@@ -69,50 +79,6 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 STATE_VERSION = 2
 ABORT_TIMEOUT_S = 60.0  # a trainer too stuck to abort its step within this is left behind
-
-
-class RolloutFailedError(RunStopped):
-    """A prompt's generation failed more often than ``runtime.max_rollout_retries`` allows."""
-
-
-class TrainStepError(RunStopped):
-    """A train step kept failing after ``trainer.max_step_retries`` reruns (each aborted first)."""
-
-
-class NonFiniteStepsError(RunStopped):
-    """More consecutive non-finite steps than ``trainer.max_nonfinite_steps``."""
-
-
-class RunInterrupted(RunStopped):
-    """SIGINT or SIGTERM: the open step was aborted and its groups kept; exit 128 + signal."""
-
-    def __init__(self, signum: int, version: int) -> None:
-        super().__init__(f"interrupted by {signal.Signals(signum).name} at step {version}")
-        self.exit_code = 128 + signum
-
-
-class SyncTimedOut(RunStopped, SyncTimeoutError):
-    """A weight sync phase took longer than ``sync.timeout_s``; the step before it is complete, so
-    the run checkpoints it, unless the trainer's export was what hung."""
-
-    def __init__(self, err: SyncTimeoutError) -> None:
-        super().__init__(str(err))
-        self.trainer_healthy = self.saves_checkpoint = err.trainer_healthy
-
-
-class WeightLoadFailedError(RunStopped):
-    """A generator could not load the weights of a complete step, its backend's own restarts
-    included; the run checkpoints that step."""
-
-
-class EvaluationFailedError(RunStopped):
-    """An evaluation failed more often than ``runtime.max_rollout_retries`` allows."""
-
-
-class StallError(RunStopped):
-    """No loop made progress for ``runtime.watchdog_s``; the message says what each waited on."""
-
-    saves_checkpoint = False  # whatever hangs may be the trainer: the last checkpoint stands
 
 
 class SingleController:

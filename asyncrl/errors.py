@@ -1,11 +1,15 @@
-"""The run-stop error: what a controller, a worker handle or the CLI raises to end a run cleanly.
+"""The run-stop error and its kinds: what a controller, a worker handle or the CLI raises to end a
+run cleanly (docs/reliability.md has a row for each).
 
-Its own module so that workers and the CLI can raise and catch it without importing the controller.
+Its own module so that workers and the CLI can raise and catch them without importing the controller.
 """
 
 from __future__ import annotations
 
+import signal
 from pathlib import Path
+
+from asyncrl.weights import SyncTimeoutError
 
 
 class RunStopped(RuntimeError):
@@ -17,3 +21,47 @@ class RunStopped(RuntimeError):
     def __init__(self, message: str) -> None:
         super().__init__(message)
         self.checkpoint: Path | None = None
+
+
+class RolloutFailedError(RunStopped):
+    """A prompt's generation failed more often than ``runtime.max_rollout_retries`` allows."""
+
+
+class TrainStepError(RunStopped):
+    """A train step kept failing after ``trainer.max_step_retries`` reruns (each aborted first)."""
+
+
+class NonFiniteStepsError(RunStopped):
+    """More consecutive non-finite steps than ``trainer.max_nonfinite_steps``."""
+
+
+class RunInterrupted(RunStopped):
+    """SIGINT or SIGTERM: the open step was aborted and its groups kept; exit 128 + signal."""
+
+    def __init__(self, signum: int, version: int) -> None:
+        super().__init__(f"interrupted by {signal.Signals(signum).name} at step {version}")
+        self.exit_code = 128 + signum
+
+
+class SyncTimedOut(RunStopped, SyncTimeoutError):
+    """A weight sync phase took longer than ``sync.timeout_s``; the step before it is complete, so
+    the run checkpoints it, unless the trainer's export was what hung."""
+
+    def __init__(self, err: SyncTimeoutError) -> None:
+        super().__init__(str(err))
+        self.trainer_healthy = self.saves_checkpoint = err.trainer_healthy
+
+
+class WeightLoadFailedError(RunStopped):
+    """A generator could not load the weights of a complete step, its backend's own restarts
+    included; the run checkpoints that step."""
+
+
+class EvaluationFailedError(RunStopped):
+    """An evaluation failed more often than ``runtime.max_rollout_retries`` allows."""
+
+
+class StallError(RunStopped):
+    """No loop made progress for ``runtime.watchdog_s``; the message says what each waited on."""
+
+    saves_checkpoint = False  # whatever hangs may be the trainer: the last checkpoint stands

@@ -17,11 +17,11 @@ from test_train import SMALL, run
 
 from asyncrl.checkpoint import load_state, resolve_checkpoint
 from asyncrl.cli import main
-from asyncrl.controller import (
+from asyncrl.controller import SingleController
+from asyncrl.errors import (
     EvaluationFailedError,
     NonFiniteStepsError,
     RunInterrupted,
-    SingleController,
     StallError,
     TrainStepError,
     WeightLoadFailedError,

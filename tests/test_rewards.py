@@ -483,7 +483,7 @@ def test_a_run_whose_reward_holds_the_interpreter_lock_finishes_its_steps(tmp_pa
 def test_a_stalled_run_leaves_no_reward_processes(tmp_path):
     from test_train import run
 
-    from asyncrl.controller import StallError
+    from asyncrl.errors import StallError
 
     before = reward_processes(os.getpid())
     with pytest.raises(StallError):  # the first batch is scored, then generation hangs

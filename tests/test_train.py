@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from asyncrl.config import load_config
-from asyncrl.controller import RolloutFailedError
+from asyncrl.errors import RolloutFailedError
 from asyncrl.metrics import read_jsonl, strip_timing
 from asyncrl.run import train
 
