@@ -18,7 +18,7 @@ from asyncrl.types import RolloutGroup
 DOC = Path(__file__).resolve().parents[1] / "docs" / "plugins.md"
 
 # Beside the documented example: a variant that counts its loss calls, and one that judges every
-# group uninformative.
+# group informative, equal rewards included.
 EXTRA = """
 
 calls = []
@@ -30,9 +30,9 @@ class Counted(Reinforce):
         return super().token_loss(inputs)
 
 
-class NothingToLearn(Reinforce):
+class EveryGroupCounts(Reinforce):
     def informative(self, rewards):
-        return False
+        return True
 """
 
 
@@ -58,14 +58,10 @@ def test_the_documented_user_algorithm_trains_a_short_run(tmp_path, user_module)
 
 @pytest.mark.slow
 def test_the_algorithm_decides_which_groups_are_informative(tmp_path, user_module):
-    _, metrics, _ = run(
-        tmp_path,
-        "run",
-        "algorithm.name=my_algorithms:NothingToLearn",
-        "grpo.filter_zero_variance=true",
-        "grpo.max_steps=1",
-    )
-    assert metrics[0]["num_filtered_groups"] == 4 and metrics[0]["num_updates"] == 0
+    # every reward is 1, so GRPO's test would filter all four groups; this algorithm keeps them
+    settings = ["rewards.functions=[test_dynamic_sampling:constant_one]", "grpo.filter_zero_variance=true"]
+    _, metrics, _ = run(tmp_path, "run", "algorithm.name=my_algorithms:EveryGroupCounts", *settings, "grpo.max_steps=1")
+    assert metrics[0]["num_filtered_groups"] == 0 and metrics[0]["num_updates"] == 1
 
 
 @pytest.mark.parametrize(
