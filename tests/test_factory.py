@@ -39,13 +39,13 @@ def test_local_model_path_loads_model_and_its_tokenizer(tmp_path):
 
 
 def test_tokenizer_larger_than_the_model_vocabulary_is_rejected(tmp_path):
-    config = load_config(None, ["model.num_layers=1"])
-    small = build_tokenizer(config)
-    build_model(config, small).save_pretrained(tmp_path / "model")
     from asyncrl.models import build_char_tokenizer
 
-    build_char_tokenizer(alphabet="".join(chr(c) for c in range(0x100, 0x200))).save_pretrained(tmp_path / "tok")
-    bad = load_config(None, [f"model.path={tmp_path / 'model'}", f"tokenizer.path={tmp_path / 'tok'}"])
+    build_char_tokenizer(alphabet="0123456789 ").save_pretrained(tmp_path / "digits")
+    config = load_config(None, ["model.num_layers=1", f"tokenizer.path={tmp_path / 'digits'}"])
+    build_model(config, build_tokenizer(config)).save_pretrained(tmp_path / "model")
+    build_char_tokenizer().save_pretrained(tmp_path / "chars")  # the default alphabet: more tokens
+    bad = load_config(None, [f"model.path={tmp_path / 'model'}", f"tokenizer.path={tmp_path / 'chars'}"])
     with pytest.raises(ValueError, match="^tokenizer.path: "):
         build_model(bad, build_tokenizer(bad))
 
