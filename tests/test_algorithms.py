@@ -59,7 +59,7 @@ def test_the_documented_user_algorithm_trains_a_short_run(tmp_path, user_module)
 @pytest.mark.slow
 def test_the_algorithm_decides_which_groups_are_informative(tmp_path, user_module):
     # every reward is 1, so GRPO's test would filter all four groups; this algorithm keeps them
-    settings = ["rewards.functions=[test_dynamic_sampling:constant_one]", "grpo.filter_zero_variance=true"]
+    settings = ["rewards.functions=[reward_functions:constant_one]", "grpo.filter_zero_variance=true"]
     _, metrics, _ = run(tmp_path, "run", "algorithm.name=my_algorithms:EveryGroupCounts", *settings, "grpo.max_steps=1")
     assert metrics[0]["num_filtered_groups"] == 0 and metrics[0]["num_updates"] == 1
 

@@ -10,18 +10,10 @@ from asyncrl.data import build_task
 from asyncrl.models import build_tokenizer
 
 
-def constant_zero(completion: str, answer: str) -> float:
-    return 0.0
-
-
-def constant_one(completion: str, answer: str) -> float:
-    return 1.0
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("reward", ["constant_zero", "constant_one"])
 def test_a_run_where_every_group_is_filtered_completes_and_resumes(tmp_path, reward):
-    settings = ["grpo.filter_zero_variance=true", f"rewards.functions=[test_dynamic_sampling:{reward}]"]
+    settings = ["grpo.filter_zero_variance=true", f"rewards.functions=[reward_functions:{reward}]"]
     summary, metrics, _ = run(tmp_path, "run", *settings, "grpo.max_steps=2", "checkpoint.every_steps=1")
     assert summary["steps"] == 2
     assert [m["num_updates"] for m in metrics] == [0, 0]
@@ -31,17 +23,12 @@ def test_a_run_where_every_group_is_filtered_completes_and_resumes(tmp_path, rew
     assert summary["steps"] == 3 and resumed[-1]["empty_steps"] == 3
 
 
-def even_answers_score_even_lengths(completion: str, answer: str) -> float:
-    """Groups of odd answers all score 0 (filtered); the others vary with the completion's length."""
-    return float(answer[-1] in "02468" and len(completion) % 2 == 0)
-
-
 @pytest.mark.slow
 def test_refill_keeps_every_step_at_prompts_per_step_informative_groups_reproducibly(tmp_path):
     settings = [
         "grpo.filter_zero_variance=true",
         "grpo.max_refill_groups=32",
-        "rewards.functions=[test_dynamic_sampling:even_answers_score_even_lengths]",
+        "rewards.functions=[reward_functions:even_answers_score_even_lengths]",
         "grpo.max_steps=3",
     ]
     _, metrics, groups = run(tmp_path, "a", *settings)
@@ -60,7 +47,7 @@ def test_refill_works_under_the_windowed_sampler(tmp_path):
         "sampler.name=windowed",
         "grpo.filter_zero_variance=true",
         "grpo.max_refill_groups=32",
-        "rewards.functions=[test_dynamic_sampling:even_answers_score_even_lengths]",
+        "rewards.functions=[reward_functions:even_answers_score_even_lengths]",
         "grpo.max_steps=3",
     ]
     _, metrics, _ = run(tmp_path, "windowed", *settings)
@@ -79,7 +66,7 @@ def test_refills_given_up_after_their_stream_runs_out_do_not_hold_up_the_step(tm
         "data.epochs=1",
         "grpo.filter_zero_variance=true",
         "grpo.max_refill_groups=8",
-        "rewards.functions=[test_dynamic_sampling:constant_zero]",
+        "rewards.functions=[reward_functions:constant_zero]",
         "runtime.on_rollout_failure=skip",
         "runtime.max_rollout_retries=0",
         "runtime.watchdog_s=120",

@@ -4,9 +4,7 @@ plane, generator and trainer-rank deaths, and no Ray process left behind.
 Each run uses the small model of test_train.py; most of a run's seconds are actor start-up.
 """
 
-import itertools
 import math
-import os
 import re
 import signal
 import subprocess
@@ -23,17 +21,12 @@ from test_train import SMALL
 
 from asyncrl.config import ConfigError, load_config
 from asyncrl.metrics import read_jsonl, strip_timing
-from asyncrl.rewards.functions import exact_match
 from asyncrl.run import train
 from asyncrl.runtime.ray import TrainerRankDiedError
 from asyncrl.types import RolloutGroup, RolloutJob
 
 RAY = "runtime.name=ray"
-DIGITS = "rewards.functions=[test_ray:digits]"  # varies within groups even untrained: real gradients
-
-
-def digits(completion: str, answer: str) -> float:
-    return float(sum(c.isdigit() for c in completion))
+DIGITS = "rewards.functions=[reward_functions:digits]"  # varies within groups even untrained: real gradients
 
 
 def run(tmp_path, name, *overrides, resume=None):
@@ -234,33 +227,18 @@ def test_the_controller_runs_in_an_actor_and_broadcasts_weights_to_two_generator
     assert summary["steps"] == 4 and (tmp_path / "actor" / "eval.jsonl").is_file()
 
 
-_reward_calls = itertools.count(1)
-EXIT_AT_CALL = 50  # in a batch of weights version 1: after evaluation 0 (8 calls) and 4 batches of version 0
-
-
-def exit_once(completion: str, answer: str) -> float:
-    """exact_match, except that the rollout actor is killed at its EXIT_AT_CALL-th reward call while
-    the session's marker file exists; the first to rename the marker kills, so it happens once. The
-    call runs in the actor's reward process (one, so it sees all the actor's calls in order), whose
-    parent is the actor."""
-    marker = os.environ.get("ASYNCRL_TEST_EXIT_MARKER")
-    if next(_reward_calls) >= EXIT_AT_CALL and marker:
-        try:
-            os.rename(marker, f"{marker}.used")
-        except FileNotFoundError:
-            pass
-        else:
-            os.kill(os.getppid(), signal.SIGKILL)
-    return exact_match(completion, answer)
-
-
 @pytest.mark.slow
 def test_a_generator_that_dies_mid_run_is_restarted_with_the_latest_weights(ray_cluster, tmp_path, local_run):
     marker = ray_cluster
     marker.write_text("")
     _, _, local_groups = local_run("grpo.max_steps=5")
     summary, _, groups = run(
-        tmp_path, "ray", RAY, "grpo.max_steps=5", "rewards.functions=[test_ray:exit_once]", "rewards.processes=1"
+        tmp_path,
+        "ray",
+        RAY,
+        "grpo.max_steps=5",
+        "rewards.functions=[reward_functions:exit_once]",
+        "rewards.processes=1",
     )
     assert not marker.exists() and marker.with_name(f"{marker.name}.used").exists()  # it did die
     assert summary["steps"] == 5 and summary["rollout_retries"] >= 1

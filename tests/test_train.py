@@ -5,7 +5,6 @@ Each run is a few seconds: a 2-layer model, 4 prompts x 4 samples per step, shor
 
 import math
 import threading
-import time
 
 import pytest
 import torch
@@ -88,22 +87,13 @@ def test_the_end_of_the_data_stops_the_run_cleanly(tmp_path):
     assert threading.active_count() < 10
 
 
-def raising_reward(completion: str, answer: str) -> float:
-    raise ValueError("this reward always fails")
-
-
-def hanging_reward(completion: str, answer: str) -> float:
-    time.sleep(0.3)  # past the 0.1 s timeout, back soon enough not to pile up stuck threads
-    return 1.0
-
-
 @pytest.mark.slow
 def test_rewards_that_raise_or_hang_score_zero_and_are_counted(tmp_path):
     summary, metrics, _ = run(
         tmp_path,
         "faulty",
         "grpo.max_steps=2",
-        "rewards.functions=[exact_match, test_train:raising_reward, test_train:hanging_reward]",
+        "rewards.functions=[exact_match, reward_functions:raising_reward, reward_functions:hanging_reward]",
         "rewards.timeout_s=0.1",
     )
     samples_per_step = 4 * 4
