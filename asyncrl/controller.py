@@ -53,7 +53,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from asyncrl.buffer import ReplayBuffer
-from asyncrl.config import RunConfig, dump_config
+from asyncrl.config import ConfigError, RunConfig, dump_config
 from asyncrl.data import Prompt, PromptLoader, Task
 from asyncrl.errors import (
     EvaluationFailedError,
@@ -724,7 +724,10 @@ def _job_from_state(state: dict, split: dict[str, Prompt]) -> RolloutJob:
     saved = state["prompt"]
     prompt = split.get(saved["uid"].rsplit("/", 1)[0])
     if prompt is None or (prompt.text, prompt.answer) != (saved["text"], saved["answer"]):
-        raise ValueError(f"pending prompt {saved['uid']} is not in this run's train split")
+        raise ConfigError(
+            f"--resume: the checkpoint's pending prompt {saved['uid']} is not in this run's train split; "
+            "resume with the data settings the checkpoint was saved with"
+        )
     return RolloutJob(
         slot_id=-1,
         prompt=replace(prompt, uid=saved["uid"]),

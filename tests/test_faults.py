@@ -133,6 +133,25 @@ def test_a_prompt_that_always_fails_stops_the_run_with_a_resumable_checkpoint(tm
     assert len(read_jsonl(tmp_path / "stop" / "metrics.jsonl")) == 4
 
 
+def test_a_pending_prompt_missing_from_the_resumed_split_is_a_one_line_error():
+    """A resumed run takes each pending prompt back from its train split by uid; a split that lacks
+    it (or holds other text under that uid) means the data settings changed since the checkpoint."""
+    from asyncrl.config import ConfigError
+    from asyncrl.controller import _job_from_state
+    from asyncrl.data import Prompt
+
+    saved = {
+        "prompt": {"uid": "t/3/0", "text": "1+2=", "answer": "3"},
+        "start_version": 0,
+        "target_step": 0,
+        "retries": 0,
+    }
+    assert _job_from_state(saved, {"t/3": Prompt("t/3", "1+2=", "3")}).prompt.uid == "t/3/0"
+    for split in ({}, {"t/3": Prompt("t/3", "2+2=", "4")}):
+        with pytest.raises(ConfigError, match=r"^--resume: the checkpoint's pending prompt t/3/0 is not in this run's"):
+            _job_from_state(saved, split)
+
+
 def test_a_weight_sync_past_its_timeout_checkpoints_the_step_it_follows(tmp_path, capsys):
     with pytest.raises(SyncTimeoutError, match=r"sync.timeout_s=0.3s while loading weights version 1") as err:
         run(tmp_path, "slow", "faults.slow_sync_s=1", "sync.timeout_s=0.3")
