@@ -11,6 +11,7 @@ from asyncrl.config import ConfigError, DataConfig, RunConfig, load_config
 from asyncrl.data import ARITHMETIC_LEVELS, Prompt, PromptLoader, build_task, encode_prompts
 from asyncrl.data.prompts import apply_chat_template
 from asyncrl.data.synthetic import evaluate
+from asyncrl.metrics import read_jsonl
 from asyncrl.models.example import build_tokenizer as example_tokenizer
 from asyncrl.models.tokenizer import DEFAULT_ALPHABET, build_char_tokenizer
 from asyncrl.rewards import RewardRunner
@@ -285,6 +286,18 @@ def test_a_saved_dataset_dict_trains_on_one_split_and_holds_out_another(tmp_path
         Prompt("train/1", "6+1=", "7"),
         Prompt("train/2", "7+1=", "8"),
     ]
+
+
+@pytest.mark.slow
+def test_a_run_trains_on_a_saved_dataset_dict(tmp_path):
+    from test_train import run
+
+    path = saved_splits(tmp_path / "saved", train=sums(0, 40), test=sums(40, 48))
+    settings = ["data.task=hf_dataset", f"data.path={path}", "data.prompt_field=q", "data.answer_field=a"]
+    summary, metrics, groups = run(tmp_path, "run", *settings, "data.eval_split=test", "grpo.max_steps=2")
+    assert summary["steps"] == 2 and [m["num_groups"] for m in metrics] == [4, 4]
+    assert all(g["prompt_uid"].startswith("train/") for g in groups)
+    assert [e["num_prompts"] for e in read_jsonl(tmp_path / "run" / "eval.jsonl")] == [8, 8]
 
 
 def test_data_files_named_by_split_and_a_saved_single_dataset_load_the_same_way(tmp_path, no_network):
