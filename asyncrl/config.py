@@ -636,7 +636,7 @@ class RunConfig(Section):
     def _sampler_capacity(self) -> RunConfig:
         """Builds the sampler once, which checks its name and options, and keeps the capacity it needs
         (the run builds its own: a sampler has state)."""
-        from asyncrl.sampler import build_sampler
+        from asyncrl.control.sampler import build_sampler
 
         sampler = build_sampler(
             self.sampler.name, self.grpo.prompts_per_step, self.sampler.max_lag, self.sampler.options

@@ -9,7 +9,7 @@ from __future__ import annotations
 import signal
 from pathlib import Path
 
-from asyncrl.weights import SyncTimeoutError
+from asyncrl.weights.sync import SyncTimeoutError
 
 
 class RunStopped(RuntimeError):

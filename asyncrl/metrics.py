@@ -29,7 +29,7 @@ from asyncrl.config import LoggingConfig
 
 if TYPE_CHECKING:
     from asyncrl.types import StepReport
-    from asyncrl.weights import SyncReport
+    from asyncrl.weights.sync import SyncReport
 
 TIMING_PREFIX = "time/"
 METRICS_FILE = "metrics.jsonl"

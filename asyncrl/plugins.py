@@ -22,9 +22,9 @@ from pydantic import BaseModel, ValidationError
 
 BUILTINS: dict[str, dict[str, str]] = {
     "sampler": {
-        "in_order": "asyncrl.sampler:InOrderSampler",
-        "weight_fifo": "asyncrl.sampler:WeightFifoSampler",
-        "windowed": "asyncrl.sampler:WindowedSampler",
+        "in_order": "asyncrl.control.sampler:InOrderSampler",
+        "weight_fifo": "asyncrl.control.sampler:WeightFifoSampler",
+        "windowed": "asyncrl.control.sampler:WindowedSampler",
     },
     "reward": {
         "exact_match": "asyncrl.rewards.functions:exact_match",

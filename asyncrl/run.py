@@ -1,7 +1,7 @@
 """Build a run from its config and drive it: the code behind ``asyncrl train`` and ``asyncrl eval``.
 
 Everything heavy is built here (tokenizer, models, task, workers) and handed to the controller as
-handles, so ``controller.py`` stays the algorithm and nothing else.
+handles, so ``control/controller.py`` stays the algorithm and nothing else.
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ import torch
 import transformers
 
 from asyncrl.algorithms import build_algorithm
-from asyncrl.buffer import ReplayBuffer
 from asyncrl.checkpoint import (
     RUN_CONFIG_FILE,
     STATE_FILE,
@@ -29,11 +28,13 @@ from asyncrl.checkpoint import (
     resolve_checkpoint,
 )
 from asyncrl.config import ConfigError, RunConfig, dump_config
-from asyncrl.controller import SingleController
+from asyncrl.control.buffer import ReplayBuffer
+from asyncrl.control.controller import SingleController
+from asyncrl.control.handles import RolloutHandle, TrainerHandle
+from asyncrl.control.sampler import build_sampler
 from asyncrl.data import PromptLoader, build_task, check_encodable, check_prompt_lengths
 from asyncrl.faults import inject_rollout_faults, inject_trainer_faults
 from asyncrl.generation import SamplingParams, build_generator
-from asyncrl.handles import RolloutHandle, TrainerHandle
 from asyncrl.metrics import MetricsWriter, ProgressDisplay, read_jsonl, write_json_atomic
 from asyncrl.models.factory import build_model, build_tokenizer
 from asyncrl.models.hf import stop_token_ids
@@ -41,7 +42,6 @@ from asyncrl.plots import write_report
 from asyncrl.rewards import RewardRunner
 from asyncrl.rollout import RolloutWorker
 from asyncrl.runtime import build_runtime
-from asyncrl.sampler import build_sampler
 from asyncrl.trainer.group import TrainerGroup, build_trainer_rank
 from asyncrl.trainer.policy import PolicyTrainer
 from asyncrl.trainer.worker import TrainerWorker

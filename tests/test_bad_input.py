@@ -335,7 +335,7 @@ def test_a_prompt_that_just_fits_is_accepted():
 PLUGINS = """
 import asyncio
 
-from asyncrl.sampler import WindowedSampler
+from asyncrl.control.sampler import WindowedSampler
 
 
 def score(completion, answer):

@@ -7,7 +7,7 @@ import threading
 import pytest
 import torch
 
-from asyncrl.runtime.broadcast import BroadcastError, BroadcastMember, Entry, Layout, Rendezvous, signal_stop
+from asyncrl.weights.broadcast import BroadcastError, BroadcastMember, Entry, Layout, Rendezvous, signal_stop
 
 GROUP_TIMEOUT_S = 120.0
 

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from asyncrl.buffer import BufferFullError, ReplayBuffer, SlotError
+from asyncrl.control.buffer import BufferFullError, ReplayBuffer, SlotError
 from asyncrl.types import Rollout, RolloutGroup
 
 
@@ -200,5 +200,5 @@ def test_load_state_dict_replaces_contents_and_rejects_more_groups_than_capacity
 
 
 def test_buffer_and_sampler_import_without_torch():
-    code = "import sys; sys.modules['torch'] = None; import asyncrl.buffer, asyncrl.sampler"
+    code = "import sys; sys.modules['torch'] = None; import asyncrl.control.buffer, asyncrl.control.sampler"
     subprocess.run([sys.executable, "-c", code], check=True)

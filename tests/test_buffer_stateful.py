@@ -13,8 +13,8 @@ from hypothesis import Phase, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
 
-from asyncrl.buffer import BufferFullError, ReplayBuffer, SlotError
-from asyncrl.sampler import Admission, InOrderSampler, WeightFifoSampler, WindowedSampler
+from asyncrl.control.buffer import BufferFullError, ReplayBuffer, SlotError
+from asyncrl.control.sampler import Admission, InOrderSampler, WeightFifoSampler, WindowedSampler
 
 # (prompts_per_step, max_lag, capacity beyond the sampler's requirement)
 SHAPES = [(1, 0, 0), (2, 1, 0), (3, 2, 2)]

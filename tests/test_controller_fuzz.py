@@ -35,11 +35,11 @@ import torch
 from hypothesis import HealthCheck, Phase, given, note, seed, settings
 from hypothesis import strategies as st
 
-from asyncrl.buffer import ReplayBuffer
 from asyncrl.config import RunConfig
-from asyncrl.controller import SingleController
+from asyncrl.control.buffer import ReplayBuffer
+from asyncrl.control.controller import SingleController
+from asyncrl.control.sampler import InOrderSampler, WeightFifoSampler, WindowedSampler
 from asyncrl.data import Prompt, PromptLoader, Task
-from asyncrl.sampler import InOrderSampler, WeightFifoSampler, WindowedSampler
 from asyncrl.types import EvalResult, RolloutBatch, RolloutGroup, StepData, StepReport, StepResult
 
 FUZZ_SEED = int(os.environ.get("ASYNCRL_FUZZ_SEED", "20250611"))

@@ -24,10 +24,10 @@ SESSION = {
 # For each contract, one import that must break it. The workers' one is indirect: a worker reaches
 # the controller through the shared types module.
 PLANTED = {
-    "layers": ("asyncrl.controller", "asyncrl.run"),
-    "workers": ("asyncrl.types", "asyncrl.controller"),
-    "control-side": ("asyncrl.weights", "asyncrl.models.tiny"),
-    "torch-free": ("asyncrl.sampler", "torch"),
+    "layers": ("asyncrl.control.controller", "asyncrl.run"),
+    "workers": ("asyncrl.types", "asyncrl.control.controller"),
+    "control-side": ("asyncrl.weights.sync", "asyncrl.models.tiny"),
+    "torch-free": ("asyncrl.control.sampler", "torch"),
     "grpo": ("asyncrl.algorithms.grpo", "asyncrl.models.logprobs"),
     "models": ("asyncrl.models.logprobs", "asyncrl.algorithms.grpo"),
 }

@@ -267,7 +267,7 @@ def test_step_record_is_a_function_of_its_inputs():
     from collections import Counter
 
     from asyncrl.types import StepData, StepReport, StepResult
-    from asyncrl.weights import SyncReport
+    from asyncrl.weights.sync import SyncReport
 
     result = StepResult(
         version=3,

@@ -19,7 +19,7 @@ from pydantic import BaseModel
 
 from asyncrl.data import Prompt, Task
 from asyncrl.generation.hf import build_hf_generator
-from asyncrl.sampler import InOrderSampler
+from asyncrl.control.sampler import InOrderSampler
 
 built_samplers = []
 

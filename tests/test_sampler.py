@@ -2,8 +2,8 @@
 
 import pytest
 
-from asyncrl.buffer import ReplayBuffer
-from asyncrl.sampler import (
+from asyncrl.control.buffer import ReplayBuffer
+from asyncrl.control.sampler import (
     Admission,
     InOrderSampler,
     Sampler,
@@ -198,7 +198,7 @@ def test_builtin_names_resolve(cls):
 
 
 CUSTOM_MODULE = """
-from asyncrl.sampler import WindowedSampler
+from asyncrl.control.sampler import WindowedSampler
 
 class Newest(WindowedSampler):
     pass

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from asyncrl.runtime import LocalRuntime
-from asyncrl.weights import Changes, RolloutGate, SyncTimeoutError, WeightSync
+from asyncrl.weights.sync import Changes, RolloutGate, SyncTimeoutError, WeightSync
 
 
 class Recorder:

@@ -209,7 +209,7 @@ def test_the_controller_imports_no_model_code():
     import subprocess
     import sys
 
-    probe = "import sys, asyncrl.controller; print([m for m in ('transformers', 'asyncrl.models', 'asyncrl.generation') if m in sys.modules])"
+    probe = "import sys, asyncrl.control.controller; print([m for m in ('transformers', 'asyncrl.models', 'asyncrl.generation') if m in sys.modules])"
     assert (
         subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout.strip() == "[]"
     )

@@ -408,6 +408,6 @@ def test_cp_and_dp_cp_ranks_match_the_single_rank_worker(tmp_path, dp, cp):
 def test_workers_do_not_import_the_controller():
     """Workers share only asyncrl.errors with the controller, so a rank or an actor never loads it."""
     pytest.importorskip("ray")
-    code = "import sys, asyncrl.trainer.group, asyncrl.runtime.ray; print('asyncrl.controller' in sys.modules)"
+    code = "import sys, asyncrl.trainer.group, asyncrl.runtime.ray; print('asyncrl.control.controller' in sys.modules)"
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert proc.stdout.strip() == "False"

@@ -48,8 +48,8 @@ from asyncrl.models.example import write_example_checkpoint
 from asyncrl.models.factory import build_model, build_tokenizer
 from asyncrl.models.tiny import tiny_config
 from asyncrl.run import build_rollout_worker
-from asyncrl.runtime.broadcast import Layout
 from asyncrl.types import RolloutJob
+from asyncrl.weights.broadcast import Layout
 
 # The first test to use the server may also create the vLLM environment (3 to 5 minutes).
 pytestmark = pytest.mark.timeout(1200)

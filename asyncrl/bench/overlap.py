@@ -19,11 +19,11 @@ from typing import Any
 
 from asyncrl.bench.common import runtime_session, spawn_pair
 from asyncrl.bench.fake_workers import DelayRolloutWorker, DelayTrainerWorker, NullMetrics, NullProgress
-from asyncrl.buffer import ReplayBuffer
 from asyncrl.config import RunConfig, config_from_dict
-from asyncrl.controller import SingleController
+from asyncrl.control.buffer import ReplayBuffer
+from asyncrl.control.controller import SingleController
+from asyncrl.control.sampler import build_sampler
 from asyncrl.data import Prompt, PromptLoader, Task
-from asyncrl.sampler import build_sampler
 
 SHAPES = ((1.0, 1.0), (2.0, 1.0), (1.0, 2.0))  # (g, t) in units of ``scale`` seconds
 LAGS = (0, 1, 2)

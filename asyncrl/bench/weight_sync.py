@@ -22,7 +22,7 @@ from asyncrl.generation.hf import HFGenerator
 from asyncrl.models import build_tiny_model
 from asyncrl.trainer.policy import PolicyTrainer
 from asyncrl.trainer.worker import TrainerWorker
-from asyncrl.weights import Changes, RolloutGate, WeightSync
+from asyncrl.weights.sync import Changes, RolloutGate, WeightSync
 
 VOCAB = 256
 # name -> tiny model shape; the names are the approximate parameter counts.

@@ -13,7 +13,7 @@ values of the old weights; running requests are recomputed under the new ones, t
 tokens and logprobs kept), resume. The server then reports the version, which is checked. The
 update either names a safetensors file the state dict was written to (in /dev/shm when there is
 one), or, for a collective transfer, describes the flat buffers this process then broadcasts to
-the server's worker over a process group of the two (``runtime/broadcast.py``: gloo or NCCL).
+the server's worker over a process group of the two (``weights/broadcast.py``: gloo or NCCL).
 
 A server asyncrl started and that died is restarted and re-synced (from the last weights file,
 or this process's copy of the last broadcast) before the next call, up to ``max_restarts``
@@ -44,8 +44,8 @@ from asyncrl.data import build_task, longest_prompt
 from asyncrl.generation.base import SampleRequest, SamplingParams, check_vocabulary
 from asyncrl.generation.vllm_env import checked_python
 from asyncrl.generation.vllm_process import ServerError, VLLMServer, http_json
-from asyncrl.runtime.broadcast import BroadcastMember, Rendezvous
 from asyncrl.types import Rollout
+from asyncrl.weights.broadcast import BroadcastMember, Rendezvous
 
 SHM = Path("/dev/shm")
 CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256)  # what vLLM's CPU attention implements

@@ -14,7 +14,7 @@ beside the queued calls. Three things differ from threads in one process:
 - rank 0 leaves exported weights in the object store and the generators load them from there;
   the controller only passes the reference along. A restarted generator reloads the last weights
   its handle sent before it serves another call. Or, with ``sync.transport: broadcast``, rank 0
-  broadcasts them to the generators over a process group of their own (runtime/broadcast.py):
+  broadcasts them to the generators over a process group of their own (weights/broadcast.py):
   NCCL between GPUs. A generator that misses a broadcast loads that version from rank 0's copy
   through the object store, and every later sync goes through the object store
   (``WeightBroadcast``).
@@ -41,8 +41,8 @@ from torch import Tensor
 
 from asyncrl.config import RuntimeConfig
 from asyncrl.errors import RunStopped
-from asyncrl.runtime.broadcast import BroadcastError, BroadcastMember, Layout, Rendezvous, signal_stop
 from asyncrl.types import RolloutGroup
+from asyncrl.weights.broadcast import BroadcastError, BroadcastMember, Layout, Rendezvous, signal_stop
 
 logger = logging.getLogger(__name__)
 
@@ -211,7 +211,7 @@ class WorkerActor:
     def export_weights(self, broadcast: bool = False) -> tuple[tuple[int, int], Any]:
         """((version, bytes), rank 0's weights, or the ``Layout`` of their broadcast once it has
         started). Every rank takes part: FSDP gathers."""
-        from asyncrl.weights import state_dict_bytes
+        from asyncrl.weights.sync import state_dict_bytes
 
         if not broadcast:
             if self.member is not None:

@@ -32,7 +32,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from asyncrl.handles import RolloutHandle, TrainerHandle
+from asyncrl.control.handles import RolloutHandle, TrainerHandle
 
 
 class SyncTimeoutError(RuntimeError):

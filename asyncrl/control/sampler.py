@@ -35,7 +35,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
-from asyncrl.buffer import ReplayBuffer, Slot
+from asyncrl.control.buffer import ReplayBuffer, Slot
 from asyncrl.plugins import resolve, validate_options
 
 

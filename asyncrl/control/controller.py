@@ -52,8 +52,11 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from asyncrl.buffer import ReplayBuffer
 from asyncrl.config import ConfigError, RunConfig, dump_config
+from asyncrl.control.buffer import ReplayBuffer
+from asyncrl.control.handles import RolloutHandle, TrainerHandle
+from asyncrl.control.refill import DynamicSampling
+from asyncrl.control.sampler import Sampler
 from asyncrl.data import Prompt, PromptLoader, Task
 from asyncrl.errors import (
     EvaluationFailedError,
@@ -66,12 +69,9 @@ from asyncrl.errors import (
     TrainStepError,
     WeightLoadFailedError,
 )
-from asyncrl.handles import RolloutHandle, TrainerHandle
 from asyncrl.metrics import RunCounters, StepClock, step_record
-from asyncrl.refill import DynamicSampling
-from asyncrl.sampler import Sampler
 from asyncrl.types import RolloutGroup, RolloutJob
-from asyncrl.weights import Changes, RolloutGate, SyncReport, SyncTimeoutError, WeightLoadError, WeightSync
+from asyncrl.weights.sync import Changes, RolloutGate, SyncReport, SyncTimeoutError, WeightLoadError, WeightSync
 
 if TYPE_CHECKING:
     from asyncrl.types import RolloutBatch, StepReport
