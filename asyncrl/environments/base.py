@@ -1,0 +1,51 @@
+"""The environment seam: what a multi-turn episode talks to, in chat messages.
+
+An environment speaks messages; the episode loop (``episode.py``) speaks token ids. One
+instance serves one episode: ``reset`` gives the opening messages, then each model turn, parsed
+into an assistant message by ``parse``, goes to ``step``, which answers with the observation
+messages and whether the episode is over. The loop never re-templates the transcript: it appends
+the chat template's delta for each observation and keeps the sampled tokens as they were.
+
+A part of kind ``environment`` (asyncrl/plugins.py) is a subclass of ``Environment``, built once
+per episode as ``Class(**options)`` with options checked by its ``Options`` model. State shared by
+the episodes of a run (a pool of tool processes) lives at class level, created on first use.
+This module imports no torch: environment code stays light enough for the reward processes.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from asyncrl.data.prompts import Prompt
+
+Message = dict[str, Any]  # a chat message: {"role": ..., "content": ..., "tool_calls": [...]}
+
+
+@dataclass
+class Turn:
+    """The environment's answer to one model turn."""
+
+    messages: list[Message]  # new observation messages (role "tool" or "user"); [] when done
+    done: bool
+    reward: float | None = None  # the episode's reward when done; None: the run's rewards score the last answer
+    metrics: dict[str, float] = field(default_factory=dict)  # summed over the episode's turns (tool_calls, ...)
+
+
+class Environment(ABC):
+    """One episode's environment. ``tools``: JSON schemas for the chat template's ``tools=``."""
+
+    tools: ClassVar[list[dict]] = []
+
+    @abstractmethod
+    def reset(self, prompt: Prompt) -> list[Message]:
+        """The opening messages of the episode for ``prompt`` (system and user turns)."""
+
+    @abstractmethod
+    def step(self, assistant: Message) -> Turn:
+        """The model's parsed turn -> the observation, or the end of the episode."""
+
+    def parse(self, text: str) -> Message:
+        """The generated text of one turn as an assistant message (a tool environment parses calls)."""
+        return {"role": "assistant", "content": text}
