@@ -1,0 +1,57 @@
+"""The run configuration, one module per job:
+
+- ``base``: ``ConfigError`` and the strict ``Section`` base every section model extends;
+- ``model``, ``data``, ``generation``, ``rewards``, ``algorithm``, ``trainer``, ``control``,
+  ``outputs``: the sections, each with the checks that stay inside it;
+- ``root``: ``RunConfig``, one field per section; ``checks``: the checks that span sections;
+  ``derived``: defaults that depend on another section and the effective settings (``auto``
+  resolved);
+- ``loading``: YAML, dotted overrides and validation (``load_config``); ``safe_yaml``: the YAML
+  reader's limits; ``messages``: one-line errors; ``reference``: docs/configuration.md.
+
+Every problem is reported at load time as a one-line ``ConfigError`` that names the field. Nothing
+here imports torch, so ``asyncrl config`` stays fast.
+"""
+
+from asyncrl.config.algorithm import AggMode, AlgorithmConfig, GRPOConfig, LossConfig
+from asyncrl.config.base import ConfigError, Section
+from asyncrl.config.control import RuntimeConfig, SamplerConfig, SyncConfig
+from asyncrl.config.data import DataConfig
+from asyncrl.config.generation import MIN_TEMPERATURE, GenerationConfig, VLLMConfig
+from asyncrl.config.loading import config_from_dict, dump_config, load_config
+from asyncrl.config.model import ModelConfig, TokenizerConfig
+from asyncrl.config.outputs import CheckpointConfig, FaultsConfig, LoggingConfig
+from asyncrl.config.reference import config_reference
+from asyncrl.config.rewards import RewardConfig
+from asyncrl.config.root import RunConfig
+from asyncrl.config.trainer import ParallelConfig, TrainerConfig, WarmStartConfig
+
+__all__ = [
+    "MIN_TEMPERATURE",
+    "AggMode",
+    "AlgorithmConfig",
+    "CheckpointConfig",
+    "ConfigError",
+    "DataConfig",
+    "FaultsConfig",
+    "GRPOConfig",
+    "GenerationConfig",
+    "LoggingConfig",
+    "LossConfig",
+    "ModelConfig",
+    "ParallelConfig",
+    "RewardConfig",
+    "RunConfig",
+    "RuntimeConfig",
+    "SamplerConfig",
+    "Section",
+    "SyncConfig",
+    "TokenizerConfig",
+    "TrainerConfig",
+    "VLLMConfig",
+    "WarmStartConfig",
+    "config_from_dict",
+    "config_reference",
+    "dump_config",
+    "load_config",
+]

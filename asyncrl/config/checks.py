@@ -1,0 +1,119 @@
+"""The checks that span sections: each raises a ValueError that names its field, so a run never
+starts with a configuration that would deadlock or silently mean something else."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from asyncrl.config.root import RunConfig
+
+CONTEXT_PARALLEL_MODEL_TYPES = ("gemma2", "gemma3_text", "gpt2", "llama", "mistral", "phi3", "qwen2", "qwen3")
+
+
+def sampler_capacity(config: RunConfig) -> None:
+    """Builds the sampler once, which checks its name and options, and keeps the capacity it needs
+    (the run builds its own: a sampler has state)."""
+    from asyncrl.control.sampler import build_sampler
+
+    sampler = build_sampler(
+        config.sampler.name, config.grpo.prompts_per_step, config.sampler.max_lag, config.sampler.options
+    )
+    required = sampler.required_capacity(config.grpo.prompts_per_step) + config.grpo.max_refill_groups
+    config._required_capacity = required
+    capacity = config.sampler.buffer_capacity
+    if capacity is not None and capacity < required:
+        why = "prompts_per_step * (max_lag + 1) for a gated sampler; less would deadlock"
+        if config.grpo.max_refill_groups:
+            why += ", plus grpo.max_refill_groups, so refills never take an admission's slot"
+        raise ValueError(
+            f"sampler.buffer_capacity: {capacity} < {required} groups required by sampler "
+            f"'{config.sampler.name}' ({why if sampler.gated else 'one step of groups'})"
+        )
+
+
+def parallel_ranks(config: RunConfig) -> None:
+    parallel, ranks = config.parallel, config.parallel.world_size
+    if parallel.backend == "nccl" and config.trainer.device == "cpu":
+        raise ValueError("parallel.backend: nccl needs GPU trainer ranks, but trainer.device is cpu (use gloo)")
+    if parallel.backend == "gloo" and config.trainer.device == "cuda":
+        raise ValueError("parallel.backend: gloo runs CPU trainer ranks, but trainer.device is cuda (use nccl)")
+    if ranks > 1 and config.runtime.name == "local":
+        raise ValueError(
+            f"parallel.dp: dp*cp = {ranks} trainer ranks need runtime.name ray (the local runtime runs one)"
+        )
+    if config.generation.num_workers > 1 and config.runtime.name == "local":
+        raise ValueError(
+            f"generation.num_workers: {config.generation.num_workers} rollout workers need runtime.name ray "
+            "(the local runtime runs one)"
+        )
+    sequences = config.grpo.prompts_per_step * config.grpo.generations_per_prompt
+    if parallel.dp > sequences:
+        raise ValueError(f"parallel.dp: {parallel.dp} data-parallel ranks but only {sequences} sequences per step")
+
+
+def overlong_cache_fits(config: RunConfig) -> None:
+    cache, limit = config.rewards.overlong_cache, config.generation.max_new_tokens
+    if "overlong" in config.rewards.functions and cache > limit:
+        raise ValueError(f"rewards.overlong_cache: {cache} is more than generation.max_new_tokens {limit}")
+
+
+def task_reward(config: RunConfig) -> None:
+    has_checker, checker_required = config.data._checker
+    if checker_required and "task" not in config.rewards.functions:
+        raise ValueError(
+            f"rewards.functions: data.task {config.data.task} is scored by its own checker; "
+            "list task (rewards.functions=[task])"
+        )
+    if not has_checker and "task" in config.rewards.functions:
+        raise ValueError(
+            f"rewards.functions: the task reward needs a task with its own checker; data.task '{config.data.task}' has none"
+        )
+
+
+def behaviour_clip_is_one_update(config: RunConfig) -> None:
+    if config.loss.clip_against != "behaviour":
+        return
+    if config.grpo.num_minibatches * config.grpo.num_epochs > 1:
+        raise ValueError(
+            "loss.clip_against: behaviour takes one update per step; set grpo.num_minibatches and num_epochs to 1"
+        )
+    if config.loss.importance_sampling not in ("auto", "none"):
+        raise ValueError(
+            f"loss.importance_sampling: {config.loss.importance_sampling} with clip_against behaviour; the "
+            "ratio to the behaviour policy is already the importance weight (use auto or none)"
+        )
+
+
+def context_parallel_architecture(config: RunConfig) -> None:
+    """Context parallelism reimplements attention across ranks; an architecture it was not
+    checked on could silently attend to something else, so it is refused."""
+    config_file = None if config.model.path is None else Path(config.model.path).expanduser() / "config.json"
+    if config.parallel.cp == 1 or config_file is None or not config_file.is_file():
+        return
+    model_type = json.loads(config_file.read_text()).get("model_type")
+    if model_type not in CONTEXT_PARALLEL_MODEL_TYPES:
+        raise ValueError(
+            f"parallel.cp: model.path holds a '{model_type}' model; context parallelism is verified for "
+            f"{', '.join(CONTEXT_PARALLEL_MODEL_TYPES)} (docs/parallelism.md), so use parallel.cp=1"
+        )
+
+
+def transport_needs_ray(config: RunConfig) -> None:
+    if config.sync.transport != "auto" and config.runtime.name == "local":
+        raise ValueError(
+            f"sync.transport: {config.sync.transport} needs runtime.name ray (the local runtime hands weights over in memory)"
+        )
+
+
+CROSS_FIELD_CHECKS = (
+    sampler_capacity,
+    parallel_ranks,
+    overlong_cache_fits,
+    task_reward,
+    behaviour_clip_is_one_update,
+    context_parallel_architecture,
+    transport_needs_ray,
+)

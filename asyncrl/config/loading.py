@@ -1,0 +1,155 @@
+"""Reading a run config: YAML file, dotted ``a.b=value`` overrides, the checks pydantic leaves out
+(unknown keys with a suggestion, booleans where a number belongs, non-finite floats), validation."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any, get_args
+
+import yaml
+from pydantic import BaseModel, ValidationError
+
+from asyncrl.config.base import ConfigError, section_model
+from asyncrl.config.messages import one_line_error, shown, unknown_key_error
+from asyncrl.config.root import RunConfig
+from asyncrl.config.safe_yaml import TooLarge, load_yaml
+
+
+def _numeric(annotation: Any) -> bool:
+    """int or float, optional or not, or a list or tuple of them."""
+    if annotation in (int, float):
+        return True
+    args = [a for a in get_args(annotation) if a is not type(None) and a is not Ellipsis]
+    return bool(args) and all(_numeric(a) for a in args)
+
+
+def _textual(annotation: Any) -> bool:
+    """str, optional or not."""
+    return annotation is str or set(get_args(annotation)) == {str, type(None)}
+
+
+def _scalars(value: Any) -> list:
+    """A list or tuple value's items; any other value alone."""
+    return list(value) if isinstance(value, (list, tuple)) else [value]
+
+
+def _check_keys(model: type[BaseModel], data: Any, path: tuple[str, ...] = ()) -> None:
+    """Reject unknown keys anywhere in the tree (suggesting the closest valid one), a value where a
+    section belongs, and true / false where a number belongs (pydantic would read them as 1 / 0)."""
+    fields = model.model_fields
+    for key, value in data.items():
+        if key not in fields:
+            raise unknown_key_error(path, str(key), list(fields))
+        dotted = ".".join((*path, key))
+        annotation = fields[key].annotation
+        section = section_model(annotation)
+        if section is not None:
+            if not isinstance(value, dict):
+                example = f"{dotted}.{next(iter(section.model_fields))}"
+                raise ConfigError(
+                    f"{dotted}: is a section, so it takes keys such as {example}, not a value (got {shown(value)})"
+                )
+            _check_keys(section, value, (*path, key))
+        elif _numeric(annotation) and any(isinstance(v, bool) for v in _scalars(value)):
+            raise ConfigError(f"{dotted}: expected a number, got {shown(value)}")
+
+
+def _check_finite(config: BaseModel, path: tuple[str, ...] = ()) -> None:
+    """No float anywhere is inf or nan: every one is a size, a rate or a limit (null disables a limit)."""
+    for key, value in config:
+        dotted = (*path, key)
+        if isinstance(value, BaseModel):
+            _check_finite(value, dotted)
+        elif any(isinstance(v, float) and not math.isfinite(v) for v in _scalars(value)):
+            raise ConfigError(f"{'.'.join(dotted)}: must be a finite number (got {shown(value)})")
+
+
+def _set_dotted(data: dict, override: str) -> None:
+    if "=" not in override:
+        raise ConfigError(f"override '{override}': expected key=value, e.g. loss.mode=token-mean")
+    dotted, raw = override.split("=", 1)
+    keys = dotted.strip().split(".")
+    if not all(keys):
+        raise ConfigError(f"override '{override}': empty key")
+    model: type[BaseModel] = RunConfig
+    node = data
+    for depth, key in enumerate(keys):
+        fields = model.model_fields
+        if key not in fields:
+            raise unknown_key_error(tuple(keys[:depth]), key, list(fields))
+        if depth == len(keys) - 1:
+            try:
+                value = load_yaml(raw) if raw.strip() else None
+            except TooLarge as err:
+                raise ConfigError(f"{dotted.strip()}: the value is refused: {err}") from None
+            except (yaml.YAMLError, RecursionError):
+                value = raw
+            if _textual(fields[key].annotation) and isinstance(value, (int, float)):
+                value = raw.strip()  # data.path=2024 names a file, not a number
+            node[key] = value
+            return
+        section = section_model(fields[key].annotation)
+        if section is None:
+            raise ConfigError(f"{'.'.join(keys[: depth + 1])}: is a value, not a section")
+        model = section
+        if node.get(key) is None:
+            node[key] = {}
+        if not isinstance(node[key], dict):
+            raise ConfigError(f"{'.'.join(keys[: depth + 1])}: expected a section (a mapping), got {node[key]!r}")
+        node = node[key]
+
+
+def config_from_dict(data: dict[str, Any]) -> RunConfig:
+    """Validate a plain mapping into a RunConfig, raising a one-line ConfigError."""
+    _check_keys(RunConfig, data)
+    try:
+        config = RunConfig.model_validate(data)
+    except ValidationError as err:
+        raise one_line_error(err) from None
+    _check_finite(config)
+    return config
+
+
+def _read_yaml(path: Path) -> dict[str, Any]:
+    """A config file's mapping; every problem with the file itself is a one-line --config error."""
+    if path.is_dir():
+        raise ConfigError(f"--config: '{path}' is a directory, not a YAML file")
+    if not path.is_file():
+        raise ConfigError(f"--config: no such file '{path}'")
+    try:
+        raw = path.read_bytes()
+    except OSError as err:
+        raise ConfigError(f"--config: cannot read '{path}' ({err.strerror or err})") from None
+    try:
+        data = load_yaml(raw.decode("utf-8"))
+    except TooLarge as err:
+        raise ConfigError(f"--config: '{path}' is refused: {err}") from None
+    except RecursionError:
+        raise ConfigError(f"--config: '{path}' is nested too deeply to be a run config") from None
+    except UnicodeDecodeError as err:
+        line = raw.count(b"\n", 0, err.start) + 1
+        raise ConfigError(f"--config: '{path}' line {line}: not UTF-8 text; save the file as UTF-8") from None
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f" line {mark.line + 1}" if mark is not None else ""
+        problem = getattr(err, "problem", None)
+        raise ConfigError(f"--config: '{path}'{where}: invalid YAML" + (f" ({problem})" if problem else "")) from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"--config: '{path}' must hold a mapping of sections, got {type(data).__name__}")
+    return data
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
+    """Load YAML (or the defaults when ``path`` is None), then apply ``a.b=value`` overrides."""
+    data = _read_yaml(Path(path)) if path is not None else {}
+    for override in overrides:
+        _set_dotted(data, override)
+    return config_from_dict(data)
+
+
+def dump_config(config: RunConfig) -> str:
+    """The fully resolved configuration as YAML (written next to every run's outputs)."""
+    return yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False)

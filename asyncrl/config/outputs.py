@@ -1,0 +1,58 @@
+"""The ``checkpoint``, ``logging`` and ``faults`` sections: what a run writes, and faults for tests."""
+
+from __future__ import annotations
+
+from pydantic import Field
+
+from asyncrl.config.base import Section
+
+
+class CheckpointConfig(Section):
+    """When run state is saved."""
+
+    every_steps: int | None = Field(200, ge=1, description="save every k steps (and at the end); null: only at the end")
+    keep_last: int = Field(2, ge=1, description="checkpoints kept on disk")
+
+
+class LoggingConfig(Section):
+    """Outputs, evaluation cadence and metric sinks."""
+
+    output_dir: str | None = Field(
+        None,
+        description="run directory (metrics, checkpoints, report); null: runs/<date>-<time>; must not hold another run",
+    )
+    eval_every_steps: int | None = Field(50, ge=1, description="held-out evaluation cadence; null: start and end only")
+    tensorboard: bool = Field(True, description="write TensorBoard event files")
+    wandb: bool = Field(False, description="log to Weights & Biases when it is installed")
+    progress: bool = Field(True, description="live progress display")
+
+
+class FaultsConfig(Section):
+    """Injected faults, for testing how a run survives them (docs/reliability.md); all off by default."""
+
+    generate_errors: list[int] = Field(
+        default_factory=list, description="generation calls of a rollout worker (0-based, in call order) that raise"
+    )
+    failing_prompts: list[str] = Field(
+        default_factory=list, description="prompt uids whose generation raises on every attempt"
+    )
+    eval_errors: list[int] = Field(
+        default_factory=list, description="evaluation calls of a rollout worker (0-based, in call order) that raise"
+    )
+    hang_generate_calls: list[int] = Field(
+        default_factory=list, description="generation calls of a rollout worker that hang for hang_s first"
+    )
+    hang_s: float = Field(30.0, gt=0.0, description="how long an injected hang lasts")
+    train_errors: list[int] = Field(
+        default_factory=list, description="train steps whose first attempt raises after its first chunk"
+    )
+    nonfinite_steps: list[int] = Field(
+        default_factory=list, description="train steps whose gradients are made NaN, on every attempt"
+    )
+    slow_sync_s: float = Field(0.0, ge=0.0, description="every weight load into a generator first sleeps this long")
+    load_errors: list[int] = Field(
+        default_factory=list, description="weight loads into a rollout worker (0-based, in call order) that raise"
+    )
+    kill_in_checkpoint: int | None = Field(
+        None, ge=1, description="the process kills itself (SIGKILL) while writing the checkpoint of this step"
+    )

@@ -1,0 +1,68 @@
+"""The ``rewards`` section: the functions that score responses and their weights."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from pydantic import Field, model_validator
+
+from asyncrl.config.base import Section
+
+
+class RewardConfig(Section):
+    """How responses are scored."""
+
+    functions: list[str] = Field(
+        default_factory=lambda: ["exact_match"],
+        description="exact_match, numeric_match, math, format, overlong, task (the task's own checker: "
+        "reasoning_gym, running_sum), or package.module:attr (docs/plugins.md); the first one decides accuracy",
+    )
+    options: dict[str, dict[str, Any]] = Field(
+        default_factory=dict,
+        description="settings of a listed reward that declares them (its Options model), by its entry in functions; "
+        "built-ins take theirs from the keys below",
+    )
+    weights: list[float] | None = Field(None, description="one weight per function; null: all 1")
+    timeout_s: float = Field(5.0, gt=0.0, description="wall-clock limit of one reward call; past it the reward is 0")
+    format_pattern: str | None = Field(
+        None, description="regex the whole stripped completion must match for the format reward; null: the task's own"
+    )
+    overlong_cache: int | None = Field(
+        None,
+        ge=1,
+        description="L_cache of the overlong reward: 0 up to generation.max_new_tokens - L_cache tokens, then "
+        "linearly down to -1 at max_new_tokens (DAPO); required with overlong",
+    )
+    processes: int = Field(
+        4,
+        ge=1,
+        description="worker processes the reward calls run in, started on the first batch; a call past "
+        "timeout_s has its process killed and replaced",
+    )
+
+    @model_validator(mode="after")
+    def _functions_valid(self) -> RewardConfig:
+        from asyncrl.rewards.functions import reward_part
+
+        if not self.functions:
+            raise ValueError("rewards.functions: at least one reward function is needed")
+        for name in self.options:
+            if name not in self.functions:
+                raise ValueError(f"rewards.options.{name}: not in rewards.functions")
+        for name in self.functions:
+            if self.functions.count(name) > 1:
+                raise ValueError(f"rewards.functions: '{name}' is listed twice")
+            reward_part(name, self.options.get(name))
+        if "overlong" in self.functions and self.overlong_cache is None:
+            raise ValueError("rewards.overlong_cache: the overlong reward needs a cache length L_cache")
+        if self.weights is not None and len(self.weights) != len(self.functions):
+            raise ValueError(f"rewards.weights: {len(self.weights)} weights for {len(self.functions)} functions")
+        if self.weights is not None and not any(self.weights):
+            raise ValueError("rewards.weights: all 0, so every reward and every advantage is 0")
+        if self.format_pattern is not None:
+            try:
+                re.compile(self.format_pattern)
+            except re.error as err:
+                raise ValueError(f"rewards.format_pattern: invalid regex ({err})") from None
+        return self

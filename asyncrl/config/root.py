@@ -1,0 +1,52 @@
+"""``RunConfig``: one field per section. A new section is a module of its own and one field here;
+loading, overrides, the checks on keys and the reference page find it through this model."""
+
+from __future__ import annotations
+
+from pydantic import Field, PrivateAttr, model_validator
+
+from asyncrl.config.algorithm import AlgorithmConfig, GRPOConfig, LossConfig
+from asyncrl.config.base import Section
+from asyncrl.config.checks import CROSS_FIELD_CHECKS
+from asyncrl.config.control import RuntimeConfig, SamplerConfig, SyncConfig
+from asyncrl.config.data import DataConfig
+from asyncrl.config.derived import DerivedSettings, fill_defaults
+from asyncrl.config.generation import GenerationConfig, VLLMConfig
+from asyncrl.config.model import ModelConfig, TokenizerConfig
+from asyncrl.config.outputs import CheckpointConfig, FaultsConfig, LoggingConfig
+from asyncrl.config.rewards import RewardConfig
+from asyncrl.config.trainer import ParallelConfig, TrainerConfig, WarmStartConfig
+
+
+class RunConfig(Section, DerivedSettings):
+    """One asyncrl run."""
+
+    _required_capacity: int = PrivateAttr(0)  # the sampler's buffer minimum, found while validating
+
+    seed: int = Field(0, description="run seed: sampling seeds derive from it, the prompt uid and the sample index")
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    tokenizer: TokenizerConfig = Field(default_factory=TokenizerConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    generation: GenerationConfig = Field(default_factory=GenerationConfig)
+    vllm: VLLMConfig = Field(default_factory=VLLMConfig)
+    rewards: RewardConfig = Field(default_factory=RewardConfig)
+    algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
+    grpo: GRPOConfig = Field(default_factory=GRPOConfig)
+    loss: LossConfig = Field(default_factory=LossConfig)
+    sampler: SamplerConfig = Field(default_factory=SamplerConfig)
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+    runtime: RuntimeConfig = Field(default_factory=RuntimeConfig)
+    parallel: ParallelConfig = Field(default_factory=ParallelConfig)
+    sync: SyncConfig = Field(default_factory=SyncConfig)
+    warm_start: WarmStartConfig = Field(default_factory=WarmStartConfig)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = Field(default_factory=LoggingConfig)
+    faults: FaultsConfig = Field(default_factory=FaultsConfig)
+
+    @model_validator(mode="after")
+    def _across_sections(self) -> RunConfig:
+        """The defaults that depend on another section, then every check that spans sections."""
+        fill_defaults(self)
+        for check in CROSS_FIELD_CHECKS:
+            check(self)
+        return self
