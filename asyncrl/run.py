@@ -122,6 +122,10 @@ def _start_workers(
         if config.weight_transport == "broadcast":
             runtime.connect_broadcast(ranks[0], generators, config.broadcast_backend, config.sync.timeout_s)
         return TrainerGroup(ranks), generators
+    # the generator's copy first: a LoRA trainer turns ``model`` into its adapters' base in place
+    rollout_worker = _rollout_worker(
+        config, _input(build_generator, config, copy.deepcopy(model), tokenizer), rewards, tokenizer
+    )
     trainer_worker = TrainerWorker(
         _input(PolicyTrainer.from_config, config, model), config.grpo, tokenizer, seed=config.seed
     )
@@ -129,9 +133,6 @@ def _start_workers(
         _from_checkpoint(
             str(checkpoint_dir / STATE_FILE), trainer_worker.load_checkpoint, checkpoint_dir, state["trainer"]
         )
-    rollout_worker = _rollout_worker(
-        config, _input(build_generator, config, copy.deepcopy(model), tokenizer), rewards, tokenizer
-    )
     trainer = runtime.spawn(lambda: inject_trainer_faults(trainer_worker, config.faults), "trainer")
     return trainer, [runtime.spawn(lambda: rollout_worker, "rollout")]
 

@@ -19,6 +19,7 @@ from asyncrl.config.control import RuntimeConfig, SamplerConfig, SyncConfig
 from asyncrl.config.data import DataConfig
 from asyncrl.config.generation import MIN_TEMPERATURE, GenerationConfig, VLLMConfig
 from asyncrl.config.loading import config_from_dict, dump_config, load_config
+from asyncrl.config.lora import LoraConfig
 from asyncrl.config.model import ModelConfig, TokenizerConfig
 from asyncrl.config.outputs import CheckpointConfig, FaultsConfig, LoggingConfig
 from asyncrl.config.reference import config_reference
@@ -37,6 +38,7 @@ __all__ = [
     "GRPOConfig",
     "GenerationConfig",
     "LoggingConfig",
+    "LoraConfig",
     "LossConfig",
     "ModelConfig",
     "ParallelConfig",

@@ -108,6 +108,15 @@ def transport_needs_ray(config: RunConfig) -> None:
         )
 
 
+def lora_backend(config: RunConfig) -> None:
+    """An adapter-only weight sync needs a generator that holds the base and loads adapters."""
+    if config.lora.rank > 0 and config.generation.backend != "hf":
+        raise ValueError(
+            f"lora.rank: LoRA adapters are synced to generation.backend hf only, not '{config.generation.backend}' "
+            "(docs/lora.md)"
+        )
+
+
 CROSS_FIELD_CHECKS = (
     sampler_capacity,
     parallel_ranks,
@@ -116,4 +125,5 @@ CROSS_FIELD_CHECKS = (
     behaviour_clip_is_one_update,
     context_parallel_architecture,
     transport_needs_ray,
+    lora_backend,
 )

@@ -12,6 +12,7 @@ from asyncrl.config.control import RuntimeConfig, SamplerConfig, SyncConfig
 from asyncrl.config.data import DataConfig
 from asyncrl.config.derived import DerivedSettings, fill_defaults
 from asyncrl.config.generation import GenerationConfig, VLLMConfig
+from asyncrl.config.lora import LoraConfig
 from asyncrl.config.model import ModelConfig, TokenizerConfig
 from asyncrl.config.outputs import CheckpointConfig, FaultsConfig, LoggingConfig
 from asyncrl.config.rewards import RewardConfig
@@ -35,6 +36,7 @@ class RunConfig(Section, DerivedSettings):
     loss: LossConfig = Field(default_factory=LossConfig)
     sampler: SamplerConfig = Field(default_factory=SamplerConfig)
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+    lora: LoraConfig = Field(default_factory=LoraConfig)
     runtime: RuntimeConfig = Field(default_factory=RuntimeConfig)
     parallel: ParallelConfig = Field(default_factory=ParallelConfig)
     sync: SyncConfig = Field(default_factory=SyncConfig)

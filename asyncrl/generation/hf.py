@@ -32,6 +32,7 @@ from transformers import PreTrainedModel
 from asyncrl.generation.base import SampleRequest, SamplingParams, check_vocabulary
 from asyncrl.models.factory import DTYPES
 from asyncrl.models.logprobs import SampledDistribution, position_ids_from_mask
+from asyncrl.models.lora import adapter_tensors, apply_lora
 from asyncrl.types import Rollout
 
 if TYPE_CHECKING:
@@ -41,13 +42,26 @@ if TYPE_CHECKING:
 def build_hf_generator(
     config: RunConfig, model: PreTrainedModel, tokenizer, stop_token_ids: Sequence[int]
 ) -> HFGenerator:
-    """The ``hf`` backend: ``model`` in ``trainer.dtype``, in this process, ``generation.batch_size`` rows a chunk."""
+    """The ``hf`` backend: ``model`` in ``trainer.dtype``, in this process, ``generation.batch_size`` rows a chunk.
+
+    With ``lora.rank`` > 0 the generator holds the base with one adapter slot (models/lora.py) and a
+    sync copies the adapter alone into it. One slot is exact: this backend loads weights only
+    between batches (``loads_while_generating`` is False), so every token of a batch is sampled
+    with the adapter version the batch started with."""
     pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    dtype = DTYPES[config.trainer.dtype]
+    targets = None
+    if config.lora.rank > 0:
+        peft_model = apply_lora(model, config.lora, dtype)
+        targets, model = adapter_tensors(peft_model), peft_model.get_base_model()
+    else:
+        model = model.to(dtype)
     return HFGenerator(
-        model.to(DTYPES[config.trainer.dtype]),
+        model,
         stop_token_ids=stop_token_ids,
         pad_token_id=pad_token_id,
         batch_size=config.generation.batch_size,
+        targets=targets,
     )
 
 
@@ -57,8 +71,16 @@ class HFGenerator:
     loads_while_generating = False  # a sync copies into the tensors a running batch reads
 
     def __init__(
-        self, model: PreTrainedModel, *, stop_token_ids: Sequence[int], pad_token_id: int, batch_size: int
+        self,
+        model: PreTrainedModel,
+        *,
+        stop_token_ids: Sequence[int],
+        pad_token_id: int,
+        batch_size: int,
+        targets: Mapping[str, Tensor] | None = None,
     ) -> None:
+        """``targets``: the tensors a sync replaces, by name, sharing the model's storage; by default
+        every tensor of ``model.state_dict()`` (a LoRA generator passes its adapter's)."""
         vocab_size = model.get_input_embeddings().num_embeddings
         if not stop_token_ids:
             raise ValueError("HFGenerator.stop_token_ids: at least one stop token is needed")
@@ -73,7 +95,7 @@ class HFGenerator:
         self.pad_token_id = pad_token_id
         self.batch_size = batch_size
         self.version = 0
-        self._targets = self.model.state_dict()  # tensors sharing the model's storage: a sync copies into them
+        self._targets = dict(targets) if targets is not None else self.model.state_dict()  # a sync copies into them
         # transformers 5.24 renamed the forward's ``past_key_values`` to ``cache``; a GPU image may hold an older one.
         self._cache_name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 

@@ -28,6 +28,8 @@ from torch import Tensor, nn
 from asyncrl.algorithms import Algorithm, build_algorithm, grpo
 from asyncrl.config import LossConfig, RunConfig, TrainerConfig
 from asyncrl.models import SampledDistribution, token_logprobs
+from asyncrl.models.factory import DTYPES
+from asyncrl.models.lora import adapter_tensors, apply_lora, is_lora
 from asyncrl.trainer.optim import build_optimizer, build_scheduler
 from asyncrl.trainer.recompute import checkpoint_activations
 from asyncrl.trainer.snapshot import StepSnapshot
@@ -143,14 +145,21 @@ class PolicyTrainer:
     @classmethod
     def from_config(cls, config: RunConfig, model: nn.Module, parallel: ParallelContext | None = None) -> PolicyTrainer:
         """The trainer a run config describes; a KL penalty gets a frozen copy of ``model``.
+        With ``lora.rank`` > 0, ``model`` becomes the frozen base of LoRA adapters (in place,
+        models/lora.py), and the reference is that base.
 
         ``parallel``: this rank's context from ``trainer.parallel.start_rank(config.parallel, ...)``."""
+        reference = copy.deepcopy(model).requires_grad_(False) if config.loss.kl_coef > 0 else None
+        if config.lora.rank > 0:
+            if reference is not None:
+                reference.to(DTYPES[config.trainer.dtype])
+            model = apply_lora(model, config.lora, DTYPES[config.trainer.dtype])
         return cls(
             model,
             config.trainer,
             build_algorithm(config),
             total_steps=config.grpo.max_steps,
-            reference_model=copy.deepcopy(model) if config.loss.kl_coef > 0 else None,
+            reference_model=reference,
             parallel=parallel,
             distribution=SampledDistribution(
                 config.scoring_temperature, config.generation.top_k, config.generation.top_p
@@ -435,15 +444,17 @@ class PolicyTrainer:
         ``device``: no new memory to allocate and fill, but they change with the next optimizer
         step, so the caller must be done with them by then. Sharded (FSDP) weights are gathered
         whole one tensor at a time, so every rank must call it; only the first rank keeps them,
-        the others return an empty dict."""
+        the others return an empty dict. A LoRA policy exports its adapter alone, under PEFT's names
+        and in its own float32 (or float64) dtype (models/lora.py)."""
         keep = self.parallel is None or self.parallel.rank == 0
+        state = self.model.state_dict()
+        lora = is_lora(self.model)
+        cast = None if lora else self.forward_dtype
         weights = {}
-        for name, value in self.model.state_dict().items():
+        for name, value in (adapter_tensors(self.model, state) if lora else state).items():
             whole = _full(value).detach()
             if keep:
-                dtype = (
-                    self.forward_dtype if self.forward_dtype is not None and whole.is_floating_point() else whole.dtype
-                )
+                dtype = cast if cast is not None and whole.is_floating_point() else whole.dtype
                 weights[name] = whole.to(device or whole.device, dtype=dtype, copy=copy)
         return self.version, weights
 
@@ -481,9 +492,17 @@ class PolicyTrainer:
 
 
 def _upcast_low_precision(model: nn.Module) -> None:
-    """float32 masters for a model whose parameters were loaded in a lower precision."""
-    if any(p.is_floating_point() and p.dtype in (torch.bfloat16, torch.float16) for p in model.parameters()):
+    """float32 masters for a model whose parameters were loaded in a lower precision. A model with
+    frozen parameters (a LoRA base) keeps them as they are: only what trains needs a master."""
+    params = list(model.parameters())
+    trainable = [p for p in params if p.requires_grad]
+    if not any(p.is_floating_point() and p.dtype in (torch.bfloat16, torch.float16) for p in trainable):
+        return
+    if len(trainable) == len(params):
         model.float()
+        return
+    for p in trainable:
+        p.data = p.data.float()
 
 
 def _full(tensor: Tensor) -> Tensor:
