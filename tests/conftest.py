@@ -1,4 +1,5 @@
-"""Shared fixtures: one local Ray cluster for the whole test session, started on first use.
+"""Shared fixtures: one local Ray cluster and one vLLM server for the whole test session, each
+started on first use. Every test folder sees them (this file sits at the top of ``tests/``).
 
 Runs on ``runtime.name: ray`` find Ray connected and use this cluster; a runtime never shuts down
 a cluster it did not start. At the end of the session the cluster is shut down and no Ray server
@@ -7,47 +8,10 @@ process it started may remain.
 
 import logging
 import os
-import time
 from pathlib import Path
 
 import pytest
-
-RAY_SERVERS = ("raylet", "gcs_server")
-
-
-def ray_server_processes() -> set[int]:
-    """Process ids of Ray's server processes (raylet, gcs_server) on this machine."""
-    pids = set()
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                if (entry / "comm").read_text().strip() in RAY_SERVERS:
-                    pids.add(int(entry.name))
-            except OSError:  # the process ended while we looked
-                pass
-    return pids
-
-
-def dashboard_command_lines() -> list[list[str]]:
-    """The command lines of Ray's dashboard processes on this machine."""
-    lines = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                argv = (entry / "cmdline").read_bytes().decode(errors="replace").split("\0")
-            except OSError:
-                continue
-            if any(arg.endswith("dashboard/dashboard.py") for arg in argv):
-                lines.append(argv)
-    return lines
-
-
-def wait_until_gone(pids: set[int], timeout_s: float = 20.0) -> set[int]:
-    """Those of ``pids`` still running after up to ``timeout_s`` (servers take a moment to exit)."""
-    deadline = time.monotonic() + timeout_s
-    while (left := pids & ray_server_processes()) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    return left
+from helpers import ray_server_processes, vllm_processes, wait_for_exit, wait_until_gone
 
 
 @pytest.fixture(scope="session")
@@ -73,20 +37,6 @@ def ray_cluster(tmp_path_factory):
     yield marker
     ray.shutdown()
     assert not wait_until_gone(started), "Ray server processes outlived the test session"
-
-
-def vllm_processes() -> set[int]:
-    """Process ids of vLLM servers asyncrl started, and of their engine and worker processes."""
-    pids = set()
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                argv = (entry / "cmdline").read_bytes().decode(errors="replace")
-            except OSError:
-                continue
-            if "vllm_server.py" in argv or argv.startswith("VLLM::"):
-                pids.add(int(entry.name))
-    return pids
 
 
 @pytest.fixture(scope="session")
@@ -122,11 +72,3 @@ def vllm_generator(vllm_config):
     yield generator
     generator.close()
     assert not wait_for_exit(vllm_processes), "vLLM processes outlived the test session"
-
-
-def wait_for_exit(find, timeout_s: float = 20.0) -> set[int]:
-    """What ``find()`` still returns after up to ``timeout_s``."""
-    deadline = time.monotonic() + timeout_s
-    while (left := find()) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    return left

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_train import run
+from helpers import run
 
 from asyncrl.algorithms import build_algorithm
 from asyncrl.algorithms.grpo import GRPO, token_loss

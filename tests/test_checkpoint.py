@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_train import SMALL
+from helpers import SMALL
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import asyncrl.checkpoint as checkpoint

@@ -15,7 +15,7 @@ import shutil
 
 import pytest
 import torch
-from test_train import SMALL, run
+from helpers import SMALL, run
 
 from asyncrl.checkpoint import MANIFEST_FILE, resolve_checkpoint
 from asyncrl.cli import main

@@ -290,7 +290,7 @@ def test_a_saved_dataset_dict_trains_on_one_split_and_holds_out_another(tmp_path
 
 @pytest.mark.slow
 def test_a_run_trains_on_a_saved_dataset_dict(tmp_path):
-    from test_train import run
+    from helpers import run
 
     path = saved_splits(tmp_path / "saved", train=sums(0, 40), test=sums(40, 48))
     settings = ["data.task=hf_dataset", f"data.path={path}", "data.prompt_field=q", "data.answer_field=a"]

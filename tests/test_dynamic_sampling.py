@@ -3,7 +3,7 @@
 import json
 
 import pytest
-from test_train import SMALL, deterministic, run
+from helpers import SMALL, deterministic, run
 
 from asyncrl.config import load_config
 from asyncrl.data import build_task

@@ -13,7 +13,7 @@ import time
 
 import pytest
 import torch
-from test_train import SMALL, run
+from helpers import SMALL, run
 
 from asyncrl.checkpoint import load_state, resolve_checkpoint
 from asyncrl.cli import main

@@ -6,7 +6,7 @@ import re
 from pathlib import Path
 
 import pytest
-from test_train import run
+from helpers import run
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "metrics.md"
 

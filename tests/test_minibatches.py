@@ -1,7 +1,7 @@
 """Several optimizer updates per step, end to end: the clip acts and its bounds matter."""
 
 import pytest
-from test_train import deterministic, run
+from helpers import deterministic, run
 
 # the default warm start and two groups per mini-batch: rewards vary, so every update has a gradient to clip
 WARM = ["warm_start.steps=300", "grpo.prompts_per_step=8", "trainer.lr=0.003", "trainer.micro_batch_size=32"]

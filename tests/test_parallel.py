@@ -285,7 +285,7 @@ def test_init_parallel_rejects_a_mesh_that_does_not_match_the_started_ranks(tmp_
 
 def _abort_after_updates_on_fsdp_ranks(rank: int, world_size: int) -> bytes:
     """Two FSDP ranks: steps of three updates, the faulty trainer aborting each once after two."""
-    from test_trainer import updates_of
+    from helpers import updates_of
 
     model, batch, loss_cfg, trainer_cfg = build_problem("token-mean", torch.float64, 0, updates=3)
     loss_cfg = loss_cfg.model_copy(update={"kl_coef": 0.0})

@@ -5,8 +5,7 @@ import json
 import textwrap
 
 import pytest
-from test_bad_input import error
-from test_train import SMALL
+from helpers import SMALL, error
 
 from asyncrl.config import load_config
 from asyncrl.generation import build_generator

@@ -144,7 +144,7 @@ def test_the_trainer_takes_the_sampling_temperature_and_truncation(temperature):
 
 @pytest.mark.slow
 def test_an_on_policy_run_at_temperature_0_7_needs_no_correction(tmp_path):
-    from tests.test_train import run
+    from helpers import run
 
     _, metrics, _ = run(
         tmp_path,

@@ -16,8 +16,7 @@ from functools import partial
 
 import pytest
 import torch
-from conftest import dashboard_command_lines, ray_server_processes, wait_until_gone
-from test_train import SMALL
+from helpers import SMALL, dashboard_command_lines, ray_server_processes, wait_until_gone
 
 from asyncrl.config import ConfigError, load_config
 from asyncrl.metrics import read_jsonl, strip_timing

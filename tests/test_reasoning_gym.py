@@ -5,7 +5,7 @@ import pickle
 import sys
 
 import pytest
-from test_train import SMALL
+from helpers import SMALL
 
 from asyncrl.checkpoint import load_state
 from asyncrl.cli import main

@@ -463,7 +463,7 @@ def user_rewards(tmp_path, monkeypatch):
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_run_whose_reward_holds_the_interpreter_lock_finishes_its_steps(tmp_path, user_rewards):
-    from test_train import run
+    from helpers import run
 
     before = reward_processes(os.getpid())
     summary, metrics, _ = run(
@@ -481,7 +481,7 @@ def test_a_run_whose_reward_holds_the_interpreter_lock_finishes_its_steps(tmp_pa
 
 @pytest.mark.slow
 def test_a_stalled_run_leaves_no_reward_processes(tmp_path):
-    from test_train import run
+    from helpers import run
 
     from asyncrl.errors import StallError
 
@@ -493,7 +493,7 @@ def test_a_stalled_run_leaves_no_reward_processes(tmp_path):
 
 @pytest.mark.slow
 def test_sigterm_leaves_no_reward_processes(tmp_path):
-    from test_train import SMALL
+    from helpers import SMALL
 
     args = ["train", "--output-dir", str(tmp_path / "run"), *SMALL, "grpo.max_steps=100000"]
     process = subprocess.Popen([sys.executable, "-m", "asyncrl.cli", *args], stderr=subprocess.PIPE, text=True)

@@ -8,44 +8,11 @@ import threading
 
 import pytest
 import torch
+from helpers import SMALL, deterministic, run
 
 from asyncrl.config import load_config
 from asyncrl.errors import RolloutFailedError
-from asyncrl.metrics import read_jsonl, strip_timing
-from asyncrl.run import train
-
-SMALL = [  # the small arithmetic task: short answers, so 4 new tokens complete them
-    "data.task=arithmetic",
-    "data.difficulty=1",
-    "model.hidden_size=32",
-    "model.num_layers=2",
-    "model.num_heads=4",
-    "model.num_kv_heads=2",
-    "model.intermediate_size=64",
-    "grpo.prompts_per_step=4",
-    "grpo.generations_per_prompt=4",
-    "grpo.max_steps=4",
-    "generation.max_new_tokens=4",
-    "generation.batch_size=8",
-    "trainer.micro_batch_size=6",
-    "trainer.lr=0.01",
-    "trainer.lr_schedule=constant",  # a resumed run may then extend max_steps and still match exactly
-    "data.eval_size=8",
-    "warm_start.steps=0",
-    "logging.eval_every_steps=2",
-    "logging.tensorboard=false",
-    "logging.progress=false",
-]
-
-
-def run(tmp_path, name, *overrides, resume=None):
-    config = load_config(None, [*SMALL, f"logging.output_dir={tmp_path / name}", *overrides])
-    summary = train(config, resume=resume)
-    return summary, read_jsonl(tmp_path / name / "metrics.jsonl"), read_jsonl(tmp_path / name / "groups.jsonl")
-
-
-def deterministic(records):
-    return [strip_timing(r) for r in records]
+from asyncrl.metrics import strip_timing
 
 
 @pytest.mark.slow

@@ -5,6 +5,7 @@ from dataclasses import replace
 
 import pytest
 import torch
+from helpers import updates_of
 
 from asyncrl.algorithms import grpo
 from asyncrl.algorithms.grpo import GRPO
@@ -94,19 +95,6 @@ def test_abort_then_rerun_is_bit_identical_to_no_failure(fail_in):
     run_steps(faulty, batches, fail_at=1, fail_in=fail_in)
     assert clean.version == faulty.version == 3
     assert_bit_identical(snapshot(clean), snapshot(faulty))
-
-
-def updates_of(trainer, batch, fail_after: int | None = None):
-    """One step of three mini-batch updates; ``fail_after`` updates, the step fails and aborts."""
-    trainer.begin_train_step()
-    for index, part in enumerate(batch.split([4, 4, 4])):
-        if index == fail_after:
-            trainer.abort_train_step()
-            return
-        trainer.train_microbatch(part)
-        if index < 2:
-            trainer.finish_update()
-    trainer.finish_train_step()
 
 
 @pytest.mark.parametrize("store", [HostStore(pin=False), FileStore()], ids=["host", "file"])

@@ -11,7 +11,7 @@ from dataclasses import fields
 import pytest
 import torch
 import torch.distributed as dist
-from test_trainer_worker import make_groups
+from helpers import make_groups
 
 from asyncrl.config import load_config
 from asyncrl.data import build_task

@@ -1,21 +1,19 @@
 """TrainerWorker: chunk-invariant micro-batching, step data, checkpoints of the trainer side."""
 
 import copy
-import random
 
 import pytest
 import torch
+from helpers import TOKENIZER, make_groups
 
 from asyncrl.algorithms import grpo
 from asyncrl.algorithms.grpo import GRPO
 from asyncrl.checkpoint import load_state, resolve_checkpoint
 from asyncrl.config import GRPOConfig, LossConfig, TrainerConfig
-from asyncrl.models import build_char_tokenizer, build_tiny_model
+from asyncrl.models import build_tiny_model
 from asyncrl.trainer import PolicyTrainer
 from asyncrl.trainer.worker import TrainerWorker
-from asyncrl.types import Rollout, RolloutGroup, TrainBatch
-
-TOKENIZER = build_char_tokenizer()
+from asyncrl.types import RolloutGroup, TrainBatch
 
 
 def make_worker(micro_batch_size=5, kl_coef=0.0, **grpo) -> TrainerWorker:
@@ -30,24 +28,6 @@ def make_worker(micro_batch_size=5, kl_coef=0.0, **grpo) -> TrainerWorker:
         reference_model=copy.deepcopy(model) if kl_coef else None,
     )
     return TrainerWorker(trainer, GRPOConfig(generations_per_prompt=4, **grpo), TOKENIZER)
-
-
-def make_groups(seed: int, count: int = 5, n: int = 4, version: int = 0) -> list[RolloutGroup]:
-    rng = random.Random(seed)
-    groups = []
-    for g in range(count):
-        prompt = [rng.randrange(3, len(TOKENIZER)) for _ in range(rng.randint(2, 5))]
-        rollouts = []
-        for _ in range(n):
-            response = [rng.randrange(3, len(TOKENIZER)) for _ in range(rng.randint(1, 6))]
-            rollouts.append(
-                Rollout(prompt, response, [-rng.random() for _ in response], "stop", reward=float(rng.random() < 0.5))
-            )
-        group = RolloutGroup.from_rollouts(
-            f"p{seed}-{g}", rollouts, pad_id=0, start_version=version, target_step=version
-        )
-        groups.append(RolloutGroup(**{**group.__dict__, "correct": group.rewards.clone(), "reward_errors": g % 2}))
-    return groups
 
 
 def run_step(worker: TrainerWorker, groups, chunks):

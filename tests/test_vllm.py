@@ -21,8 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import vllm_processes, wait_for_exit
-from test_train import SMALL
+from helpers import SMALL, vllm_processes, wait_for_exit
 from transformers import AutoModelForCausalLM
 
 from asyncrl.cli import main

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_train import SMALL
+from helpers import SMALL
 
 from asyncrl.cli import main
 from asyncrl.config import load_config
