@@ -47,6 +47,7 @@ BUILTINS: dict[str, dict[str, str]] = {
         "vllm": "asyncrl.generation.vllm:build_vllm_generator",
     },
     "algorithm": {"grpo": "asyncrl.algorithms.grpo:build_grpo"},
+    "environment": {"feedback": "asyncrl.environments.feedback:FeedbackEnvironment"},
     "tool_parser": {"hermes": "asyncrl.environments.parsers:HermesParser"},
 }
 

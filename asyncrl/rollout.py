@@ -3,6 +3,10 @@
 The worker is a plain object; a runtime puts it behind a handle (a thread, or a Ray actor). One
 ``generate`` call is one deterministic generation batch: the caller composes it, the worker keeps
 its order, and every sample's seed comes from (run seed, prompt uid, sample index) alone.
+
+How a prompt becomes a completion is the worker's ``episodes`` (asyncrl/environments/episode.py):
+one turn by default, or multi-turn episodes against an environment. Either way a completion's
+reward is the environment's, when it gave one, or else the run's rewards' score of its text.
 """
 
 from __future__ import annotations
@@ -15,8 +19,9 @@ import torch
 from torch import Tensor
 
 from asyncrl.algorithms import Algorithm
-from asyncrl.data import Prompt, encode_prompts
-from asyncrl.generation import Generator, SampleRequest, SamplingParams, sample_seed
+from asyncrl.data import Prompt
+from asyncrl.environments.episode import Completion, Episodes, SingleTurn
+from asyncrl.generation import Generator, SamplingParams, sample_seed
 from asyncrl.rewards import RewardResult, RewardRunner
 from asyncrl.types import EvalResult, Rollout, RolloutBatch, RolloutGroup, RolloutJob
 
@@ -33,9 +38,11 @@ class RolloutWorker:
         sampling: SamplingParams,
         inflight: bool = False,
         algorithm: Algorithm | None = None,
+        episodes: Episodes | None = None,
     ) -> None:
         """``algorithm``: the run's, which judges whether each group is informative as it is
-        tensorized (None: ``RolloutGroup``'s own default, GRPO's test).
+        tensorized (None: ``RolloutGroup``'s own default, GRPO's test). ``episodes``: how prompts
+        become completions (None: ``SingleTurn``, one response to the prompt's text).
 
         ``inflight``: the generator takes weights while it generates (its responses then span
         versions), so a runtime may run ``load_weights`` beside ``generate`` (``unordered_methods``)."""
@@ -49,6 +56,7 @@ class RolloutWorker:
         self.sampling = sampling
         self.pad_id = tokenizer.pad_token_id
         self.algorithm = algorithm
+        self.episodes = episodes if episodes is not None else SingleTurn(generator, tokenizer)
 
     def load_weights(self, state_dict: Mapping[str, Tensor], version: int) -> None:
         self.generator.load_weights(state_dict, version)
@@ -68,60 +76,80 @@ class RolloutWorker:
                 f"loaded {self.generator.version}; a weight sync overtook its generation batch"
             )
         n = self.group_size
-        requests, answers = [], []
-        for job in jobs:
-            prompt_ids = self._encode(job.prompt)
-            requests += [SampleRequest(prompt_ids, sample_seed(self.run_seed, job.prompt.uid, i)) for i in range(n)]
-            answers += [job.prompt.answer] * n
-        rollouts = self.generator.generate(requests, self.sampling)
+        prompts = [job.prompt for job in jobs for _ in range(n)]
+        seeds = [sample_seed(self.run_seed, job.prompt.uid, i) for job in jobs for i in range(n)]
+        completions = self.episodes.run(prompts, seeds, self.sampling)
+        rollouts = [c.rollout for c in completions]
         end_version = self.generator.version if not self.inflight else max(version, *_token_versions(rollouts))
-        # One scoring call for the batch: a reward that hangs costs one timeout, not one per group.
-        scores = self.rewards.score(
-            [self._decode(r) for r in rollouts], answers, [len(r.response_ids) for r in rollouts]
-        )
+        scores = self._score(completions, [p.answer for p in prompts])
         groups = [
-            self._group(job, rollouts[j * n : (j + 1) * n], scores, slice(j * n, (j + 1) * n), end_version)
+            self._group(job, completions[j * n : (j + 1) * n], scores, slice(j * n, (j + 1) * n), end_version)
             for j, job in enumerate(jobs)
         ]
-        num_tokens = sum(len(r.response_ids) for r in rollouts)
+        num_tokens = sum(_sampled_tokens(r) for r in rollouts)
         return RolloutBatch(groups=groups, num_tokens=num_tokens, seconds=time.perf_counter() - start)
 
     def close(self) -> None:
-        """Release what the generator holds outside this process (a server it started)."""
-        close = getattr(self.generator, "close", None)
-        if close is not None:
-            close()
+        """Release what the generator and the episodes hold (a server it started, environment threads)."""
+        for part in (self.episodes, self.generator):
+            close = getattr(part, "close", None)
+            if close is not None:
+                close()
 
     def evaluate(self, prompts: Sequence[Prompt]) -> EvalResult:
         """Greedy accuracy and mean reward of one completion per prompt."""
         start = time.perf_counter()
-        requests = [SampleRequest(self._encode(p), sample_seed(self.run_seed, p.uid, 0)) for p in prompts]
-        rollouts = self.generator.generate(requests, self.sampling.greedy())
-        scores = self.rewards.score(
-            [self._decode(r) for r in rollouts], [p.answer for p in prompts], [len(r.response_ids) for r in rollouts]
-        )
+        seeds = [sample_seed(self.run_seed, p.uid, 0) for p in prompts]
+        completions = self.episodes.run(prompts, seeds, self.sampling.greedy())
+        rollouts = [c.rollout for c in completions]
+        scores = self._score(completions, [p.answer for p in prompts])
         count = max(len(prompts), 1)
         return EvalResult(
             num_prompts=len(prompts),
             accuracy=sum(scores.correct) / count,
             reward_mean=sum(scores.rewards) / count,
-            response_length_mean=sum(len(r.response_ids) for r in rollouts) / count,
+            response_length_mean=sum(_sampled_tokens(r) for r in rollouts) / count,
             seconds=time.perf_counter() - start,
         )
 
+    def _score(self, completions: Sequence[Completion], answers: Sequence[str]) -> RewardResult:
+        """The environment's reward where it gave one, else the run's rewards on the text.
+
+        One scoring call for the batch: a reward that hangs costs one timeout, not one per group."""
+        todo = [i for i, c in enumerate(completions) if c.reward is None]
+        scored = self.rewards.score(
+            [completions[i].text for i in todo],
+            [answers[i] for i in todo],
+            [_sampled_tokens(completions[i].rollout) for i in todo],
+        )
+        if len(todo) == len(completions):
+            return scored
+        rewards = [float(c.reward) if c.reward is not None else 0.0 for c in completions]
+        correct = [reward >= 1.0 for reward in rewards]  # the runner's rule: a score of 1 is a correct answer
+        errors, timeouts = [0] * len(completions), [0] * len(completions)
+        for k, i in enumerate(todo):
+            rewards[i], correct[i] = scored.rewards[k], scored.correct[k]
+            errors[i], timeouts[i] = scored.item_errors[k], scored.item_timeouts[k]
+        return RewardResult(rewards, correct, {}, errors, timeouts)
+
     def _group(
-        self, job: RolloutJob, samples: list[Rollout], scores: RewardResult, rows: slice, end_version: int
+        self, job: RolloutJob, samples: list[Completion], scores: RewardResult, rows: slice, end_version: int
     ) -> RolloutGroup:
-        for rollout, reward in zip(samples, scores.rewards[rows]):
+        rollouts = [c.rollout for c in samples]
+        for rollout, reward in zip(rollouts, scores.rewards[rows]):
             rollout.reward = reward
         group = RolloutGroup.from_rollouts(
             job.prompt.uid,
-            samples,
+            rollouts,
             pad_id=self.pad_id,
             start_version=job.start_version,
             end_version=end_version,
             target_step=job.target_step,
         )
+        episode_metrics: dict[str, float] = {}
+        for completion in samples:
+            for key, value in completion.metrics.items():
+                episode_metrics[key] = episode_metrics.get(key, 0.0) + value
         return replace(
             group,
             informative=group.informative if self.algorithm is None else self.algorithm.informative(group.rewards),
@@ -129,16 +157,13 @@ class RolloutWorker:
             reward_errors=sum(scores.item_errors[rows]),
             reward_timeouts=sum(scores.item_timeouts[rows]),
             retries=job.retries,
+            episode_metrics=episode_metrics,
         )
 
-    def _encode(self, prompt: Prompt) -> list[int]:
-        ids = encode_prompts([prompt.text], self.tokenizer)[0]
-        if not ids:
-            raise ValueError(f"prompt {prompt.uid}: tokenizes to no tokens")
-        return ids
 
-    def _decode(self, rollout: Rollout) -> str:
-        return self.tokenizer.decode(rollout.response_ids, skip_special_tokens=True)
+def _sampled_tokens(rollout: Rollout) -> int:
+    """Response tokens the generator sampled (an episode's observations are not)."""
+    return len(rollout.response_ids) if rollout.loss_mask is None else sum(rollout.loss_mask)
 
 
 def _token_versions(rollouts: Sequence[Rollout]) -> list[int]:

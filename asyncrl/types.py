@@ -41,18 +41,15 @@ class Rollout:
     finish_reason: str
     reward: float = 0.0
     versions: list[int] | None = None  # weight version that sampled each response token; None: one version
+    loss_mask: list[int] | None = None  # 1: sampled, trained; 0: an observation the environment appended. None: all 1
 
     def __post_init__(self) -> None:
         if not self.prompt_ids:
             raise ValueError("Rollout.prompt_ids: a prompt needs at least one token")
-        if len(self.logprobs) != len(self.response_ids):
-            raise ValueError(
-                f"Rollout.logprobs: {len(self.logprobs)} values for {len(self.response_ids)} response tokens"
-            )
-        if self.versions is not None and len(self.versions) != len(self.response_ids):
-            raise ValueError(
-                f"Rollout.versions: {len(self.versions)} values for {len(self.response_ids)} response tokens"
-            )
+        for name in ("logprobs", "versions", "loss_mask"):
+            values = getattr(self, name)
+            if values is not None and len(values) != len(self.response_ids):
+                raise ValueError(f"Rollout.{name}: {len(values)} values for {len(self.response_ids)} response tokens")
 
 
 @dataclass
@@ -74,11 +71,13 @@ class RolloutGroup:
     reward_timeouts: int = 0  # reward calls that ran past their timeout
     retries: int = 0  # failed generation attempts before this group was produced
     informative: bool | None = None  # the run's algorithm's judgement (Algorithm.informative); None: see below
+    token_versions: Tensor | None = None  # [n, T] int64 version that sampled each trained token, -1 elsewhere
+    episode_metrics: dict[str, float] = field(default_factory=dict)  # multi-turn episodes: sums over the samples
 
     def __post_init__(self) -> None:
         n, t = self.input_ids.shape
-        for name in ("attention_mask", "response_mask", "behaviour_logprobs"):
-            if tuple(getattr(self, name).shape) != (n, t):
+        for name in ("attention_mask", "response_mask", "behaviour_logprobs", "token_versions"):
+            if getattr(self, name) is not None and tuple(getattr(self, name).shape) != (n, t):
                 raise ValueError(f"RolloutGroup.{name}: shape {tuple(getattr(self, name).shape)} != {(n, t)}")
         for name in ("rewards", "correct"):
             value = getattr(self, name)
@@ -119,7 +118,8 @@ class RolloutGroup:
         end_version: int | None = None,
         target_step: int | None = None,
     ) -> RolloutGroup:
-        """Right-pad the samples of one prompt into ``[n, T]`` tensors."""
+        """Right-pad the samples of one prompt into ``[n, T]`` tensors; a rollout's ``loss_mask``
+        becomes its row of ``response_mask`` (observation tokens: 0, out of the loss and its counts)."""
         if not rollouts:
             raise ValueError("RolloutGroup.from_rollouts: a group needs at least one rollout")
         width = max(len(r.prompt_ids) + len(r.response_ids) for r in rollouts)
@@ -128,12 +128,17 @@ class RolloutGroup:
         attention_mask = torch.zeros((n, width), dtype=torch.long)
         response_mask = torch.zeros((n, width), dtype=torch.float32)
         logprobs = torch.zeros((n, width), dtype=torch.float32)
+        versions = None if all(r.versions is None for r in rollouts) else torch.full((n, width), -1)
         for i, r in enumerate(rollouts):
             p, length = len(r.prompt_ids), len(r.prompt_ids) + len(r.response_ids)
             input_ids[i, :length] = torch.tensor(r.prompt_ids + r.response_ids, dtype=torch.long)
             attention_mask[i, :length] = 1
-            response_mask[i, p:length] = 1.0
-            logprobs[i, p:length] = torch.tensor(r.logprobs, dtype=torch.float32)
+            mask = torch.ones(length - p) if r.loss_mask is None else torch.tensor(r.loss_mask, dtype=torch.float32)
+            response_mask[i, p:length] = mask
+            logprobs[i, p:length] = torch.tensor(r.logprobs, dtype=torch.float32) * mask
+            if versions is not None:
+                sampled = torch.tensor(r.versions or [start_version] * (length - p))
+                versions[i, p:length] = sampled.where(mask > 0, -1)
         return cls(
             prompt_uid=prompt_uid,
             input_ids=input_ids,
@@ -145,6 +150,7 @@ class RolloutGroup:
             start_version=start_version,
             end_version=start_version if end_version is None else end_version,
             target_step=target_step,
+            token_versions=versions,
         )
 
 

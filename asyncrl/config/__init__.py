@@ -1,7 +1,7 @@
 """The run configuration, one module per job:
 
 - ``base``: ``ConfigError`` and the strict ``Section`` base every section model extends;
-- ``model``, ``data``, ``generation``, ``rewards``, ``algorithm``, ``trainer``, ``control``,
+- ``model``, ``data``, ``generation``, ``rewards``, ``environment``, ``algorithm``, ``trainer``, ``control``,
   ``outputs``: the sections, each with the checks that stay inside it;
 - ``root``: ``RunConfig``, one field per section; ``checks``: the checks that span sections;
   ``derived``: defaults that depend on another section and the effective settings (``auto``
@@ -17,6 +17,7 @@ from asyncrl.config.algorithm import AggMode, AlgorithmConfig, GRPOConfig, LossC
 from asyncrl.config.base import ConfigError, Section
 from asyncrl.config.control import RuntimeConfig, SamplerConfig, SyncConfig
 from asyncrl.config.data import DataConfig
+from asyncrl.config.environment import EnvironmentConfig
 from asyncrl.config.generation import MIN_TEMPERATURE, GenerationConfig, VLLMConfig
 from asyncrl.config.loading import config_from_dict, dump_config, load_config
 from asyncrl.config.lora import LoraConfig
@@ -34,6 +35,7 @@ __all__ = [
     "CheckpointConfig",
     "ConfigError",
     "DataConfig",
+    "EnvironmentConfig",
     "FaultsConfig",
     "GRPOConfig",
     "GenerationConfig",

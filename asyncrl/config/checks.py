@@ -13,27 +13,6 @@ if TYPE_CHECKING:
 CONTEXT_PARALLEL_MODEL_TYPES = ("gemma2", "gemma3_text", "gpt2", "llama", "mistral", "phi3", "qwen2", "qwen3")
 
 
-def sampler_capacity(config: RunConfig) -> None:
-    """Builds the sampler once, which checks its name and options, and keeps the capacity it needs
-    (the run builds its own: a sampler has state)."""
-    from asyncrl.control.sampler import build_sampler
-
-    sampler = build_sampler(
-        config.sampler.name, config.grpo.prompts_per_step, config.sampler.max_lag, config.sampler.options
-    )
-    required = sampler.required_capacity(config.grpo.prompts_per_step) + config.grpo.max_refill_groups
-    config._required_capacity = required
-    capacity = config.sampler.buffer_capacity
-    if capacity is not None and capacity < required:
-        why = "prompts_per_step * (max_lag + 1) for a gated sampler; less would deadlock"
-        if config.grpo.max_refill_groups:
-            why += ", plus grpo.max_refill_groups, so refills never take an admission's slot"
-        raise ValueError(
-            f"sampler.buffer_capacity: {capacity} < {required} groups required by sampler "
-            f"'{config.sampler.name}' ({why if sampler.gated else 'one step of groups'})"
-        )
-
-
 def parallel_ranks(config: RunConfig) -> None:
     parallel, ranks = config.parallel, config.parallel.world_size
     if parallel.backend == "nccl" and config.trainer.device == "cpu":
@@ -117,8 +96,17 @@ def lora_backend(config: RunConfig) -> None:
         )
 
 
+def episodes_template_themselves(config: RunConfig) -> None:
+    """An episode applies the chat template to its environment's messages; a prompt text that is
+    templated already would be wrapped twice."""
+    if config.environment.name is not None and config.data.chat_template:
+        raise ValueError(
+            "data.chat_template: environment.name is set, and an episode templates its messages itself; "
+            "set data.chat_template=false"
+        )
+
+
 CROSS_FIELD_CHECKS = (
-    sampler_capacity,
     parallel_ranks,
     overlong_cache_fits,
     task_reward,
@@ -126,4 +114,5 @@ CROSS_FIELD_CHECKS = (
     context_parallel_architecture,
     transport_needs_ray,
     lora_backend,
+    episodes_template_themselves,
 )

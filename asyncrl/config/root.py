@@ -3,7 +3,7 @@ loading, overrides, the checks on keys and the reference page find it through th
 
 from __future__ import annotations
 
-from pydantic import Field, PrivateAttr, model_validator
+from pydantic import Field, model_validator
 
 from asyncrl.config.algorithm import AlgorithmConfig, GRPOConfig, LossConfig
 from asyncrl.config.base import Section
@@ -11,6 +11,7 @@ from asyncrl.config.checks import CROSS_FIELD_CHECKS
 from asyncrl.config.control import RuntimeConfig, SamplerConfig, SyncConfig
 from asyncrl.config.data import DataConfig
 from asyncrl.config.derived import DerivedSettings, fill_defaults
+from asyncrl.config.environment import EnvironmentConfig
 from asyncrl.config.generation import GenerationConfig, VLLMConfig
 from asyncrl.config.lora import LoraConfig
 from asyncrl.config.model import ModelConfig, TokenizerConfig
@@ -22,8 +23,6 @@ from asyncrl.config.trainer import ParallelConfig, TrainerConfig, WarmStartConfi
 class RunConfig(Section, DerivedSettings):
     """One asyncrl run."""
 
-    _required_capacity: int = PrivateAttr(0)  # the sampler's buffer minimum, found while validating
-
     seed: int = Field(0, description="run seed: sampling seeds derive from it, the prompt uid and the sample index")
     model: ModelConfig = Field(default_factory=ModelConfig)
     tokenizer: TokenizerConfig = Field(default_factory=TokenizerConfig)
@@ -31,6 +30,7 @@ class RunConfig(Section, DerivedSettings):
     generation: GenerationConfig = Field(default_factory=GenerationConfig)
     vllm: VLLMConfig = Field(default_factory=VLLMConfig)
     rewards: RewardConfig = Field(default_factory=RewardConfig)
+    environment: EnvironmentConfig = Field(default_factory=EnvironmentConfig)
     algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
     grpo: GRPOConfig = Field(default_factory=GRPOConfig)
     loss: LossConfig = Field(default_factory=LossConfig)

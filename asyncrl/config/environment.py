@@ -1,0 +1,45 @@
+"""The ``environment`` section: multi-turn episodes against an environment (docs/environments.md)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import Field, model_validator
+
+from asyncrl.config.base import Section
+
+
+class EnvironmentConfig(Section):
+    """What an episode talks to, and its limits; no name: one response per prompt (single turn)."""
+
+    name: str | None = Field(
+        None,
+        description="a built-in environment (docs/environments.md lists them) or package.module:Class; null: "
+        "single-turn, the prompt's text and one response; resolved when the rollout worker is built",
+    )
+    options: dict[str, Any] = Field(
+        default_factory=dict, description="settings of the environment (its Options model), built once per episode"
+    )
+    max_turns: int = Field(
+        4, ge=1, description="model turns per episode; an episode still going after them is truncated"
+    )
+    max_tokens: int = Field(
+        256, ge=1, description="response tokens per episode, observations included; past them it is truncated"
+    )
+    max_seconds: float | None = Field(
+        None,
+        gt=0.0,
+        description="wall time per episode; past it the episode is truncated (null: no limit, and a "
+        "limit makes a run depend on timing)",
+    )
+    threads: int = Field(32, ge=1, description="environment steps that run at once in a rollout worker")
+
+    @model_validator(mode="after")
+    def _environment_named(self) -> EnvironmentConfig:
+        from asyncrl.plugins import check_spec
+
+        if self.name is not None:
+            check_spec("environment", self.name, "environment.name")
+        elif self.options:
+            raise ValueError("environment.options: set, but environment.name is null (single-turn)")
+        return self

@@ -1,0 +1,176 @@
+"""Multi-turn episodes, token-in / token-out: the tokens kept are the ones sampled, each observation
+is the chat template's delta and is masked out of the loss, limits truncate, and an episode waiting
+on its environment never holds up the others."""
+
+import threading
+
+import pytest
+import torch
+
+from asyncrl.data import Prompt
+from asyncrl.environments import Environment, Turn
+from asyncrl.environments.episode import EpisodeLimits, MultiTurn, turn_seed
+from asyncrl.environments.feedback import FeedbackEnvironment
+from asyncrl.generation import SampleRequest, SamplingParams
+from asyncrl.generation.hf import HFGenerator
+from asyncrl.models.tiny import build_tiny_model
+from asyncrl.models.tokenizer import build_char_tokenizer
+from asyncrl.types import Rollout, RolloutGroup
+
+TOKENIZER = build_char_tokenizer(chat=True)
+EOS = TOKENIZER.eos_token_id
+PARAMS = SamplingParams(max_new_tokens=8)
+
+
+def ids(text: str) -> list[int]:
+    return TOKENIZER(text, add_special_tokens=False)["input_ids"]
+
+
+class ScriptedGenerator:
+    """Answers each request with the next text scripted for its prompt's first token... by seed:
+    ``script[seed][turn]`` (the turn is found from the seed), logprobs -0.1 * (position + 1)."""
+
+    loads_while_generating = False
+
+    def __init__(self, script: dict[int, list[list[int]]]) -> None:
+        self.by_seed = {turn_seed(seed, t): out for seed, turns in script.items() for t, out in enumerate(turns)}
+        self.version = 7
+        self.calls: list[list[int]] = []
+
+    def generate(self, requests: list[SampleRequest], params: SamplingParams) -> list[Rollout]:
+        self.calls.append([r.seed for r in requests])
+        rollouts = []
+        for r in requests:
+            out = self.by_seed[r.seed][: params.max_new_tokens]
+            stop = out[-1] == EOS
+            rollouts.append(
+                Rollout(
+                    list(r.prompt_ids), out, [-0.1 * (i + 1) for i in range(len(out))], "stop" if stop else "length"
+                )
+            )
+        return rollouts
+
+
+def run(script, prompts, limits=EpisodeLimits(max_turns=4, max_tokens=200), make_env=FeedbackEnvironment):
+    generator = ScriptedGenerator(script)
+    episodes = MultiTurn(generator, TOKENIZER, make_env, stop_token_ids=[EOS], limits=limits)
+    try:
+        return episodes.run(prompts, sorted(script), PARAMS), generator
+    finally:
+        episodes.close()
+
+
+def test_an_episode_keeps_the_sampled_tokens_and_appends_each_observation_as_the_template_delta():
+    turns = [ids("9") + [EOS], ids("3") + [EOS], ids("4") + [EOS]]
+    [completion], generator = run({11: turns}, [Prompt("p", "2+2=", "4")])
+    rollout = completion.rollout
+    assert rollout.prompt_ids == ids("U:2+2=\nA:")
+    too_high, too_low = ids("U:too high\nA:"), ids("U:too low\nA:")
+    assert rollout.response_ids == turns[0] + too_high + turns[1] + too_low + turns[2]
+    assert rollout.loss_mask == [1, 1] + [0] * len(too_high) + [1, 1] + [0] * len(too_low) + [1, 1]
+    assert rollout.logprobs == [-0.1, -0.2] + [0.0] * len(too_high) + [-0.1, -0.2] + [0.0] * len(too_low) + [-0.1, -0.2]
+    assert rollout.versions == [7, 7] + [-1] * len(too_high) + [7, 7] + [-1] * len(too_low) + [7, 7]
+    assert rollout.finish_reason == "stop"
+    assert completion.reward == 0.25 and completion.text == "4"  # solved at the third answer: 0.5 ** 2
+    metrics = completion.metrics
+    assert metrics["turns"] == 3 and metrics["solved"] == 1 and metrics["truncated"] == 0
+    assert (metrics["trained_tokens"], metrics["masked_tokens"]) == (6, len(too_high) + len(too_low))
+    transcript = [
+        {"role": "user", "content": "2+2="},
+        *[m for t in ("9", "too high", "3", "too low") for m in [{"role": "x", "content": t}]],
+        {"role": "assistant", "content": "4"},
+    ]
+    for i, role in enumerate(["assistant", "user", "assistant", "user"]):
+        transcript[1 + i]["role"] = role
+    assert rollout.prompt_ids + rollout.response_ids == ids(TOKENIZER.apply_chat_template(transcript, tokenize=False))
+    assert generator.calls == [[11], [turn_seed(11, 1)], [turn_seed(11, 2)]]
+
+
+def test_sampled_ids_are_kept_even_where_decoding_and_encoding_would_change_them():
+    unk = TOKENIZER.unk_token_id
+    [completion], _ = run({3: [ids("1") + [unk] + [EOS], ids("2") + [EOS]]}, [Prompt("p", "1+1=", "2")])
+    assert completion.rollout.response_ids[:3] == ids("1") + [unk, EOS]  # decode drops <unk>; the ids stay
+
+
+def test_the_episode_row_trains_only_the_sampled_tokens():
+    turns = [ids("9") + [EOS], ids("4") + [EOS]]
+    [completion], _ = run({5: turns}, [Prompt("p", "2+2=", "4")])
+    rollout = completion.rollout
+    group = RolloutGroup.from_rollouts("p", [rollout], pad_id=0, start_version=7, end_version=7)
+    p = len(rollout.prompt_ids)
+    assert group.response_mask[0, p:].tolist() == [float(m) for m in rollout.loss_mask]
+    assert group.response_tokens == 4
+    masked = group.response_mask[0] == 0
+    assert bool((group.behaviour_logprobs[0][masked] == 0).all())
+    assert group.token_versions[0].tolist() == [-1] * p + [7 if m else -1 for m in rollout.loss_mask]
+
+
+def test_limits_truncate_an_episode_by_turns_and_by_tokens():
+    wrong = [ids("9") + [EOS]] * 5
+    [by_turns], _ = run({1: wrong}, [Prompt("p", "2+2=", "4")], EpisodeLimits(max_turns=2, max_tokens=200))
+    assert by_turns.metrics["turns"] == 2 and by_turns.metrics["truncated"] == 1
+    assert by_turns.rollout.finish_reason == "length" and by_turns.reward is None  # the run's rewards score it
+    [by_tokens], _ = run({1: wrong}, [Prompt("p", "2+2=", "4")], EpisodeLimits(max_turns=5, max_tokens=15))
+    assert len(by_tokens.rollout.response_ids) <= 15 and by_tokens.metrics["truncated"] == 1
+    [cut], _ = run({1: [ids("123456") + [EOS]]}, [Prompt("p", "2+2=", "4")], EpisodeLimits(max_turns=5, max_tokens=3))
+    assert cut.rollout.response_ids == ids("123") and cut.rollout.finish_reason == "length"
+
+
+def test_a_template_that_rewrites_the_transcript_is_an_error_naming_the_tokenizer():
+    tokenizer = build_char_tokenizer(chat=True)
+    tokenizer.chat_template = "{% for m in messages[-1:] %}{{ m.content }}{% endfor %}"  # only the last message
+    generator = ScriptedGenerator({1: [ids("9") + [EOS], ids("4") + [EOS]]})
+    episodes = MultiTurn(generator, tokenizer, FeedbackEnvironment, stop_token_ids=[EOS], limits=EpisodeLimits(4, 99))
+    with pytest.raises(ValueError, match=r"^tokenizer .*chat template renders the transcript differently"):
+        episodes.run([Prompt("p", "2+2=", "4")], [1], PARAMS)
+    episodes.close()
+
+
+class _Blocking(Environment):
+    """Episode "slow" answers its first turn only once episode "fast" has finished three turns."""
+
+    fast_done = threading.Event()
+
+    def reset(self, prompt):
+        self.uid, self.turns = prompt.uid, 0
+        return [{"role": "user", "content": prompt.text}]
+
+    def step(self, assistant):
+        self.turns += 1
+        if self.uid == "slow":
+            assert type(self).fast_done.wait(timeout=20), "the slow environment held up the other episode"
+            return Turn([], done=True, reward=1.0)
+        if self.turns == 3:
+            type(self).fast_done.set()
+            return Turn([], done=True, reward=1.0)
+        return Turn([{"role": "user", "content": "again"}], done=False)
+
+
+def test_an_episode_waiting_on_its_environment_does_not_hold_up_the_others():
+    _Blocking.fast_done.clear()
+    answer = [ids("1") + [EOS]] * 3
+    prompts = [Prompt("slow", "1=", "1"), Prompt("fast", "1=", "1")]
+    (slow, fast), generator = run({1: answer, 2: answer}, prompts, make_env=_Blocking)
+    assert fast.metrics["turns"] == 3 and slow.metrics["turns"] == 1
+    assert generator.calls[0] == [1, 2]  # both first turns in one generation call
+    assert all(len(call) == 1 for call in generator.calls[1:])  # then the fast one alone, twice
+
+
+def test_an_episode_samples_the_same_tokens_alone_or_batched_with_others_on_the_hf_backend():
+    """Turns end on any digit, so the untrained model takes several turns."""
+    model = build_tiny_model(len(TOKENIZER), seed=0, dtype=torch.float64)
+    stops = ids("0123456789") + [EOS]
+    generator = HFGenerator(model, stop_token_ids=stops, pad_token_id=0, batch_size=8)
+    episodes = MultiTurn(generator, TOKENIZER, FeedbackEnvironment, stop_token_ids=stops, limits=EpisodeLimits(4, 60))
+    prompts = [Prompt(f"p{i}", f"{i}+{i}=", str(2 * i)) for i in range(4)]
+    together = episodes.run(prompts, [10, 11, 12, 13], SamplingParams(max_new_tokens=12))
+    alone = episodes.run(prompts[2:3], [12], SamplingParams(max_new_tokens=12))
+    episodes.close()
+    assert max(c.metrics["turns"] for c in together) > 1
+    one, batched = alone[0].rollout, together[2].rollout
+    assert (one.response_ids, one.loss_mask, one.versions) == (
+        batched.response_ids,
+        batched.loss_mask,
+        batched.versions,
+    )
+    assert one.logprobs == pytest.approx(batched.logprobs, abs=1e-9)  # padding may move the last bits
