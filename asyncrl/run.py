@@ -11,12 +11,14 @@ import copy
 import os
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
 import transformers
+import yaml
 
 from asyncrl.algorithms import build_algorithm
 from asyncrl.checkpoint import (
@@ -31,7 +33,6 @@ from asyncrl.config import ConfigError, RunConfig, dump_config
 from asyncrl.control.buffer import ReplayBuffer
 from asyncrl.control.controller import SingleController
 from asyncrl.control.handles import RolloutHandle, TrainerHandle
-from asyncrl.control.sampler import build_sampler
 from asyncrl.data import PromptLoader, build_task, check_encodable, check_prompt_lengths
 from asyncrl.faults import inject_rollout_faults, inject_trainer_faults
 from asyncrl.generation import SamplingParams, build_generator
@@ -42,6 +43,7 @@ from asyncrl.plots import write_report
 from asyncrl.rewards import RewardRunner
 from asyncrl.rollout import RolloutWorker
 from asyncrl.runtime import build_runtime
+from asyncrl.run_sampler import build_run_sampler
 from asyncrl.trainer.group import TrainerGroup, build_trainer_rank
 from asyncrl.trainer.policy import PolicyTrainer
 from asyncrl.trainer.worker import TrainerWorker
@@ -50,94 +52,148 @@ from asyncrl.warm_start import warm_start
 T = TypeVar("T")
 
 
-def train(config: RunConfig, *, resume: str | Path | None = None, console: Any = None) -> dict:
+@dataclass(frozen=True)
+class RunContext:
+    """What a run knows besides its config, found once before anything is built and handed to
+    what needs it: the directory it writes to and, when it resumes, the checkpoint and the run
+    state saved in it."""
+
+    run_dir: Path
+    checkpoint_dir: Path | None = None
+    state: dict | None = None
+
+    @property
+    def resume_step(self) -> int | None:
+        """The step the resumed checkpoint was taken at; None for a fresh run."""
+        return self.state["run"]["version"] if self.state is not None else None
+
+
+def open_run(config: RunConfig, output_dir: Path | None = None, resume: str | Path | None = None) -> RunContext:
+    """The run's context: the checkpoint ``resume`` names, checked, and the run directory
+    (``output_dir``, else ``logging.output_dir``, else a new ``runs/<date>-<time>``)."""
+    checkpoint_dir = _checkpoint_input(resolve_checkpoint, resume) if resume is not None else None
+    state = _checkpoint_input(load_run_state, checkpoint_dir) if checkpoint_dir is not None else None
+    directory = output_dir if output_dir is not None else config.logging.output_dir
+    return RunContext(run_directory(directory, resuming=checkpoint_dir is not None), checkpoint_dir, state)
+
+
+@dataclass
+class _Parts:
+    """What the driver builds once from the config: the policy and its tokenizer, the task, the
+    rewards, and the control side's sampler and replay buffer."""
+
+    tokenizer: Any
+    model: Any
+    task: Any
+    rewards: RewardRunner
+    sampler: Any
+    buffer: ReplayBuffer
+
+
+def train(
+    config: RunConfig, *, output_dir: Path | None = None, resume: str | Path | None = None, console: Any = None
+) -> dict:
     """Run GRPO to the end; returns the summary that is also written to ``summary.json``."""
     start = time.perf_counter()
     transformers.utils.logging.disable_progress_bar()  # loads and saves would print bars over the display and errors
-    checkpoint_dir = _checkpoint_input(resolve_checkpoint, resume) if resume is not None else None
-    state = _checkpoint_input(load_run_state, checkpoint_dir) if checkpoint_dir is not None else None
-    run_dir = run_directory(config, resuming=checkpoint_dir is not None)
-    config = config.model_copy(update={"logging": config.logging.model_copy(update={"output_dir": str(run_dir)})})
-    tokenizer = _input(build_tokenizer, config)
-    model = _input(build_model, config, tokenizer)
-    task = _checked_task(config, tokenizer, model)
-    rewards = _input(RewardRunner.from_config, config.rewards, task, config.generation.max_new_tokens)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(dump_config(config))
+    context = open_run(config, output_dir, resume)
+    parts = _build_parts(config)
+    context.run_dir.mkdir(parents=True, exist_ok=True)
+    (context.run_dir / "config.yaml").write_text(dump_config(config, context.run_dir))
     torch.manual_seed(config.seed)
     torch.set_num_threads(local_torch_threads(config))
     progress = ProgressDisplay(config.grpo.max_steps, enabled=config.logging.progress, console=console)
-    metrics = None if config.runtime.controller_actor else _input(_metrics_writer, config, state)
+    metrics = None if config.runtime.controller_actor else _input(_metrics_writer, config, context)
     runtime = _input(build_runtime, config)
     try:
         with progress:
-            # Once, here: on Ray every trainer rank then finds the result in the warm start cache.
-            warm_start(
-                model,
-                tokenizer,
-                task.train,
-                config.warm_start,
-                model_path=config.model.path,
-                on_progress=lambda step, total, loss: progress.status(f"warm start {step}/{total}, loss {loss:.3f}"),
-            )
-            trainer, rollout_workers = _start_workers(runtime, config, model, tokenizer, rewards, checkpoint_dir, state)
-            if config.runtime.controller_actor:
-                progress.status("training; the controller runs in a Ray actor")
-                steps_done = runtime.run_controller(partial(drive_in_actor, config, trainer, rollout_workers, state))
-            else:
-                steps_done = drive(
-                    config, trainer, rollout_workers, task=task, state=state, metrics=metrics, progress=progress
-                )
+            steps_done = _warm_start_then_run(runtime, config, context, parts, progress, metrics)
             progress.status("writing the report")
     finally:
         runtime.shutdown()
-        rewards.close()
+        parts.rewards.close()
         if metrics is not None:
             metrics.close()
-    summary = _summary(run_dir, steps_done, time.perf_counter() - start)
-    write_json_atomic(run_dir / "summary.json", summary)
-    write_report(run_dir)
+    summary = _summary(context.run_dir, steps_done, time.perf_counter() - start)
+    write_json_atomic(context.run_dir / "summary.json", summary)
+    write_report(context.run_dir)
     return summary
 
 
 def _start_workers(
-    runtime: Any,
-    config: RunConfig,
-    model: Any,
-    tokenizer: Any,
-    rewards: RewardRunner,
-    checkpoint_dir: Path | None,
-    state: dict | None,
+def _build_parts(config: RunConfig) -> _Parts:
+    """The sampler first (checking the buffer capacity it needs costs nothing), then the models,
+    the checked task and the rewards."""
+    sampler, capacity = _input(build_run_sampler, config)
+    tokenizer = _input(build_tokenizer, config)
+    model = _input(build_model, config, tokenizer)
+    task = _checked_task(config, tokenizer, model)
+    rewards = _input(RewardRunner.from_config, config.rewards, task, config.generation.max_new_tokens)
+    return _Parts(tokenizer, model, task, rewards, sampler, ReplayBuffer(capacity))
+
+
+def _warm_start_then_run(
+    runtime: Any, config: RunConfig, context: RunContext, parts: _Parts, progress: ProgressDisplay, metrics: Any
+) -> int:
+    """Warm-start the policy, start the workers and drive the run to the end, in this process or,
+    with ``runtime.controller_actor``, in a Ray actor; returns the steps taken in total."""
+    # Once, here: on Ray every trainer rank then finds the result in the warm start cache.
+    warm_start(
+        parts.model,
+        parts.tokenizer,
+        parts.task.train,
+        config.warm_start,
+        model_path=config.model.path,
+        on_progress=lambda step, total, loss: progress.status(f"warm start {step}/{total}, loss {loss:.3f}"),
+    )
+    trainer, rollout_workers = _start_workers(runtime, config, context, parts)
+    control = {"sampler": parts.sampler, "buffer": parts.buffer}
+    if config.runtime.controller_actor:
+        progress.status("training; the controller runs in a Ray actor")
+        return runtime.run_controller(partial(drive_in_actor, config, context, trainer, rollout_workers, **control))
+    return drive(
+        config, context, trainer, rollout_workers, task=parts.task, metrics=metrics, progress=progress, **control
+    )
+
+
+    runtime: Any, config: RunConfig, context: RunContext, parts: _Parts
 ) -> tuple[TrainerHandle, list[RolloutHandle]]:
     """The trainer and rollout worker handles: actors that build their own workers on Ray,
     in-process objects sharing the driver's model and rewards on the local runtime."""
     if runtime.name == "ray":
-        resume_from = str(checkpoint_dir) if checkpoint_dir is not None else None
-        generators = runtime.spawn_generators(partial(build_rollout_worker, config), config.generation.num_workers)
-        ranks = runtime.spawn_trainer_ranks(
-            lambda rank, init_method: partial(build_trainer_rank, config, rank, init_method, resume_from),
-            config.parallel.world_size,
-        )
-        _input(runtime.ready)  # both kinds of actors start together
-        if config.weight_transport == "broadcast":
-            runtime.connect_broadcast(ranks[0], generators, config.broadcast_backend, config.sync.timeout_s)
-        return TrainerGroup(ranks), generators
-    # the generator's copy first: a LoRA trainer turns ``model`` into its adapters' base in place
-    rollout_worker = _rollout_worker(
-        config, _input(build_generator, config, copy.deepcopy(model), tokenizer), rewards, tokenizer
-    )
+        return _start_actors(runtime, config, context)
+    model, tokenizer = parts.model, parts.tokenizer
     trainer_worker = TrainerWorker(
         _input(PolicyTrainer.from_config, config, model), config.grpo, tokenizer, seed=config.seed
     )
-    if checkpoint_dir is not None:
+    if context.checkpoint_dir is not None:
+        checkpoint_dir = context.checkpoint_dir
         _from_checkpoint(
-            str(checkpoint_dir / STATE_FILE), trainer_worker.load_checkpoint, checkpoint_dir, state["trainer"]
+            str(checkpoint_dir / STATE_FILE), trainer_worker.load_checkpoint, checkpoint_dir, context.state["trainer"]
         )
     trainer = runtime.spawn(lambda: inject_trainer_faults(trainer_worker, config.faults), "trainer")
+    generator = _input(build_generator, config, copy.deepcopy(model), tokenizer, context.run_dir)
+    rollout_worker = _rollout_worker(config, generator, parts.rewards, tokenizer)
     return trainer, [runtime.spawn(lambda: rollout_worker, "rollout")]
 
 
 def local_torch_threads(config: RunConfig) -> int:
+def _start_actors(runtime: Any, config: RunConfig, context: RunContext) -> tuple[TrainerHandle, list[RolloutHandle]]:
+    """Rollout worker and trainer rank actors, started together; the broadcast group joined."""
+    resume_from = str(context.checkpoint_dir) if context.checkpoint_dir is not None else None
+    generators = runtime.spawn_generators(
+        partial(build_rollout_worker, config, context.run_dir), config.generation.num_workers
+    )
+    ranks = runtime.spawn_trainer_ranks(
+        lambda rank, init_method: partial(build_trainer_rank, config, rank, init_method, resume_from),
+        config.parallel.world_size,
+    )
+    _input(runtime.ready)  # both kinds of actors start together
+    if config.weight_transport == "broadcast":
+        runtime.connect_broadcast(ranks[0], generators, config.broadcast_backend, config.sync.timeout_s)
+    return TrainerGroup(ranks), generators
+
+
     """Threads per torch op in this process: ``runtime.torch_threads``, else half the cores, so
     the trainer and the generator overlapping on their threads do not oversubscribe the CPU."""
     return config.runtime.torch_threads or max(1, (os.cpu_count() or 2) // 2)
@@ -153,12 +209,12 @@ def _checked_task(config: RunConfig, tokenizer: Any, model: Any) -> Any:
     return task
 
 
-def build_rollout_worker(config: RunConfig) -> Any:
+def build_rollout_worker(config: RunConfig, run_dir: Path | None = None) -> Any:
     """Inside a rollout worker's actor: its own model, generator and rewards. The weights come
     from the trainer before the first batch, so the model is not warm-started here."""
     tokenizer = build_tokenizer(config)
     task = build_task(config.data, tokenizer)
-    generator = build_generator(config, build_model(config, tokenizer), tokenizer)
+    generator = build_generator(config, build_model(config, tokenizer), tokenizer, run_dir)
     rewards = RewardRunner.from_config(config.rewards, task, max_new_tokens=config.generation.max_new_tokens)
     return _rollout_worker(config, generator, rewards, tokenizer)
 
@@ -181,9 +237,11 @@ def drive(
     config: RunConfig,
     trainer: TrainerHandle,
     rollout_workers: list[RolloutHandle],
+    context: RunContext,
     *,
     task: Any,
-    state: dict | None,
+    sampler: Any,
+    buffer: ReplayBuffer,
     metrics: Any,
     progress: Any,
 ) -> int:
@@ -194,16 +252,14 @@ def drive(
         rollout_workers=rollout_workers,
         task=task,
         loader=PromptLoader(task.train, shuffle_seed=config.data.shuffle_seed, epochs=config.data.epochs),
-        sampler=build_sampler(
-            config.sampler.name, config.grpo.prompts_per_step, config.sampler.max_lag, config.sampler.options
-        ),
-        buffer=ReplayBuffer(config.buffer_capacity),
+        sampler=sampler,
+        buffer=buffer,
         metrics=metrics,
         progress=progress,
-        run_dir=Path(config.logging.output_dir),
+        run_dir=context.run_dir,
     )
-    if state is not None:
-        _from_checkpoint(f"the resumed checkpoint's {STATE_FILE}", controller.load_state_dict, state["run"])
+    if context.state is not None:
+        _from_checkpoint(f"the resumed checkpoint's {STATE_FILE}", controller.load_state_dict, context.state["run"])
     return asyncio.run(_load_weights_then_run(controller, trainer, rollout_workers))
 
 
@@ -217,35 +273,38 @@ async def _load_weights_then_run(
 
 
 def drive_in_actor(
-    config: RunConfig, trainer: TrainerHandle, rollout_workers: list[RolloutHandle], state: dict | None
+    config: RunConfig, context: RunContext, trainer: TrainerHandle, rollout_workers: list[RolloutHandle], **control: Any
 ) -> int:
-    """``drive`` inside the controller actor: it writes the metrics itself; there is no live display."""
+    """``drive`` inside the controller actor, with the driver's sampler and buffer (``control``):
+    it writes the metrics itself; there is no live display."""
     torch.set_num_threads(1)
     task = build_task(config.data, build_tokenizer(config))
-    metrics = _metrics_writer(config, state)
+    metrics = _metrics_writer(config, context)
     try:
         progress = ProgressDisplay(config.grpo.max_steps, enabled=False)
-        return drive(config, trainer, rollout_workers, task=task, state=state, metrics=metrics, progress=progress)
+        return drive(
+            config, context, trainer, rollout_workers, task=task, metrics=metrics, progress=progress, **control
+        )
     finally:
         metrics.close()
 
 
-def _metrics_writer(config: RunConfig, state: dict | None) -> MetricsWriter:
+def _metrics_writer(config: RunConfig, context: RunContext) -> MetricsWriter:
     return MetricsWriter(
-        Path(config.logging.output_dir),
+        context.run_dir,
         config.logging,
-        run_config=config.model_dump(mode="json"),
-        resume_step=state["run"]["version"] if state is not None else None,
+        run_config=yaml.safe_load(dump_config(config, context.run_dir)),
+        resume_step=context.resume_step,
     )
 
 
-def run_directory(config: RunConfig, *, resuming: bool) -> Path:
-    """``logging.output_dir``, or a new ``runs/<date>-<time>``; a fresh run never reuses another's,
-    and a path that cannot become a writable directory is refused before anything is built."""
-    if config.logging.output_dir is None:
+def run_directory(output_dir: str | Path | None, *, resuming: bool) -> Path:
+    """``output_dir``, or a new ``runs/<date>-<time>``; a fresh run never reuses another's, and a
+    path that cannot become a writable directory is refused before anything is built."""
+    if output_dir is None:
         run_dir = Path("runs") / time.strftime("%Y%m%d-%H%M%S")
     else:
-        run_dir = Path(config.logging.output_dir).expanduser()
+        run_dir = Path(output_dir).expanduser()
     if not resuming and any((run_dir / name).exists() for name in ("metrics.jsonl", "checkpoints")):
         raise ConfigError(
             f"logging.output_dir: '{run_dir}' already holds a run; resume it with --resume {run_dir} "
@@ -344,7 +403,7 @@ def evaluate(config: RunConfig, *, checkpoint: str | Path | None = None) -> dict
     worker = None
     try:
         worker = RolloutWorker(
-            _input(build_generator, config, model, tokenizer),
+            generator,
             rewards,
             tokenizer,
             run_seed=config.seed,

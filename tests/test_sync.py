@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from asyncrl.runtime import LocalRuntime
+from asyncrl.weights import sync as sync_module
 from asyncrl.weights.sync import Changes, RolloutGate, SyncTimeoutError, WeightSync
 
 
@@ -103,12 +104,24 @@ def test_sync_loads_every_generator_and_reports(mode):
     assert sorted(entry[:2] for entry in log) == [("load", 1), ("load", 1)]
 
 
+class Clock:
+    """WeightSync's clock, moved only by the test: what it measures is what the test held."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+
 @pytest.mark.parametrize("mode", ["drain", "inflight"])
-def test_generation_longer_than_the_timeout_does_not_fail_the_sync(mode):
-    """The sync waits out a batch that runs for three timeouts, then succeeds. That wait is in its
-    pause, not in its transfer: each transfer phase is bounded by the timeout, so a transfer that
-    counted the wait would be longer than the wait itself."""
-    timeout_s = 0.1
+def test_generation_longer_than_the_timeout_does_not_fail_the_sync(mode, monkeypatch):
+    """The sync waits out a batch that runs for three timeouts, then succeeds. On the sync's clock
+    that wait is all of its pause and none of its transfer. Once the batch ends the timeout is made
+    ample, so that a busy machine cannot fail the export and the load."""
+    clock = Clock()
+    monkeypatch.setattr(sync_module, "time", clock)
+    timeout_s, held_s = 0.1, 1000.0
 
     async def main():
         runtime = LocalRuntime()
@@ -117,25 +130,26 @@ def test_generation_longer_than_the_timeout_does_not_fail_the_sync(mode):
         gate = RolloutGate(0, Changes(), wait_for_admissions=False)
         gate.add_in_flight(1)
         gate.add_running(1)  # a batch still generating
-        sync = asyncio.create_task(WeightSync(trainer, [generator], gate, mode=mode, timeout_s=timeout_s).sync())
+        weight_sync = WeightSync(trainer, [generator], gate, mode=mode, timeout_s=timeout_s)
+        sync = asyncio.create_task(weight_sync.sync())
         await gate.changes.wait_for(lambda: not gate.admitting)  # the sync has started: its pause runs
-        held_from = time.perf_counter()
-        await asyncio.sleep(3 * timeout_s)
+        await asyncio.wait([sync], timeout=3 * timeout_s)
         assert not sync.done() and gate.loading == (mode == "inflight")
-        held_s = time.perf_counter() - held_from
+        clock.now += held_s
+        weight_sync.timeout_s = 60.0
         gate.add_running(-1)
         gate.add_in_flight(-1)
-        report = await asyncio.wait_for(sync, 5)
+        report = await asyncio.wait_for(sync, 60)
         runtime.shutdown()
-        return report, held_s
+        return report
 
-    report, held_s = asyncio.run(main())
-    assert report.version == 1 and report.transfer_s < held_s < report.pause_s
+    report = asyncio.run(main())
+    assert (report.version, report.transfer_s, report.pause_s) == (1, 0.0, held_s)
 
 
 def test_a_gate_held_closing_by_the_in_flight_limit_does_not_fail_the_sync():
     """Closing waits for room under the in-flight limit, which only a finished batch makes: that
-    wait is generation, not the sync. The same wait with room to spare does count."""
+    wait is generation, not the sync. The same wait with room to spare does count: it times out."""
 
     async def main(in_flight):
         runtime = LocalRuntime()
@@ -143,19 +157,23 @@ def test_a_gate_held_closing_by_the_in_flight_limit_does_not_fail_the_sync():
         generator = runtime.spawn(lambda: Recorder([]), "gen")
         gate = RolloutGate(0, Changes(), wait_for_admissions=True, max_in_flight=2)
         gate.add_in_flight(in_flight)
-        sync = asyncio.create_task(WeightSync(trainer, [generator], gate, mode="inflight", timeout_s=0.1).sync())
-        await asyncio.sleep(0.3)
+        weight_sync = WeightSync(trainer, [generator], gate, mode="inflight", timeout_s=0.1)
+        sync = asyncio.create_task(weight_sync.sync())
         try:
+            if in_flight < gate.max_in_flight:
+                return await asyncio.wait_for(asyncio.gather(sync, return_exceptions=True), 60)
+            await asyncio.wait([sync], timeout=0.3)  # three timeouts
             if sync.done():
                 return sync.exception()
+            weight_sync.timeout_s = 60.0  # the export and the load, however busy the machine
             gate.add_in_flight(-1)  # a batch finished: the rollout loop admits what it may, then settles
             gate.settled()
-            return await asyncio.wait_for(sync, 5)
+            return await asyncio.wait_for(sync, 60)
         finally:
             runtime.shutdown()
 
     assert asyncio.run(main(in_flight=2)).version == 1
-    assert isinstance(asyncio.run(main(in_flight=1)), SyncTimeoutError)
+    assert isinstance(asyncio.run(main(in_flight=1))[0], SyncTimeoutError)
 
 
 class SlowLoad(Recorder):
