@@ -60,7 +60,14 @@ def show_config(
     if reference:
         typer.echo(config_reference(), nl=False)
         return
-    typer.echo(dump_config(load_config(config, overrides or ())), nl=False)
+    from asyncrl.run_sampler import build_run_sampler
+
+    run_config = load_config(config, overrides or ())
+    try:
+        build_run_sampler(run_config)  # what a run builds first, so its checks are made here too
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    typer.echo(dump_config(run_config), nl=False)
 
 
 @app.command()
@@ -88,7 +95,7 @@ def verify(
     ),
 ) -> None:
     """Check that a split (or dp x cp parallel) train step equals the monolithic step, for every loss mode."""
-    from asyncrl.verify import DTYPES, TOLERANCES, check_layout
+    from asyncrl.verify import check_layout
     from asyncrl.verify import verify as run_verify
 
     dtype, plant, wrap = dtype.value, plant.value if plant else None, wrap.value
@@ -110,16 +117,29 @@ def verify(
         updates=updates,
         ratio_level=ratio_level.value,
     )
-    tol = TOLERANCES[DTYPES[dtype]]
+    what = _layout(dp, cp, wrap, micro_batches, updates, ratio_level.value)
+    console.print(
+        _results_table(f"{what} vs monolithic step, {dtype}" + (f", planted: {plant}" if plant else ""), results)
+    )
+    raise typer.Exit(0 if _print_verdict(results, dtype, updates) else 1)
+
+
+def _layout(dp: int, cp: int, wrap: str, micro_batches: int, updates: int, ratio_level: str) -> str:
+    """What ``asyncrl verify`` compared with the monolithic step, in words."""
     if dp * cp > 1:
         what = f"dp {dp} x cp {cp} ranks ({wrap}, {micro_batches} micro-batch{'es' if micro_batches > 1 else ''} per DP rank)"
     else:
         what = f"split ({micro_batches} micro-batches)"
     if updates > 1:
         what += f", {updates} updates"
-    if ratio_level.value == "sequence":
+    if ratio_level == "sequence":
         what += ", sequence ratio"
-    table = Table(title=f"{what} vs monolithic step, {dtype}" + (f", planted: {plant}" if plant else ""))
+    return what
+
+
+def _results_table(title: str, results: list) -> Table:
+    """One row per loss mode: the loss, the gradient norm, and the worst error of each kind."""
+    table = Table(title=title)
     columns = (
         "mode",
         "loss",
@@ -144,7 +164,14 @@ def verify(
             f"{r.worst_metric[1]:.1e}",
             "[green]PASS[/green]" if r.passed else "[red]FAIL[/red]",
         )
-    console.print(table)
+    return table
+
+
+def _print_verdict(results: list, dtype: str, updates: int) -> bool:
+    """Print the tolerance and the worst error over every mode; True when every mode passed."""
+    from asyncrl.verify import DTYPES, TOLERANCES
+
+    tol = TOLERANCES[DTYPES[dtype]]
     worst = max(results, key=lambda r: r.worst_error[0])
     error, where = worst.worst_error
     passed = all(r.passed for r in results)
@@ -158,7 +185,7 @@ def verify(
         highlight=False,
         soft_wrap=True,
     )
-    raise typer.Exit(0 if passed else 1)
+    return passed
 
 
 @app.command()
@@ -178,11 +205,8 @@ def train(
         checkpoint = resumed_checkpoint(resume)
         config = config or resumed_config_path(checkpoint)
         output_dir = output_dir or checkpoint.parent.parent
-    settings = list(overrides or ())
-    if output_dir is not None:
-        settings.append(f"logging.output_dir={output_dir}")
-    run_config = load_config(config, settings)
-    summary = run_train(run_config, resume=resume, console=console)
+    run_config = load_config(config, overrides or ())
+    summary = run_train(run_config, output_dir=output_dir, resume=resume, console=console)
     console.print(
         f"eval accuracy {summary['initial_eval_accuracy']:.3f} -> {summary['final_eval_accuracy']:.3f} "
         f"after {summary['steps']} steps in {summary['wall_seconds']:.0f} s",
@@ -367,24 +391,10 @@ def bench_e2e(
     overrides: list[str] | None = typer.Argument(None, help="config overrides applied to every run"),
 ) -> None:
     """Wall time to a held-out accuracy for max_lag 0, 1 and 2 (and TRL with --against trl)."""
-    if against not in (None, "trl", "trl-async"):
-        raise typer.BadParameter(f"unknown baseline '{against}'; the one available is trl", param_hint="--against")
-    try:
-        lag_values = tuple(sorted({int(lag) for lag in lags.split(",")}))
-    except ValueError:
-        raise typer.BadParameter(f"'{lags}' is not a comma-separated list of integers", param_hint="--lags") from None
-    if any(lag < 0 for lag in lag_values):
-        raise typer.BadParameter("a max_lag is 0 or more", param_hint="--lags")
+    lag_values = _lags(lags)
+    _require_baseline(against)
     from asyncrl.bench import common, e2e
 
-    if against == "trl-async":
-        from asyncrl.bench.trl_baseline import refuse_trl_async
-
-        refuse_trl_async()
-    if against == "trl":
-        from asyncrl.bench.trl_baseline import require_trl
-
-        require_trl()
     settings = {
         "overrides": (e2e.QUICK if quick else []) + list(overrides or ()),
         "seeds": list(range(1 if quick else seeds)),
@@ -407,6 +417,31 @@ def bench_e2e(
         lags=lag_values,
     )
     common.write_result("e2e-trl" if against else "e2e", settings, result, output)
+
+
+def _lags(lags: str) -> tuple[int, ...]:
+    """``--lags`` as sorted, distinct max_lag values."""
+    try:
+        values = tuple(sorted({int(lag) for lag in lags.split(",")}))
+    except ValueError:
+        raise typer.BadParameter(f"'{lags}' is not a comma-separated list of integers", param_hint="--lags") from None
+    if any(lag < 0 for lag in values):
+        raise typer.BadParameter("a max_lag is 0 or more", param_hint="--lags")
+    return values
+
+
+def _require_baseline(against: str | None) -> None:
+    """``--against``: a known baseline whose package is installed, refused where it cannot run."""
+    if against not in (None, "trl", "trl-async"):
+        raise typer.BadParameter(f"unknown baseline '{against}'; the one available is trl", param_hint="--against")
+    if against == "trl-async":
+        from asyncrl.bench.trl_baseline import refuse_trl_async
+
+        refuse_trl_async()
+    if against == "trl":
+        from asyncrl.bench.trl_baseline import require_trl
+
+        require_trl()
 
 
 @bench_app.command("gpu")

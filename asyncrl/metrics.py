@@ -168,6 +168,8 @@ def step_record(
     for source, name in (("entropy_mean", "entropy"), ("kl_mean", "kl")):
         if source in result.metrics:
             record[name] = result.metrics[source]
+    for key, total in sorted(data.episode_metrics.items()):  # per episode; a duration (*_s) is timing
+        record[f"{TIMING_PREFIX if key.endswith('_s') else ''}episode/{key}"] = total / samples
     record.update(
         {
             "time/step_s": step_s,
@@ -222,20 +224,20 @@ class MetricsWriter:
 
     def __init__(
         self,
-        output_dir: str | Path,
+        run_dir: Path,
         cfg: LoggingConfig,
         *,
         run_config: dict | None = None,
         resume_step: int | None = None,
     ):
-        self.output_dir = Path(output_dir)
-        self.output_dir.mkdir(parents=True, exist_ok=True)
+        self.run_dir = run_dir
+        run_dir.mkdir(parents=True, exist_ok=True)
         if resume_step is not None:
             for name in (METRICS_FILE, EVAL_FILE, GROUPS_FILE):
-                _truncate_jsonl(self.output_dir / name, resume_step)
-        self._files = {name: open(self.output_dir / name, "a") for name in (METRICS_FILE, EVAL_FILE, GROUPS_FILE)}
-        self._tensorboard = _TensorBoard(self.output_dir / TENSORBOARD_DIR, resume_step) if cfg.tensorboard else None
-        self._wandb = _start_wandb(self.output_dir, run_config) if cfg.wandb else None
+                _truncate_jsonl(run_dir / name, resume_step)
+        self._files = {name: open(run_dir / name, "a") for name in (METRICS_FILE, EVAL_FILE, GROUPS_FILE)}
+        self._tensorboard = _TensorBoard(run_dir / TENSORBOARD_DIR, resume_step) if cfg.tensorboard else None
+        self._wandb = _start_wandb(run_dir, run_config) if cfg.wandb else None
         self._closed = False
 
     def log_step(self, record: dict) -> None:

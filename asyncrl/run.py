@@ -42,8 +42,8 @@ from asyncrl.models.hf import stop_token_ids
 from asyncrl.plots import write_report
 from asyncrl.rewards import RewardRunner
 from asyncrl.rollout import RolloutWorker
-from asyncrl.runtime import build_runtime
 from asyncrl.run_sampler import build_run_sampler
+from asyncrl.runtime import build_runtime
 from asyncrl.trainer.group import TrainerGroup, build_trainer_rank
 from asyncrl.trainer.policy import PolicyTrainer
 from asyncrl.trainer.worker import TrainerWorker
@@ -120,7 +120,6 @@ def train(
     return summary
 
 
-def _start_workers(
 def _build_parts(config: RunConfig) -> _Parts:
     """The sampler first (checking the buffer capacity it needs costs nothing), then the models,
     the checked task and the rewards."""
@@ -156,6 +155,7 @@ def _warm_start_then_run(
     )
 
 
+def _start_workers(
     runtime: Any, config: RunConfig, context: RunContext, parts: _Parts
 ) -> tuple[TrainerHandle, list[RolloutHandle]]:
     """The trainer and rollout worker handles: actors that build their own workers on Ray,
@@ -171,13 +171,12 @@ def _warm_start_then_run(
         _from_checkpoint(
             str(checkpoint_dir / STATE_FILE), trainer_worker.load_checkpoint, checkpoint_dir, context.state["trainer"]
         )
-    trainer = runtime.spawn(lambda: inject_trainer_faults(trainer_worker, config.faults), "trainer")
     generator = _input(build_generator, config, copy.deepcopy(model), tokenizer, context.run_dir)
     rollout_worker = _rollout_worker(config, generator, parts.rewards, tokenizer)
+    trainer = runtime.spawn(lambda: inject_trainer_faults(trainer_worker, config.faults), "trainer")
     return trainer, [runtime.spawn(lambda: rollout_worker, "rollout")]
 
 
-def local_torch_threads(config: RunConfig) -> int:
 def _start_actors(runtime: Any, config: RunConfig, context: RunContext) -> tuple[TrainerHandle, list[RolloutHandle]]:
     """Rollout worker and trainer rank actors, started together; the broadcast group joined."""
     resume_from = str(context.checkpoint_dir) if context.checkpoint_dir is not None else None
@@ -194,6 +193,7 @@ def _start_actors(runtime: Any, config: RunConfig, context: RunContext) -> tuple
     return TrainerGroup(ranks), generators
 
 
+def local_torch_threads(config: RunConfig) -> int:
     """Threads per torch op in this process: ``runtime.torch_threads``, else half the cores, so
     the trainer and the generator overlapping on their threads do not oversubscribe the CPU."""
     return config.runtime.torch_threads or max(1, (os.cpu_count() or 2) // 2)
@@ -235,13 +235,13 @@ def _rollout_worker(config: RunConfig, generator: Any, rewards: RewardRunner, to
 
 def drive(
     config: RunConfig,
+    context: RunContext,
     trainer: TrainerHandle,
     rollout_workers: list[RolloutHandle],
-    context: RunContext,
     *,
-    task: Any,
     sampler: Any,
     buffer: ReplayBuffer,
+    task: Any,
     metrics: Any,
     progress: Any,
 ) -> int:
@@ -403,7 +403,7 @@ def evaluate(config: RunConfig, *, checkpoint: str | Path | None = None) -> dict
     worker = None
     try:
         worker = RolloutWorker(
-            generator,
+            _input(build_generator, config, model, tokenizer),
             rewards,
             tokenizer,
             run_seed=config.seed,

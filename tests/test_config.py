@@ -8,6 +8,7 @@ import pytest
 
 from asyncrl.cli import main
 from asyncrl.config import ConfigError, RunConfig, dump_config, load_config
+from asyncrl.run_sampler import build_run_sampler
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -38,15 +39,26 @@ def test_yaml_then_overrides_with_typed_values(tmp_path):
     assert config.loss.dual_clip is None
 
 
+def capacity_error(overrides) -> str:
+    with pytest.raises(ValueError) as info:
+        build_run_sampler(load_config(None, overrides))
+    return str(info.value)
+
+
 def test_gated_sampler_capacity_below_requirement_is_rejected():
-    message = error_of(["grpo.prompts_per_step=4", "sampler.max_lag=2", "sampler.buffer_capacity=11"])
+    message = capacity_error(["grpo.prompts_per_step=4", "sampler.max_lag=2", "sampler.buffer_capacity=11"])
     assert message.startswith("sampler.buffer_capacity: 11 < 12")
     assert "deadlock" in message
-    load_config(None, ["grpo.prompts_per_step=4", "sampler.max_lag=2", "sampler.buffer_capacity=12"])
+    assert (
+        build_run_sampler(
+            load_config(None, ["grpo.prompts_per_step=4", "sampler.max_lag=2", "sampler.buffer_capacity=12"])
+        )[1]
+        == 12
+    )
 
 
 def test_weight_fifo_is_gated_too():
-    message = error_of(
+    message = capacity_error(
         ["sampler.name=weight_fifo", "grpo.prompts_per_step=3", "sampler.max_lag=1", "sampler.buffer_capacity=5"]
     )
     assert message.startswith("sampler.buffer_capacity: 5 < 6")
@@ -56,15 +68,34 @@ def test_windowed_sampler_needs_only_one_step_of_capacity():
     config = load_config(
         None, ["sampler.name=windowed", "grpo.prompts_per_step=4", "sampler.max_lag=3", "sampler.buffer_capacity=4"]
     )
-    assert config.buffer_capacity == 4
-    assert error_of(["sampler.name=windowed", "grpo.prompts_per_step=4", "sampler.buffer_capacity=3"]).startswith(
+    assert build_run_sampler(config)[1] == 4
+    assert capacity_error(["sampler.name=windowed", "grpo.prompts_per_step=4", "sampler.buffer_capacity=3"]).startswith(
         "sampler.buffer_capacity: 3 < 4"
     )
 
 
-def test_default_capacity_is_the_sampler_requirement():
+def test_default_capacity_is_the_sampler_requirement_plus_refills():
     config = load_config(None, ["grpo.prompts_per_step=5", "sampler.max_lag=2"])
-    assert config.buffer_capacity == 15
+    assert build_run_sampler(config)[1] == 15
+    refill = [
+        "grpo.prompts_per_step=5",
+        "sampler.max_lag=2",
+        "grpo.filter_zero_variance=true",
+        "grpo.max_refill_groups=3",
+    ]
+    assert build_run_sampler(load_config(None, refill))[1] == 18
+
+
+def test_loading_a_config_checks_the_sampler_name_without_building_it(monkeypatch):
+    import asyncrl.control.sampler as samplers
+
+    def never(*args, **kwargs):
+        raise AssertionError("the config built a sampler")
+
+    monkeypatch.setattr(samplers, "build_sampler", never)
+    monkeypatch.setattr(samplers, "resolve_sampler", never)
+    load_config(None, ["sampler.name=my_module:Sampler", "sampler.options={any: 1}"])
+    assert error_of(["sampler.name=fifo"]).startswith("sampler.name: unknown sampler 'fifo'")
 
 
 def test_step_batch_size_must_equal_prompts_times_generations():

@@ -101,11 +101,9 @@ def my_parts(tmp_path, monkeypatch):
 
 def test_a_run_uses_a_users_sampler_reward_task_and_backend_with_their_options(tmp_path, my_parts):
     config = load_config(None, [*SMALL, *PARTS, f"logging.output_dir={tmp_path / 'run'}", "grpo.max_steps=2"])
-    assert my_parts.built_samplers == ["run"]  # validating the config built it once, buffer_capacity did not
-    assert config.buffer_capacity == config.grpo.prompts_per_step * (config.sampler.max_lag + 1)
-    assert my_parts.built_samplers == ["run"]
+    assert my_parts.built_samplers == []  # validating the config checked its name only
     train(config)
-    assert my_parts.built_samplers == ["run", "run"]  # and the run its own
+    assert my_parts.built_samplers == ["run"]  # the run built it, once
     groups = [json.loads(line) for line in (tmp_path / "run" / "groups.jsonl").read_text().splitlines()]
     assert groups and all(g["prompt_uid"].startswith("d") for g in groups)
     metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]

@@ -71,9 +71,8 @@ def _train_step_s(backend: str, url: str | None, steps: int) -> float:
             "logging.tensorboard=false",
             "checkpoint.every_steps=null",
             f"logging.eval_every_steps={steps}",
-            f"logging.output_dir={run_dir}",
         ]
         if url is not None:
             overrides.append(f"vllm.url={url}")
-        train(load_config(None, overrides))
+        train(load_config(None, overrides), output_dir=Path(run_dir))
         return statistics.mean(m["time/step_s"] for m in read_jsonl(Path(run_dir) / "metrics.jsonl")[1:])

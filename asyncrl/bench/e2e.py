@@ -68,8 +68,7 @@ def bench_config(overrides: list[str], *, seed: int, max_lag: int, max_steps: in
 
 def run_asyncrl(config: RunConfig, output_dir: Path) -> dict[str, Any]:
     """One run; its evals with wall time (total, and without evaluation time) and samples trained."""
-    config = config.model_copy(update={"logging": config.logging.model_copy(update={"output_dir": str(output_dir)})})
-    summary = train(config)
+    summary = train(config, output_dir=output_dir)
     steps = {record["step"]: record for record in read_jsonl(output_dir / "metrics.jsonl")}
     samples_per_step = config.grpo.prompts_per_step * config.grpo.generations_per_prompt
     evals, eval_seconds = [], 0.0

@@ -22,8 +22,8 @@ from asyncrl.bench.fake_workers import DelayRolloutWorker, DelayTrainerWorker, N
 from asyncrl.config import RunConfig, config_from_dict
 from asyncrl.control.buffer import ReplayBuffer
 from asyncrl.control.controller import SingleController
-from asyncrl.control.sampler import build_sampler
 from asyncrl.data import Prompt, PromptLoader, Task
+from asyncrl.run_sampler import build_run_sampler
 
 SHAPES = ((1.0, 1.0), (2.0, 1.0), (1.0, 2.0))  # (g, t) in units of ``scale`` seconds
 LAGS = (0, 1, 2)
@@ -62,16 +62,15 @@ def fake_task(num_prompts: int) -> Task:
 def build_controller(config: RunConfig, trainer: Any, rollout_workers: list[Any], run_dir: str) -> SingleController:
     """A controller over any handles, with the run's own sampler and buffer and null sinks."""
     task = fake_task(config.grpo.prompts_per_step * (config.grpo.max_steps + config.sampler.max_lag + 2))
+    sampler, capacity = build_run_sampler(config)
     return SingleController(
         config,
         trainer=trainer,
         rollout_workers=rollout_workers,
         task=task,
         loader=PromptLoader(task.train, shuffle_seed=0, epochs=None),
-        sampler=build_sampler(
-            config.sampler.name, config.grpo.prompts_per_step, config.sampler.max_lag, config.sampler.options
-        ),
-        buffer=ReplayBuffer(config.buffer_capacity),
+        sampler=sampler,
+        buffer=ReplayBuffer(capacity),
         metrics=NullMetrics(),
         progress=NullProgress(),
         run_dir=run_dir,

@@ -24,6 +24,14 @@ class SamplerConfig(Section):
         None, ge=1, description="replay buffer size in groups; null: the sampler's minimum plus grpo.max_refill_groups"
     )
 
+    @model_validator(mode="after")
+    def _named(self) -> SamplerConfig:
+        """The name only: the sampler is built, its options checked, where the run is built."""
+        from asyncrl.plugins import check_spec
+
+        check_spec("sampler", self.name, "sampler.name")
+        return self
+
 
 class RuntimeConfig(Section):
     """Where workers run."""

@@ -38,13 +38,6 @@ class DerivedSettings:
         return "nccl" if gpus and self.trainer.device != "cpu" else "gloo"
 
     @property
-    def buffer_capacity(self: RunConfig) -> int:
-        """The configured capacity, or the sampler's minimum when none is given."""
-        if self.sampler.buffer_capacity is not None:
-            return self.sampler.buffer_capacity
-        return self._required_capacity
-
-    @property
     def importance_sampling(self: RunConfig) -> str:
         """The effective importance-sampling mode: ``auto`` is tis whenever the behaviour and the
         trainer's distributions can differ: lagged weights, or bfloat16, where the generator's

@@ -150,6 +150,10 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
     return config_from_dict(data)
 
 
-def dump_config(config: RunConfig) -> str:
-    """The fully resolved configuration as YAML (written next to every run's outputs)."""
-    return yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False)
+def dump_config(config: RunConfig, run_dir: Path | None = None) -> str:
+    """The fully resolved configuration as YAML (written next to every run's outputs), with the
+    directory the run writes to, when given, as its ``logging.output_dir``."""
+    data = config.model_dump(mode="json")
+    if run_dir is not None:
+        data["logging"]["output_dir"] = str(run_dir)
+    return yaml.safe_dump(data, sort_keys=False)

@@ -99,7 +99,7 @@ class SingleController:
         if not rollout_workers:
             raise ValueError("SingleController: at least one rollout worker is needed")
         self.config = config
-        self.config_text = dump_config(config)  # saved with every checkpoint as its run.yaml
+        self.config_text = dump_config(config, Path(run_dir))  # saved with every checkpoint as its run.yaml
         self.trainer = trainer
         self.rollout_workers = list(rollout_workers)
         self.task = task

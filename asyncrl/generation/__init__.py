@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from transformers import PreTrainedModel
 
 from asyncrl.config import RunConfig
@@ -11,11 +13,12 @@ from asyncrl.models.hf import stop_token_ids
 from asyncrl.plugins import resolve, validate_options
 
 
-def build_generator(config: RunConfig, model: PreTrainedModel, tokenizer) -> Generator:
+def build_generator(config: RunConfig, model: PreTrainedModel, tokenizer, run_dir: Path | None = None) -> Generator:
     """The generator of the backend ``generation.backend`` names (a built-in, hf or vllm, or
     ``package.module:attr``): ``backend(config, model, tokenizer, stop_token_ids, **options)`` with
     ``generation.backend_options`` checked by its ``Options`` model, stopping on every end token the
-    tokenizer and ``model.path`` declare (docs/plugins.md).
+    tokenizer and ``model.path`` declare (docs/plugins.md). A backend that declares
+    ``writes_to_run_dir`` also gets ``run_dir``, the run's directory (None outside a run).
 
     The generator owns ``model``: pass a copy if the trainer keeps training its own. It runs in
     ``trainer.dtype``, the trainer's compute dtype, which is also the dtype of exported weights.
@@ -25,6 +28,8 @@ def build_generator(config: RunConfig, model: PreTrainedModel, tokenizer) -> Gen
     options = validate_options(backend, spec, config.generation.backend_options, "generation.backend_options")
     if tokenizer.eos_token_id is None:
         raise ValueError("tokenizer.path: the tokenizer has no eos token, so generation could never stop early")
+    if getattr(backend, "writes_to_run_dir", False):
+        options["run_dir"] = run_dir
     return backend(config, model, tokenizer, stop_token_ids(tokenizer, config.model.path), **options)
 
 

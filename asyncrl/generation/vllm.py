@@ -57,25 +57,47 @@ TEMP_PREFIX = "asyncrl-vllm-"  # what a generator leaves for its server is named
 
 
 def build_vllm_generator(
-    config: RunConfig, model: PreTrainedModel, tokenizer, stop_token_ids: Sequence[int]
+    config: RunConfig, model: PreTrainedModel, tokenizer, stop_token_ids: Sequence[int], run_dir: Path | None = None
 ) -> VLLMGenerator:
     """A generator on ``vllm.url``, or on a server started from ``model``'s weights.
 
     The model is saved (in the server's dtype) to a temporary directory the server loads at
-    start; the server's log goes to ``<run dir>/vllm/``. Its context holds the task's longest
-    prompt and a full response, and its KV cache at least one such sequence (``server_memory``).
-    A server that does not start (an incompatible environment) is a ValueError naming
-    ``vllm.python`` and the log's last line.
+    start; the server's log goes to ``<run_dir>/vllm/`` (beside the saved model outside a run).
+    Its context holds the task's longest prompt and a full response, and its KV cache at least
+    one such sequence (``server_memory``). A server that does not start (an incompatible
+    environment) is a ValueError naming ``vllm.python`` and the log's last line.
     """
     cfg = config.vllm
-    collective = collective_backend(cfg.weight_transfer, config.trainer.device)
-    shapes = {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}
-    vocab_size = model.get_input_embeddings().num_embeddings
-    options = dict(request_timeout_s=cfg.request_timeout_s, max_restarts=cfg.max_restarts, collective=collective)
+    options = dict(
+        shapes={name: tuple(tensor.shape) for name, tensor in model.state_dict().items()},
+        stop_token_ids=stop_token_ids,
+        vocab_size=model.get_input_embeddings().num_embeddings,
+        request_timeout_s=cfg.request_timeout_s,
+        max_restarts=cfg.max_restarts,
+        collective=collective_backend(cfg.weight_transfer, config.trainer.device),
+    )
     if cfg.url is not None:
-        return VLLMGenerator(
-            shapes=shapes, stop_token_ids=stop_token_ids, vocab_size=vocab_size, url=cfg.url, **options
-        )
+        return VLLMGenerator(url=cfg.url, **options)
+    server, weights_path, python = _started_server(config, model, tokenizer, run_dir, options["collective"])
+    try:
+        generator = VLLMGenerator(server=server, weights_path=weights_path, **options)
+    except ServerError as err:
+        shutil.rmtree(server.model_dir, ignore_errors=True)
+        raise ValueError(f"vllm.python: {python} could not serve the model: {err}") from None
+    generator.model_dir = server.model_dir
+    return generator
+
+
+build_vllm_generator.writes_to_run_dir = True  # the server's log
+
+
+def _started_server(
+    config: RunConfig, model: PreTrainedModel, tokenizer, run_dir: Path | None, collective: str | None
+) -> tuple[VLLMServer, Path, str]:
+    """The server for ``model``, the file its weight updates are written to, and the interpreter
+    it runs in: dtype, context and KV cache chosen for this machine, the model saved where the
+    server loads it from."""
+    cfg = config.vllm
     gpu = torch.cuda.is_available()
     head_size = _head_size(model.config)
     if not gpu and head_size not in CPU_HEAD_SIZES:
@@ -90,12 +112,11 @@ def build_vllm_generator(
     remove_dead_runs_files()
     model_dir = Path(tempfile.mkdtemp(prefix=f"{TEMP_PREFIX}{os.getpid()}-model-"))
     model.to(SERVER_DTYPES[dtype]).save_pretrained(model_dir)
-    run_dir = Path(config.logging.output_dir) if config.logging.output_dir else model_dir
     weights_path = new_weights_path()
     server = VLLMServer(
         python=python,
         model_dir=model_dir,
-        log_path=run_dir / "vllm" / f"server-{os.getpid()}-{uuid.uuid4().hex[:6]}.log",
+        log_path=(run_dir or model_dir) / "vllm" / f"server-{os.getpid()}-{uuid.uuid4().hex[:6]}.log",
         max_model_len=max_model_len,
         startup_timeout_s=cfg.startup_timeout_s,
         extra_args=cfg.extra_args,
@@ -107,20 +128,7 @@ def build_vllm_generator(
         remove_on_exit=(model_dir, weights_path, _partial(weights_path)),
         cpu=not gpu,
     )
-    try:
-        generator = VLLMGenerator(
-            shapes=shapes,
-            stop_token_ids=stop_token_ids,
-            vocab_size=vocab_size,
-            server=server,
-            weights_path=weights_path,
-            **options,
-        )
-    except ServerError as err:
-        shutil.rmtree(model_dir, ignore_errors=True)
-        raise ValueError(f"vllm.python: {python} could not serve the model: {err}") from None
-    generator.model_dir = model_dir
-    return generator
+    return server, weights_path, python
 
 
 def server_dtype(setting: str, trainer_dtype: str, gpu: bool) -> str:
