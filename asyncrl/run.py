@@ -34,6 +34,7 @@ from asyncrl.control.buffer import ReplayBuffer
 from asyncrl.control.controller import SingleController
 from asyncrl.control.handles import RolloutHandle, TrainerHandle
 from asyncrl.data import PromptLoader, build_task, check_encodable, check_prompt_lengths
+from asyncrl.environments.episode import build_episodes
 from asyncrl.faults import inject_rollout_faults, inject_trainer_faults
 from asyncrl.generation import SamplingParams, build_generator
 from asyncrl.metrics import MetricsWriter, ProgressDisplay, read_jsonl, write_json_atomic
@@ -229,6 +230,7 @@ def _rollout_worker(config: RunConfig, generator: Any, rewards: RewardRunner, to
         sampling=SamplingParams.from_config(config.generation),
         inflight=config.sync.mode == "inflight" and getattr(generator, "loads_while_generating", False),
         algorithm=_input(build_algorithm, config),
+        episodes=_input(build_episodes, config, generator, tokenizer),
     )
     return inject_rollout_faults(worker, config.faults)
 
@@ -402,13 +404,15 @@ def evaluate(config: RunConfig, *, checkpoint: str | Path | None = None) -> dict
     rewards = _input(RewardRunner.from_config, config.rewards, task, config.generation.max_new_tokens)
     worker = None
     try:
+        generator = _input(build_generator, config, model, tokenizer)
         worker = RolloutWorker(
-            _input(build_generator, config, model, tokenizer),
+            generator,
             rewards,
             tokenizer,
             run_seed=config.seed,
             group_size=1,
             sampling=SamplingParams.from_config(config.generation),
+            episodes=_input(build_episodes, config, generator, tokenizer),
         )
         result = worker.evaluate(list(task.heldout[: config.data.eval_size]))
     finally:

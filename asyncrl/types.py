@@ -365,6 +365,7 @@ class StepData:
     reward_timeouts: int = 0
     rollout_retries: int = 0
     lag_histogram: Counter = field(default_factory=Counter)
+    episode_metrics: Counter = field(default_factory=Counter)  # multi-turn episodes: sums over the samples
     groups: list[dict] = field(default_factory=list)  # one record per group, for groups.jsonl
 
     def add(self, group: RolloutGroup, version: int) -> None:
@@ -379,6 +380,7 @@ class StepData:
         self.reward_timeouts += group.reward_timeouts
         self.rollout_retries += group.retries
         self.lag_histogram[version - group.start_version] += 1
+        self.episode_metrics.update(group.episode_metrics)
         self.groups.append(
             {
                 "step": version + 1,

@@ -20,13 +20,19 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
-from typing import Protocol
+from functools import partial
+from typing import TYPE_CHECKING, Any, Protocol
 
 from asyncrl.data import Prompt, encode_prompts
 from asyncrl.environments.base import Environment, Message
 from asyncrl.generation import Generator, SampleRequest, SamplingParams
 from asyncrl.generation.base import SEED_BITS
+from asyncrl.models.hf import stop_token_ids
+from asyncrl.plugins import resolve, validate_options
 from asyncrl.types import Rollout
+
+if TYPE_CHECKING:
+    from asyncrl.config import RunConfig
 
 OBSERVATION_VERSION = -1  # the "version" of a token the environment appended: no weights sampled it
 
@@ -242,3 +248,32 @@ class MultiTurn:
 
 def _name(tokenizer) -> str:
     return getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__
+
+
+def environment_class(config: RunConfig) -> tuple[type[Environment], dict[str, Any]] | None:
+    """The class ``environment.name`` names and its checked options; None for single-turn runs."""
+    spec = config.environment.name
+    if spec is None:
+        return None
+    part = resolve("environment", spec, "environment.name")
+    if not (isinstance(part, type) and issubclass(part, Environment)):
+        raise ValueError(f"environment.name: '{spec}' is not a subclass of asyncrl.environments.Environment")
+    return part, validate_options(part, spec, config.environment.options, "environment.options")
+
+
+def build_episodes(config: RunConfig, generator: Generator, tokenizer) -> Episodes:
+    """Multi-turn episodes when the config names an environment, else the one-turn case; a turn
+    ends at the end tokens the generator stops on."""
+    found = environment_class(config)
+    if found is None:
+        return SingleTurn(generator, tokenizer)
+    cls, options = found
+    env = config.environment
+    return MultiTurn(
+        generator,
+        tokenizer,
+        partial(cls, **options),
+        stop_token_ids=stop_token_ids(tokenizer, config.model.path),
+        limits=EpisodeLimits(env.max_turns, env.max_tokens, env.max_seconds),
+        env_threads=env.threads,
+    )

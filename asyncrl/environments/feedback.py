@@ -52,6 +52,7 @@ class FeedbackEnvironment(Environment):
         side = 0 if found is None else (1 if float(found.group()) > self.target else -1)
         return Turn([{"role": "user", "content": self.replies[side]}], done=False)
 
-    def demonstration(self, prompt: Prompt) -> list[Message]:
+    @staticmethod
+    def demonstration(prompt: Prompt) -> list[Message]:
         """A solved episode for the warm start: the question and the right answer."""
         return [{"role": "user", "content": prompt.text}, {"role": "assistant", "content": prompt.answer}]

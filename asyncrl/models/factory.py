@@ -29,9 +29,10 @@ def resolve_device(name: str) -> torch.device:
 
 
 def build_tokenizer(config: RunConfig) -> PreTrainedTokenizerBase:
-    """``tokenizer.path``, else the tokenizer saved with ``model.path``, else the char tokenizer."""
+    """``tokenizer.path``, else the tokenizer saved with ``model.path``, else the char tokenizer
+    (with its chat template when episodes run against an environment)."""
     path = config.tokenizer.path or config.model.path
-    return load_tokenizer(path) if path is not None else build_char_tokenizer()
+    return load_tokenizer(path) if path is not None else build_char_tokenizer(chat=config.environment.name is not None)
 
 
 def build_model(config: RunConfig, tokenizer: PreTrainedTokenizerBase) -> PreTrainedModel:

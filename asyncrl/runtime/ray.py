@@ -77,6 +77,7 @@ class RemoteGroup:
     informative: bool
     size: int
     response_tokens: int
+    episode_metrics: dict[str, float]
     ref: Any = None  # ray.ObjectRef of the RolloutGroup; set by the caller that owns it
 
     @classmethod
