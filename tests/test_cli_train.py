@@ -6,6 +6,16 @@ import pytest
 from test_train import SMALL
 
 from asyncrl.cli import main
+from asyncrl.generation.hf import build_hf_generator
+
+
+def backend_writing_to_the_run_dir(config, model, tokenizer, stop_token_ids, run_dir):
+    """The hf generator, leaving a file in the run directory it declares it needs."""
+    (run_dir / "backend.txt").write_text("built here")
+    return build_hf_generator(config, model, tokenizer, stop_token_ids)
+
+
+backend_writing_to_the_run_dir.writes_to_run_dir = True
 
 
 def one_line_error(capsys, argv) -> str:
@@ -25,6 +35,33 @@ def test_bad_input_is_one_line_with_exit_code_2(tmp_path, capsys):
     taken = one_line_error(capsys, ["train", "--output-dir", str(tmp_path / "old")])
     assert "logging.output_dir" in taken and "already holds a run" in taken
     assert "plot:" in one_line_error(capsys, ["plot", str(tmp_path / "nope")])
+
+
+def test_the_run_directory_is_the_command_lines_and_is_recorded_where_the_run_saves_its_config(tmp_path, capsys):
+    """--output-dir wins over the config file's logging.output_dir; the run's config.yaml and every
+    checkpoint's run.yaml record the directory; a backend that declares it gets it too."""
+    config_file = tmp_path / "run.yaml"
+    config_file.write_text(f"logging:\n  output_dir: {tmp_path / 'from-config'}\n")
+    run_dir = tmp_path / "from-cli"
+    backend = "generation.backend=test_cli_train:backend_writing_to_the_run_dir"
+    argv = ["train", "--config", str(config_file), "--output-dir", str(run_dir), *SMALL, "grpo.max_steps=1", backend]
+    assert main(argv) == 0
+    assert not (tmp_path / "from-config").exists()
+    saved = [run_dir / "config.yaml", *run_dir.glob("checkpoints/*/run.yaml")]
+    assert len(saved) == 2
+    for path in saved:
+        assert f"output_dir: {run_dir}\n" in path.read_text(), path
+    assert (run_dir / "backend.txt").read_text() == "built here"
+    capsys.readouterr()
+
+
+def test_a_buffer_too_small_for_the_sampler_stops_train_before_any_model_is_built(tmp_path, capsys, monkeypatch):
+    import asyncrl.run
+
+    monkeypatch.setattr(asyncrl.run, "build_tokenizer", lambda config: pytest.fail("a model part was built"))
+    err = one_line_error(capsys, ["train", "--output-dir", str(tmp_path / "run"), "sampler.buffer_capacity=1"])
+    assert err.startswith("error: sampler.buffer_capacity: 1 < 32 groups required")
+    assert not (tmp_path / "run").exists()
 
 
 @pytest.mark.slow
