@@ -16,5 +16,8 @@ Plant = Literal[
     "recompute-proximal",
     "cp-shard-mean",
     "cp-untruncated",
+    "observation-trained",
+    "lora-base-trainable",
+    "lora-double-scaling",
 ]
 PLANTS: tuple[str, ...] = get_args(Plant)

@@ -33,6 +33,7 @@ from asyncrl.algorithms import grpo
 from asyncrl.algorithms.grpo import GRPO
 from asyncrl.config import LossConfig, ParallelConfig, TrainerConfig
 from asyncrl.models import SampledDistribution, build_tiny_model, token_logprobs
+from asyncrl.models.lora import apply_lora
 from asyncrl.plants import PLANTS, Plant
 from asyncrl.trainer import PolicyTrainer
 from asyncrl.trainer.context_parallel import ContextParallel, Shard
@@ -48,6 +49,7 @@ CP_PLANTS = (
     "cp-untruncated",
 )  # mistakes that only exist across CP ranks
 RANK_PLANTS = (*CP_PLANTS, "per-shard-mean", "average-without-compensation")  # need more than one rank
+LORA_PLANTS = ("lora-base-trainable", "lora-double-scaling")  # mistakes of a LoRA policy: need --lora
 RATIO_LEVELS = ("token", "sequence")
 DTYPES = {"float64": torch.float64, "float32": torch.float32}
 WRAPS = ("fsdp", "ddp")
@@ -82,6 +84,7 @@ class Case:
     plant: str | None = None
     wrap: str = "fsdp"
     ratio_level: str = "token"
+    lora: bool = False
 
 
 @dataclass
@@ -123,10 +126,12 @@ class StepOutcome:
 
     @classmethod
     def of(cls, trainer: PolicyTrainer, result: StepResult) -> StepOutcome:
-        """Gathers sharded tensors, so every rank of a parallel trainer must call it."""
+        """Gathers sharded tensors, so every rank of a parallel trainer must call it. A frozen
+        parameter (a LoRA base) has no gradient to record."""
         grads, params = {}, {}
         for name, param in trainer.model.named_parameters():
-            grads[name] = _whole(param.grad)
+            if param.grad is not None:
+                grads[name] = _whole(param.grad)
             params[name] = _whole(param.detach())
         return cls(result.loss, result.grad_norm, grads, params, dict(result.metrics))
 
@@ -156,6 +161,22 @@ class WholeStepNormalizerTrainer(PolicyTrainer):
 
     def _step_normalizer(self, state, sums) -> float:
         return grpo.step_normalizer(self.loss_cfg.mode, *self.step_counts)
+
+
+class ObservationTrainedTrainer(PolicyTrainer):
+    """The planted mistake: a multi-turn row's observation tokens trained like sampled ones (the
+    holes in its response mask filled, from its first response token to its last)."""
+
+    def _loss_inputs(self, batch: TrainBatch):
+        return super()._loss_inputs(_holes_filled(batch))
+
+
+def _holes_filled(batch: TrainBatch) -> TrainBatch:
+    mask = batch.response_mask
+    after_first = mask.cumsum(1) > 0
+    up_to_last = mask.flip(1).cumsum(1).flip(1) > 0
+    filled = (after_first & up_to_last).to(mask.dtype)
+    return replace(batch, response_mask=filled, response_lengths=filled.sum(1).long())
 
 
 class PerShardMeanTrainer(PolicyTrainer):
@@ -218,6 +239,30 @@ class UncompensatedParallel(ParallelContext):
     gradient_compensation = 1.0
 
 
+@dataclass(frozen=True)
+class LoraSettings:
+    """The adapters of ``--lora``: every projection, rank 4, B drawn at random so that every adapter
+    matrix has a gradient at the first step."""
+
+    rank: int = 4
+    alpha: float = 8.0
+    dropout: float = 0.0
+    target_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def _planted_model(model: torch.nn.Module, plant: str | None) -> torch.nn.Module:
+    """The candidate's copy of the policy with a LoRA mistake planted: the frozen base left
+    trainable, or each adapter's alpha / rank scaling applied twice."""
+    model = copy.deepcopy(model)
+    if plant == "lora-base-trainable":
+        model.requires_grad_(True)
+    if plant == "lora-double-scaling":
+        for module in model.modules():
+            if isinstance(getattr(module, "scaling", None), dict):
+                module.scaling = {name: 2 * value for name, value in module.scaling.items()}
+    return model
+
+
 def _planted(parallel: ParallelContext, plant: str | None) -> ParallelContext:
     """The trainer ranks' context with ``plant`` swapped into its CP shards or its gradient sum."""
     if plant == "shift-after-shard":
@@ -246,7 +291,8 @@ def random_batch(
     distribution: SampledDistribution = SampledDistribution(),
 ) -> TrainBatch:
     """A ragged GRPO batch whose logprobs sit near the model's (under ``distribution``), so ratios
-    straddle the clip range."""
+    straddle the clip range. Every other row is a multi-turn episode: an observation the
+    environment appended sits inside its response, masked out of the loss and of its length."""
     gen = torch.Generator().manual_seed(seed)
     rows = num_groups * group_size
     prompt_lengths = torch.randint(2, 9, (num_groups,), generator=gen).repeat_interleave(group_size)
@@ -257,6 +303,7 @@ def random_batch(
     ends = (prompt_lengths + response_lengths)[:, None]
     attention_mask = (positions < ends).long()
     response_mask = ((positions >= prompt_lengths[:, None]) & (positions < ends)).double()
+    response_mask[::2] *= _observations(prompt_lengths[::2], response_lengths[::2], width, gen)
     input_ids = input_ids * attention_mask
     rewards = torch.randint(0, 3, (num_groups, group_size), generator=gen).double()
     advantages = grpo.group_advantages(rewards).reshape(-1)
@@ -276,6 +323,16 @@ def random_batch(
         prox_logprobs=near(0.15),
         ref_logprobs=near(0.3),
     )
+
+
+def _observations(prompt_lengths: Tensor, response_lengths: Tensor, width: int, gen: torch.Generator) -> Tensor:
+    """0 on an observation span strictly inside each response of 3 or more tokens, 1 elsewhere."""
+    positions = torch.arange(width)
+    starts = prompt_lengths + 1 + (torch.rand(len(prompt_lengths), generator=gen) * 3).long()
+    stops = torch.minimum(
+        starts + 1 + (torch.rand(len(prompt_lengths), generator=gen) * 4).long(), prompt_lengths + response_lengths - 1
+    )
+    return ((positions < starts[:, None]) | (positions >= stops[:, None])).double()
 
 
 def _uneven_sizes(rows: int, parts: int, gen: torch.Generator, *, at_least: int = 1) -> list[int]:
@@ -307,13 +364,24 @@ def rank_micro_batches(batch: TrainBatch, *, dp: int, dp_rank: int, micro_batche
 
 
 def build_problem(
-    mode: str, dtype: torch.dtype, seed: int, vocab_size: int = 48, updates: int = 1, ratio_level: str = "token"
+    mode: str,
+    dtype: torch.dtype,
+    seed: int,
+    vocab_size: int = 48,
+    updates: int = 1,
+    ratio_level: str = "token",
+    lora: bool = False,
 ):
     """(model, batch, loss config, trainer config) of one check; the same for every process.
+    ``lora``: the model is a frozen base with LoRA adapters (``LoraSettings``) drawn from ``seed``.
 
     With several updates the learning rate is large enough that the later updates' ratios leave
     the clip range (about 10% of tokens clipped at 2 updates), so the clip branches are exercised."""
     model = build_tiny_model(vocab_size, seed=seed, dtype=dtype, hidden_size=64, num_layers=2, intermediate_size=128)
+    if lora:
+        with torch.random.fork_rng():
+            torch.manual_seed(seed)
+            model = apply_lora(model, LoraSettings(), dtype, random_b=True)
     batch = random_batch(
         model, num_groups=NUM_GROUPS, group_size=GROUP_SIZE, vocab_size=vocab_size, seed=seed, distribution=DISTRIBUTION
     )
@@ -420,6 +488,10 @@ def compare(
     tol = TOLERANCES[dtype]
     tensor_tol = tol if updates == 1 else replace(tol, atol_frac=max(tol.atol_frac, tol.rtol))
     worst_grad, worst_param, tensors_ok = ("", 0.0), ("", 0.0), True
+    for name in reference.params.keys() - reference.grads.keys():  # frozen: must not move at all
+        moved = _relative(reference.params[name], candidate.params[name])
+        tensors_ok &= moved == 0.0
+        worst_param = max(worst_param, (name, moved), key=lambda x: x[1])
     largest_grad = max(g.abs().max().item() for g in reference.grads.values())
     for name, ref_grad in reference.grads.items():
         grad = candidate.grads[name]
@@ -449,11 +521,17 @@ def compare(
 
 
 def _reference(
-    mode: str, dtype: torch.dtype, seed: int, vocab_size: int = 48, updates: int = 1, ratio_level: str = "token"
+    mode: str,
+    dtype: torch.dtype,
+    seed: int,
+    vocab_size: int = 48,
+    updates: int = 1,
+    ratio_level: str = "token",
+    lora: bool = False,
 ) -> StepOutcome:
     """The monolithic step: each update is one micro-batch holding its whole mini-batch; with
     several updates, proximal logprobs are the whole batch's, scored at once at step start."""
-    model, batch, loss_cfg, trainer_cfg = build_problem(mode, dtype, seed, vocab_size, updates, ratio_level)
+    model, batch, loss_cfg, trainer_cfg = build_problem(mode, dtype, seed, vocab_size, updates, ratio_level, lora)
     trainer = _trainer(PolicyTrainer, model, loss_cfg, trainer_cfg)
     if updates > 1:
         batch.prox_logprobs = trainer.compute_logprobs(batch)
@@ -465,6 +543,7 @@ def _candidate_class(plant: str | None) -> type[PolicyTrainer]:
         "per-microbatch-mean": PerMicrobatchMeanTrainer,
         "per-shard-mean": PerShardMeanTrainer,
         "whole-step-normalizer": WholeStepNormalizerTrainer,
+        "observation-trained": ObservationTrainedTrainer,
     }.get(plant, PolicyTrainer)
 
 
@@ -481,17 +560,18 @@ def verify_mode(
     vocab_size: int = 48,
     updates: int = 1,
     ratio_level: str = "token",
+    lora: bool = False,
 ) -> Comparison:
     """Run reference and split steps for one aggregation mode, in this process, and compare them."""
     torch.manual_seed(seed)
-    model, batch, loss_cfg, trainer_cfg = build_problem(mode, dtype, seed, vocab_size, updates, ratio_level)
-    candidate = _trainer(_candidate_class(plant), model, loss_cfg, trainer_cfg, batch=batch)
+    model, batch, loss_cfg, trainer_cfg = build_problem(mode, dtype, seed, vocab_size, updates, ratio_level, lora)
+    candidate = _trainer(_candidate_class(plant), _planted_model(model, plant), loss_cfg, trainer_cfg, batch=batch)
     split = [
         uneven_split(part, min(micro_batches, len(part)), torch.Generator().manual_seed(seed + 1 + k))
         for k, part in enumerate(minibatches(batch, updates))
     ]
     outcome = _train(candidate, split, score=_scoring(updates, plant))
-    reference = _reference(mode, dtype, seed, vocab_size, updates, ratio_level)
+    reference = _reference(mode, dtype, seed, vocab_size, updates, ratio_level, lora)
     return compare(mode, reference, outcome, dtype, updates=updates)
 
 
@@ -507,9 +587,10 @@ def _rank_check(
     for case in cases:
         torch.manual_seed(seed)
         model, batch, loss_cfg, trainer_cfg = build_problem(
-            case.mode, DTYPES[case.dtype], seed, updates=updates, ratio_level=case.ratio_level
+            case.mode, DTYPES[case.dtype], seed, updates=updates, ratio_level=case.ratio_level, lora=case.lora
         )
         planted = _planted(replace(parallel, wrap=case.wrap), case.plant)
+        model = _planted_model(model, case.plant)
         trainer = _trainer(_candidate_class(case.plant), model, loss_cfg, trainer_cfg, planted, batch=batch)
         split = [
             rank_micro_batches(
@@ -528,7 +609,7 @@ def verify_parallel(
 ) -> list[Comparison]:
     """Check every case on dp·cp local ranks (one launch) against the monolithic step here."""
     for case in cases:
-        check_layout(dp, cp, micro_batches, [case.plant], updates, case.ratio_level)
+        check_layout(dp, cp, micro_batches, [case.plant], updates, case.ratio_level, case.lora)
         _check_choices(case.mode, case.dtype, case.plant)
         if case.wrap not in WRAPS:
             raise ValueError(f"--wrap: '{case.wrap}' is not one of {', '.join(WRAPS)}")
@@ -537,10 +618,10 @@ def verify_parallel(
     references = {}
     comparisons = []
     for case, outcome in outcomes:
-        key = (case.mode, case.dtype, case.ratio_level)
+        key = (case.mode, case.dtype, case.ratio_level, case.lora)
         if key not in references:
             references[key] = _reference(
-                case.mode, DTYPES[case.dtype], seed, updates=updates, ratio_level=case.ratio_level
+                case.mode, DTYPES[case.dtype], seed, updates=updates, ratio_level=case.ratio_level, lora=case.lora
             )
         comparisons.append(compare(case.mode, references[key], outcome, DTYPES[case.dtype], case, updates))
     return comparisons
@@ -559,7 +640,13 @@ def _check_choices(mode: str, dtype: str, plant: str | None) -> None:
 
 
 def check_layout(
-    dp: int, cp: int, micro_batches: int, plants: list[str | None], updates: int = 1, ratio_level: str = "token"
+    dp: int,
+    cp: int,
+    micro_batches: int,
+    plants: list[str | None],
+    updates: int = 1,
+    ratio_level: str = "token",
+    lora: bool = False,
 ) -> None:
     """Reject a launch this check cannot run; the message starts with the option it is about.
 
@@ -584,6 +671,8 @@ def check_layout(
             raise ValueError(f"--plant: {plant} is a multi-rank mistake; it needs --dp or --cp 2 or more")
         if plant in UPDATE_PLANTS and updates == 1:
             raise ValueError(f"--plant: {plant} is a mistake of several updates per step; it needs --updates 2 or more")
+        if plant in LORA_PLANTS and not lora:
+            raise ValueError(f"--plant: {plant} is a mistake of a LoRA policy; it needs --lora")
         if plant == "cp-shard-mean" and ratio_level != "sequence":
             raise ValueError(f"--plant: {plant} is a mistake of the sequence ratio; it needs --ratio-level sequence")
 
@@ -600,17 +689,19 @@ def verify(
     wrap: str = "fsdp",
     updates: int = 1,
     ratio_level: str = "token",
+    lora: bool = False,
 ) -> list[Comparison]:
     """Compare split (and, with dp·cp > 1, parallel) steps with the monolithic one for each mode;
-    with ``updates`` K > 1 a step is K mini-batch updates against logprobs scored at its start."""
+    with ``updates`` K > 1 a step is K mini-batch updates against logprobs scored at its start;
+    ``lora``: the policy is a frozen base with LoRA adapters (``LoraSettings``)."""
     for mode in modes:
         _check_choices(mode, dtype, plant)
     if ratio_level not in RATIO_LEVELS:
         raise ValueError(f"--ratio-level: '{ratio_level}' is not one of {', '.join(RATIO_LEVELS)}")
     if dp * cp > 1:
-        cases = [Case(mode, dtype, plant, wrap, ratio_level) for mode in modes]
+        cases = [Case(mode, dtype, plant, wrap, ratio_level, lora) for mode in modes]
         return verify_parallel(cases, dp=dp, cp=cp, micro_batches=micro_batches, seed=seed, updates=updates)
-    check_layout(dp, cp, micro_batches, [plant], updates, ratio_level)
+    check_layout(dp, cp, micro_batches, [plant], updates, ratio_level, lora)
     return [
         verify_mode(
             mode,
@@ -620,6 +711,7 @@ def verify(
             seed=seed,
             updates=updates,
             ratio_level=ratio_level,
+            lora=lora,
         )
         for mode in modes
     ]

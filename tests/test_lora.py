@@ -1,0 +1,112 @@
+"""LoRA (lora section, models/lora.py): a frozen base, float32 adapters that alone train and sync."""
+
+import copy
+
+import pytest
+import torch
+
+from asyncrl.config import ConfigError, load_config
+from asyncrl.generation import SampleRequest, SamplingParams, build_generator
+from asyncrl.metrics import read_jsonl
+from asyncrl.models import build_model, build_tokenizer, token_logprobs
+from asyncrl.run import train
+from asyncrl.trainer import PolicyTrainer
+from asyncrl.verify import random_batch
+
+TINY = ["model.hidden_size=32", "model.num_layers=2", "model.num_heads=4", "model.num_kv_heads=2"]
+TINY += ["model.intermediate_size=64", "trainer.device=cpu", "lora.rank=4"]
+SMALL_RUN = [  # the small arithmetic task of the end-to-end tests
+    *TINY,
+    "data.task=arithmetic",
+    "data.difficulty=1",
+    "grpo.prompts_per_step=4",
+    "grpo.generations_per_prompt=4",
+    "grpo.max_steps=4",
+    "generation.max_new_tokens=4",
+    "generation.batch_size=8",
+    "trainer.micro_batch_size=6",
+    "trainer.lr=0.01",
+    "trainer.lr_schedule=constant",
+    "data.eval_size=8",
+    "warm_start.steps=0",
+    "logging.eval_every_steps=2",
+    "logging.tensorboard=false",
+    "logging.progress=false",
+]
+
+
+def trainer_and_base(*overrides):
+    """(config, tokenizer, an untouched copy of the base, the LoRA trainer built on the base)."""
+    config = load_config(None, [*TINY, *overrides])
+    tokenizer = build_tokenizer(config)
+    model = build_model(config, tokenizer)
+    base = copy.deepcopy(model)
+    return config, tokenizer, base, PolicyTrainer.from_config(config, model)
+
+
+def a_step(trainer, tokenizer, seed=0):
+    torch.manual_seed(seed)
+    batch = random_batch(trainer.model, num_groups=2, group_size=4, vocab_size=len(tokenizer), seed=seed)
+    return trainer.train_step(batch)
+
+
+def test_the_base_stays_frozen_in_the_trainer_dtype_and_only_float32_adapters_train():
+    config, tokenizer, _, trainer = trainer_and_base("trainer.dtype=bfloat16")
+    frozen = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if not p.requires_grad}
+    trained = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
+    assert frozen and {p.dtype for p in frozen.values()} == {torch.bfloat16}
+    assert all(".lora_A." in n or ".lora_B." in n for n in trained)
+    assert {p.dtype for p in trained.values()} == {torch.float32}
+    result = a_step(trainer, tokenizer)
+    assert result.num_updates == 1
+    state = trainer.optimizer.state_dict()["state"]
+    assert len(state) == len(trained)  # AdamW moments for the adapters alone
+    assert {s["exp_avg"].dtype for s in state.values()} == {torch.float32}
+    after = dict(trainer.model.named_parameters())
+    assert all(torch.equal(after[n], p) for n, p in frozen.items())
+    assert any(not torch.equal(after[n], p) for n, p in trained.items())
+
+
+def test_a_target_module_the_model_lacks_is_a_one_line_error_naming_the_field():
+    with pytest.raises(ValueError, match=r"lora.target_modules: 'qkv' is not a linear layer of the model \(it has"):
+        trainer_and_base("lora.target_modules=[q_proj,qkv]")
+
+
+def test_lora_with_a_backend_that_cannot_load_adapters_is_refused_at_load_time():
+    with pytest.raises(ConfigError, match="lora.rank: LoRA adapters are synced to generation.backend hf only"):
+        load_config(None, [*TINY, "generation.backend=vllm"])
+
+
+def test_the_adapter_alone_syncs_and_the_generator_then_samples_the_trainers_policy():
+    config, tokenizer, base, trainer = trainer_and_base("trainer.dtype=float64", "generation.max_new_tokens=6")
+    generator = build_generator(config, base, tokenizer)
+    a_step(trainer, tokenizer)
+    version, weights = trainer.export_weights()
+    full = sum(p.numel() for p in trainer.model.parameters())
+    assert version == 1 and all(".lora_A." in n or ".lora_B." in n for n in weights)
+    assert sum(t.numel() for t in weights.values()) * 5 < full
+    requests = [SampleRequest(prompt_ids=tokenizer.encode(p), seed=i) for i, p in enumerate(["1+2=", "13+4="])]
+    params = SamplingParams(max_new_tokens=6, temperature=1.0)
+    before = generator.generate(requests, params)
+    generator.load_weights(weights, version)
+    after = generator.generate(requests, params)
+    assert generator.version == 1
+    assert [r.logprobs for r in before] != [r.logprobs for r in after]  # B was zero: the sync moved the policy
+    for rollout in after:
+        ids = torch.tensor([rollout.prompt_ids + rollout.response_ids])
+        with torch.no_grad():
+            scored, _ = token_logprobs(trainer.model, ids, torch.ones_like(ids))
+        expected = scored[0, len(rollout.prompt_ids) :]
+        torch.testing.assert_close(torch.tensor(rollout.logprobs, dtype=torch.float64), expected, rtol=1e-9, atol=1e-9)
+
+
+@pytest.mark.slow
+def test_a_lora_run_syncs_adapter_bytes_only(tmp_path):
+    config = load_config(None, [*SMALL_RUN, f"logging.output_dir={tmp_path / 'run'}"])
+    summary = train(config)
+    metrics = read_jsonl(tmp_path / "run" / "metrics.jsonl")
+    assert summary["steps"] == 4
+    # rank 4 over the 7 projections (in, out) of 2 layers: (in + out) * 4 float32 each
+    shapes = [(32, 32), (32, 16), (32, 16), (32, 32), (32, 64), (32, 64), (64, 32)]
+    adapter = 2 * 4 * 4 * sum(i + o for i, o in shapes)
+    assert {m["sync_bytes"] for m in metrics} == {adapter}
