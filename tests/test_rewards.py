@@ -19,6 +19,7 @@ import pytest
 from asyncrl.config import ConfigError, RewardConfig, load_config
 from asyncrl.data import Task
 from asyncrl.rewards import FormatReward, OverlongPenalty, RewardRunner, exact_match, numeric_match, resolve_reward
+from asyncrl.rewards import runner as runner_module
 
 TIMEOUT = 0.5
 ODD_VALUES = {"nan": math.nan, "inf": math.inf, "text": "1.0", "none": None, "list": [1.0]}
@@ -72,6 +73,7 @@ def mixed(completion, answer):
 
 
 def slow(completion, answer):
+    """Slow enough that the runner sees the calls of a chunk finish one by one."""
     time.sleep(TIMEOUT / 10)
     return 1.0
 
@@ -262,12 +264,48 @@ def test_a_call_holding_the_interpreter_lock_is_killed_at_its_timeout():
         assert runner.score(["$19$"], ["19"]).rewards == [1.0]
 
 
-def test_a_slow_call_that_finishes_in_time_is_not_a_timeout():
-    """One process runs 20 calls of a tenth of the timeout each: together they take twice the
-    timeout, so none is a timeout only if the timeout counts from each call's own start."""
+class MessageClock:
+    """The runner's clock, moved on by 0.6 timeouts by each message a reward process delivers
+    (wrapped into its end of the pipe): the runner then sees every call take that long, however
+    fast or slow the machine runs it."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def pipe(self, pipe):
+        def ticking_pipe(*args, **kwargs):
+            ours, theirs = pipe(*args, **kwargs)
+            return Ticking(ours, self), theirs
+
+        return ticking_pipe
+
+
+class Ticking:
+    def __init__(self, connection, clock: MessageClock) -> None:
+        self.connection, self.clock = connection, clock
+
+    def __getattr__(self, name):
+        return getattr(self.connection, name)
+
+    def recv(self):
+        message = self.connection.recv()
+        self.clock.now += 0.6 * TIMEOUT
+        return message
+
+
+def test_calls_that_finish_in_time_are_not_timeouts_however_long_their_batch(monkeypatch):
+    """One process runs 20 calls, each 0.6 timeouts long on the runner's clock: together they take
+    twelve timeouts, so none is a timeout only if the timeout counts from each call's own start."""
+    clock = MessageClock()
+    monkeypatch.setattr(runner_module, "time", clock)
+    monkeypatch.setattr(runner_module.multiprocessing, "Pipe", clock.pipe(runner_module.multiprocessing.Pipe))
     with RewardRunner([("slow", slow)], timeout_s=TIMEOUT, processes=1) as runner:
         result = runner.score(["a"] * 20, ["a"] * 20)
     assert result.rewards == [1.0] * 20 and result.timeouts == 0
+    assert clock.now >= 12 * TIMEOUT  # the batch took twelve timeouts
 
 
 def test_calls_run_in_at_most_processes_processes_that_stay_for_the_next_batch():
