@@ -164,6 +164,8 @@ def _start_workers(
     if runtime.name == "ray":
         return _start_actors(runtime, config, context)
     model, tokenizer = parts.model, parts.tokenizer
+    # the generator's copy first: a LoRA trainer turns ``model`` into its adapters' base in place
+    generator = _input(build_generator, config, copy.deepcopy(model), tokenizer, context.run_dir)
     trainer_worker = TrainerWorker(
         _input(PolicyTrainer.from_config, config, model), config.grpo, tokenizer, seed=config.seed
     )
@@ -172,7 +174,6 @@ def _start_workers(
         _from_checkpoint(
             str(checkpoint_dir / STATE_FILE), trainer_worker.load_checkpoint, checkpoint_dir, context.state["trainer"]
         )
-    generator = _input(build_generator, config, copy.deepcopy(model), tokenizer, context.run_dir)
     rollout_worker = _rollout_worker(config, generator, parts.rewards, tokenizer)
     trainer = runtime.spawn(lambda: inject_trainer_faults(trainer_worker, config.faults), "trainer")
     return trainer, [runtime.spawn(lambda: rollout_worker, "rollout")]

@@ -110,3 +110,16 @@ def test_a_lora_run_syncs_adapter_bytes_only(tmp_path):
     shapes = [(32, 32), (32, 16), (32, 16), (32, 32), (32, 64), (32, 64), (64, 32)]
     adapter = 2 * 4 * 4 * sum(i + o for i, o in shapes)
     assert {m["sync_bytes"] for m in metrics} == {adapter}
+
+
+def test_lora_dropout_acts_in_the_loss_forward_only():
+    _, tokenizer, _, trainer = trainer_and_base("lora.dropout=0.5")
+    torch.manual_seed(0)
+    batch = random_batch(trainer.model, num_groups=2, group_size=4, vocab_size=len(tokenizer), seed=0)
+    a_step(trainer, tokenizer)  # B moves off zero, so the adapters' inputs matter
+    batch.prox_logprobs = trainer.compute_logprobs(batch)
+    assert torch.equal(batch.prox_logprobs, trainer.compute_logprobs(batch))  # scoring: no dropout
+    trainer.begin_train_step()
+    trainer.train_microbatch(batch)
+    ratio_mean = trainer.finish_train_step().metrics["ratio_mean"]
+    assert abs(ratio_mean - 1.0) > 1e-4  # the loss forward dropped adapter inputs

@@ -13,7 +13,8 @@ tensors: a generator copies a sync straight into them.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import contextlib
+from collections.abc import Iterator, Mapping
 from typing import Protocol
 
 import torch
@@ -79,3 +80,17 @@ def model_names(model: nn.Module) -> dict[str, str]:
 
 def is_lora(model: nn.Module) -> bool:
     return isinstance(model, PeftModel)
+
+
+@contextlib.contextmanager
+def adapter_dropout(model: nn.Module) -> Iterator[None]:
+    """LoRA's dropout active inside the block, on a model kept in eval mode: the loss forward
+    drops adapter inputs (``lora.dropout``); every other score runs without it."""
+    dropouts = [m for name, m in model.named_modules() if ".lora_dropout." in f".{name}." and m is not None]
+    for module in dropouts:
+        module.train()
+    try:
+        yield
+    finally:
+        for module in dropouts:
+            module.eval()

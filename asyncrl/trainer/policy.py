@@ -29,7 +29,7 @@ from asyncrl.algorithms import Algorithm, build_algorithm, grpo
 from asyncrl.config import LossConfig, RunConfig, TrainerConfig
 from asyncrl.models import SampledDistribution, token_logprobs
 from asyncrl.models.factory import DTYPES
-from asyncrl.models.lora import adapter_tensors, apply_lora, is_lora
+from asyncrl.models.lora import adapter_dropout, adapter_tensors, apply_lora, is_lora
 from asyncrl.trainer.optim import build_optimizer, build_scheduler
 from asyncrl.trainer.recompute import checkpoint_activations
 from asyncrl.trainer.snapshot import StepSnapshot
@@ -354,7 +354,7 @@ class PolicyTrainer:
         }
         weights = self._local_weights(batch)
         context = None if self.parallel is None else self.parallel.context
-        with self._forward():
+        with self._forward(), adapter_dropout(self.model):
             if context is not None:
                 return context.loss_inputs(self.model, batch, weights, **scoring)
             logprobs, entropy = token_logprobs(self.model, batch.input_ids, batch.attention_mask, **scoring)
