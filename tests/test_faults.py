@@ -175,18 +175,37 @@ def test_a_weight_load_that_fails_checkpoints_the_step_it_follows_and_resumes(tm
 
 
 @pytest.mark.parametrize("limit", [None, 2])
-def test_generation_longer_than_the_sync_timeout_does_not_fail_the_sync(tmp_path, limit):
-    # max_lag 1: step 1's batches (calls 2 and 3) run while step 0's sync waits; call 2 takes 1.5 s.
-    # With at most 2 groups in flight, call 3 waits for call 2 to finish, and so does closing the gate.
-    summary, metrics, _ = run(
+def test_generation_longer_than_the_sync_timeout_does_not_fail_the_sync(tmp_path, monkeypatch, limit):
+    """max_lag 1: step 1's first batch (call 2) runs while step 0's sync waits. That batch goes on
+    for three sync timeouts once the sync has begun, so the sync outlasts its timeout waiting for it.
+    With at most 2 groups in flight, call 3 waits for call 2 to finish, and so does closing the gate."""
+    timeout_s, events, sync_began = 0.5, [], threading.Event()
+    original_sync, original_generate = WeightSync.sync, FaultyRolloutWorker.generate
+
+    async def sync(self):
+        events.append("sync begins")
+        sync_began.set()
+        report = await original_sync(self)
+        events.append("sync ends")
+        return report
+
+    def generate(self, jobs):
+        if self.calls == 2:
+            assert sync_began.wait(120), "no weight sync began while call 2 ran"
+            time.sleep(3 * timeout_s)
+            events.append("call 2 ends")
+        return original_generate(self, jobs)
+
+    monkeypatch.setattr(WeightSync, "sync", sync)
+    monkeypatch.setattr(FaultyRolloutWorker, "generate", generate)
+    summary, _, _ = run(
         tmp_path,
         "long",
-        "faults.hang_generate_calls=[2]",
-        "faults.hang_s=1.5",
-        "sync.timeout_s=0.5",
+        "faults.hang_generate_calls=[1000]",  # any fault wraps the worker
+        f"sync.timeout_s={timeout_s}",
         f"runtime.max_inflight_groups={'null' if limit is None else limit}",
     )
-    assert summary["steps"] == 4 and metrics[0]["time/sync_pause_s"] > 0.5
+    assert summary["steps"] == 4 and events[:3] == ["sync begins", "call 2 ends", "sync ends"]
 
 
 def test_the_watchdog_stops_a_stalled_run_naming_what_each_loop_waits_on(tmp_path):
