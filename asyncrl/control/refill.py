@@ -8,7 +8,7 @@ budget (``grpo.max_refill_groups``), the buffer's free slots and the in-flight l
 ``in_order`` what refills a step is then a function of the config alone.
 
 The step's unused budget is also the number of buffer slots that admissions leave free: the buffer
-is sized for them (``RunConfig.buffer_capacity``), and a sampler that admits up to capacity would
+is sized for them (``run_sampler.build_run_sampler``), and a sampler that admits up to capacity would
 otherwise take them.
 """
 
