@@ -97,6 +97,8 @@ def updates_of(trainer, batch, fail_after: int | None = None):
     trainer.finish_train_step()
 
 
+TESTS = Path(__file__).resolve().parent  # on the path of every test run and of the processes they start
+ROOT = TESTS.parent
 RAY_SERVERS = ("raylet", "gcs_server")
 
 

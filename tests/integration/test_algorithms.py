@@ -4,18 +4,17 @@ survives checkpoints, and a bad ``algorithm.name`` is one error naming the field
 import math
 import re
 import sys
-from pathlib import Path
 
 import pytest
 import torch
-from helpers import run
+from helpers import ROOT, run
 
 from asyncrl.algorithms import build_algorithm
 from asyncrl.algorithms.grpo import GRPO, token_loss
 from asyncrl.config import LossConfig, load_config
 from asyncrl.types import RolloutGroup
 
-DOC = Path(__file__).resolve().parents[1] / "docs" / "plugins.md"
+DOC = ROOT / "docs" / "plugins.md"
 
 # Beside the documented example: a variant that counts its loss calls, and one that judges every
 # group informative, equal rewards included.

@@ -7,6 +7,7 @@ of the ratios are.
 import json
 
 import pytest
+from helpers import ROOT
 
 from asyncrl.bench import e2e, report
 from asyncrl.cli import main
@@ -143,11 +144,10 @@ def test_results_land_in_the_working_directory_not_the_package(capsys, tmp_path,
 def test_the_only_installed_top_level_package_is_asyncrl():
     """A top-level ``benchmarks`` (or any other) package would shadow the user's own."""
     import tomllib
-    from pathlib import Path
 
     from setuptools import find_packages
 
-    root = Path(__file__).resolve().parents[1]
+    root = ROOT
     include = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]["include"]
     assert {name.split(".")[0] for name in find_packages(str(root), include=include)} == {"asyncrl"}
 

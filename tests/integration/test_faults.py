@@ -13,7 +13,7 @@ import time
 
 import pytest
 import torch
-from helpers import SMALL, run
+from helpers import SMALL, TESTS, run
 
 from asyncrl.checkpoint import load_state, resolve_checkpoint
 from asyncrl.cli import main
@@ -233,7 +233,7 @@ def test_the_watchdog_also_watches_the_first_evaluation(tmp_path, monkeypatch):
 
 def start_cli(tmp_path, name, *overrides):
     args = [sys.executable, "-m", "asyncrl.cli", "train", "--output-dir", str(tmp_path / name), *SMALL, *overrides]
-    env = {**os.environ, "PYTHONPATH": os.path.dirname(__file__)}
+    env = {**os.environ, "PYTHONPATH": str(TESTS)}
     return subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
 
 

@@ -3,12 +3,11 @@ groups.jsonl and summary.json has a row in that file's table, and every row is w
 
 import json
 import re
-from pathlib import Path
 
 import pytest
-from helpers import run
+from helpers import ROOT, run
 
-DOC = Path(__file__).resolve().parents[1] / "docs" / "metrics.md"
+DOC = ROOT / "docs" / "metrics.md"
 
 
 def documented_keys(file_name: str) -> set[str]:

@@ -1,9 +1,10 @@
 """The README's Python example runs as written."""
 
 import re
-from pathlib import Path
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+from helpers import ROOT
+
+README = ROOT / "README.md"
 
 
 def test_readme_python_examples_run():

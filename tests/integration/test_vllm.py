@@ -165,16 +165,16 @@ def test_truncated_sampling_logprobs_equal_the_trainers_truncated_scores(vllm_ge
 @pytest.mark.slow
 def test_a_failed_collective_update_is_reported_and_the_next_one_joins_a_new_group(vllm_generator, monkeypatch):
     """The server rejects an update (a dtype it does not know) while this side broadcasts: the
-    load raises at once instead of waiting out the group's timeout, and the next load works."""
+    load raises the server's answer (an HTTP error status, not a call that timed out waiting for
+    the group), leaves the group, and the next load joins a new one and works."""
     good, bad = tiny(51), tiny(52)
     vllm_generator.load_weights(good.state_dict(), 6)
     with monkeypatch.context() as patch:
         meta = Layout.meta
         patch.setattr(Layout, "meta", lambda layout: {**meta(layout), "dtype_names": ["none"] * len(layout.entries)})
-        started = time.monotonic()
-        with pytest.raises(ServerError, match="update_weights"):
+        with pytest.raises(ServerError, match=r"/update_weights: HTTP \d{3}: "):
             vllm_generator.load_weights(bad.state_dict(), 7)
-        assert time.monotonic() - started < 60 and not vllm_generator.joined
+        assert not vllm_generator.joined
     assert vllm_generator.version == 6
     vllm_generator.load_weights(bad.state_dict(), 8)
     assert vllm_generator.joined

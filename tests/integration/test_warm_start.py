@@ -2,11 +2,10 @@
 warm-started weights, and its cache key never copies a checkpoint's weights to host memory."""
 
 import os
-from pathlib import Path
 
 import pytest
 import torch
-from helpers import SMALL
+from helpers import ROOT, SMALL
 
 from asyncrl.cli import main
 from asyncrl.config import load_config
@@ -23,7 +22,6 @@ from asyncrl.models.example import write_example_checkpoint
 from asyncrl.warm_start import _cache_key, warm_start
 
 PROMPTS = [Prompt("a", "1+1=", "2")]
-ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")

@@ -3,17 +3,17 @@ on an import that crosses it, and the imports they ignore exist for annotations 
 
 import tomllib
 from copy import deepcopy
-from pathlib import Path
 
 import grimp
 import pytest
+from helpers import ROOT
 from importlinter.configuration import configure
 from importlinter.contracts.forbidden import ForbiddenContract
 from importlinter.contracts.layers import LayersContract
 
 configure()  # what `lint-imports` sets up before checking: the timer a check reads
 
-PYPROJECT = Path(__file__).resolve().parents[1] / "pyproject.toml"
+PYPROJECT = ROOT / "pyproject.toml"
 SECTION = tomllib.loads(PYPROJECT.read_text())["tool"]["importlinter"]
 CONTRACTS = {options["id"]: options for options in SECTION["contracts"]}
 SESSION = {
