@@ -18,7 +18,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
-from test_train import SMALL
+from helpers import SMALL
 from tokenizers import normalizers
 
 from asyncrl.checkpoint import resolve_checkpoint
@@ -451,7 +451,7 @@ def test_bad_custom_samplers_are_rejected_when_the_config_loads(capsys, plugins,
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     """A finished small run with checkpoints at steps 1 and 2 (latest)."""
-    from test_train import run
+    from helpers import run
 
     root = tmp_path_factory.mktemp("trained")
     run(

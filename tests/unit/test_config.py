@@ -2,15 +2,13 @@
 
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
+from helpers import ROOT
 
 from asyncrl.cli import main
 from asyncrl.config import ConfigError, RunConfig, dump_config, load_config
 from asyncrl.run_sampler import build_run_sampler
-
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def error_of(overrides=(), path=None) -> str:
@@ -202,8 +200,6 @@ def test_installed_script_reports_errors_without_traceback():
 
 
 def test_every_key_is_documented_and_the_reference_is_current():
-    from pathlib import Path
-
     from asyncrl.config import config_reference
 
     for name, field in RunConfig.model_fields.items():
@@ -214,7 +210,7 @@ def test_every_key_is_documented_and_the_reference_is_current():
             assert sub.description, f"{name}.{key} has no description"
     reference = config_reference()
     assert "| `max_lag` | int | `1` |" in reference
-    committed = Path(__file__).resolve().parents[1] / "docs" / "configuration.md"
+    committed = ROOT / "docs" / "configuration.md"
     assert committed.read_text() == reference, "regenerate with: asyncrl config --reference > docs/configuration.md"
 
 

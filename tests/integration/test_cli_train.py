@@ -3,7 +3,7 @@
 import json
 
 import pytest
-from test_train import SMALL
+from helpers import SMALL
 
 from asyncrl.cli import main
 from asyncrl.generation.hf import build_hf_generator
