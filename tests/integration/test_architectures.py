@@ -83,6 +83,7 @@ def test_a_softcapping_model_loads_with_the_attention_that_applies_its_softcap(c
     torch.testing.assert_close(loaded, eager, rtol=0, atol=0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ARCHITECTURES)
 def test_generation_scores_what_the_trainer_scores(checkpoints, name):
     model = load_model(checkpoints / name, dtype=torch.float32)

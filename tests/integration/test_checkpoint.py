@@ -214,6 +214,7 @@ def test_files_reach_the_disk_before_the_rename_and_older_checkpoints_go_only_af
     assert [events[i][1] for i in removals] == [f"{root}/step-000001"] and removals[0] > latest + 1
 
 
+@pytest.mark.slow
 def test_a_full_disk_during_a_checkpoint_stops_in_one_line_and_the_previous_one_resumes(tmp_path, capsys, monkeypatch):
     run_dir, root = tmp_path / "run", tmp_path / "run" / "checkpoints"
     real_save = torch.save

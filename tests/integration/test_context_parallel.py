@@ -173,6 +173,7 @@ def _truncated_shard_scores(rank: int, world_size: int) -> bytes:
     return buffer.getvalue()
 
 
+@pytest.mark.slow
 def test_two_cp_ranks_score_the_truncated_distribution_as_a_whole_row_does():
     model, batch, *_ = build_problem("token-mean", torch.float64, 0)
     scores = torch.load(io.BytesIO(launch(_truncated_shard_scores, 2)[0]))

@@ -311,6 +311,7 @@ def _abort_after_updates_on_fsdp_ranks(rank: int, world_size: int) -> bytes:
     return buffer.getvalue()
 
 
+@pytest.mark.slow
 def test_aborting_after_updates_on_fsdp_ranks_restores_each_rank_s_shards_exactly():
     for payload in launch(_abort_after_updates_on_fsdp_ranks, 2):
         assert torch.load(io.BytesIO(payload)) == (True, True)

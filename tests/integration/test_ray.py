@@ -174,6 +174,7 @@ class LoadWaiter:
         self.loaded.set()
 
 
+@pytest.mark.slow
 def test_a_rollout_workers_unordered_methods_run_beside_its_calls_and_a_trainer_ranks_in_order(ray_cluster):
     """A weight load submitted after a call that waits for it: on a rollout-worker actor whose
     worker lists ``load_weights`` as unordered it runs during that call; otherwise, and always on a

@@ -71,6 +71,7 @@ def test_repeated_questions_are_dropped_so_no_held_out_question_is_trained_on():
         )
 
 
+@pytest.mark.slow
 def test_the_task_reward_is_the_datasets_own_checker_inside_the_runner():
     config = chain_sum()
     task = build_task(config.data)

@@ -172,6 +172,7 @@ def test_other_samplers_keep_their_lag_bound(tmp_path, sampler, max_lag):
     assert all(0 <= g["lag"] <= max_lag for g in groups)
 
 
+@pytest.mark.slow
 def test_the_controller_imports_no_model_code():
     import subprocess
     import sys

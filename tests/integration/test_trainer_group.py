@@ -370,6 +370,7 @@ def check_checkpoint_loads_on_one_rank(tmp_path, payloads) -> TrainerWorker:
     return resumed
 
 
+@pytest.mark.slow
 def test_dp2_ranks_match_the_single_rank_worker_and_resume_across_layouts(tmp_path):
     single, reports, (single_checkpoint, checkpoint_weights) = single_rank_reference(tmp_path, checkpoint_at=2)
     overrides = [*SMALL, f"warm_start.cache_dir={tmp_path / 'warm'}", *RANK_OVERRIDES, "parallel.dp=2"]
@@ -405,6 +406,7 @@ def test_cp_and_dp_cp_ranks_match_the_single_rank_worker(tmp_path, dp, cp):
     check_checkpoint_loads_on_one_rank(tmp_path, payloads)
 
 
+@pytest.mark.slow
 def test_workers_do_not_import_the_controller():
     """Workers share only asyncrl.errors with the controller, so a rank or an actor never loads it."""
     pytest.importorskip("ray")

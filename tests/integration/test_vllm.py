@@ -78,6 +78,7 @@ def test_a_head_size_vllms_cpu_attention_lacks_is_a_one_line_error(capsys, tmp_p
     assert "model.num_heads: head size 8" in err
 
 
+@pytest.mark.slow
 def test_a_missing_or_unusable_vllm_environment_is_a_one_line_error_naming_the_fix(capsys, tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     args = [*SMALL, "model.hidden_size=128", "generation.backend=vllm"]

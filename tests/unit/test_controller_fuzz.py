@@ -567,7 +567,7 @@ def fuzz(sampler_cls: type, max_examples: int, buffer_cls: type = CheckedBuffer,
 
 # (interleavings over all samplers, runs per sampler); a run averages about 55 interleavings.
 SIZES = [
-    pytest.param(10_000, 100, id="10k"),
+    pytest.param(10_000, 100, id="10k", marks=pytest.mark.slow),
     pytest.param(100_000, 1_000, id="100k", marks=pytest.mark.slow),
 ]
 

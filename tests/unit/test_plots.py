@@ -52,6 +52,7 @@ def assert_png(path):
     return data
 
 
+@pytest.mark.slow
 def test_report_is_a_png_drawn_from_the_run_files(tmp_path):
     run_dir = synthetic_run(tmp_path / "run-a", 80)
     write_json_atomic(run_dir / "summary.json", {"steps": 80, "initial_eval_accuracy": 0.1, "final_eval_accuracy": 0.6})
