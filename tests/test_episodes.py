@@ -11,11 +11,13 @@ from asyncrl.data import Prompt
 from asyncrl.environments import Environment, Turn
 from asyncrl.environments.episode import EpisodeLimits, MultiTurn, turn_seed
 from asyncrl.environments.feedback import FeedbackEnvironment
-from asyncrl.generation import SampleRequest, SamplingParams
+from asyncrl.generation import SampleRequest, SamplingParams, sample_seed
 from asyncrl.generation.hf import HFGenerator
 from asyncrl.models.tiny import build_tiny_model
 from asyncrl.models.tokenizer import build_char_tokenizer
-from asyncrl.types import Rollout, RolloutGroup
+from asyncrl.rewards import RewardResult
+from asyncrl.rollout import RolloutWorker
+from asyncrl.types import Rollout, RolloutGroup, RolloutJob
 
 TOKENIZER = build_char_tokenizer(chat=True)
 EOS = TOKENIZER.eos_token_id
@@ -27,8 +29,8 @@ def ids(text: str) -> list[int]:
 
 
 class ScriptedGenerator:
-    """Answers each request with the next text scripted for its prompt's first token... by seed:
-    ``script[seed][turn]`` (the turn is found from the seed), logprobs -0.1 * (position + 1)."""
+    """Answers turn t of the episode with seed s with ``script[s][t]`` (a request's seed names
+    both, through ``turn_seed``), with logprobs -0.1 * (position + 1)."""
 
     loads_while_generating = False
 
@@ -174,3 +176,37 @@ def test_an_episode_samples_the_same_tokens_alone_or_batched_with_others_on_the_
         batched.versions,
     )
     assert one.logprobs == pytest.approx(batched.logprobs, abs=1e-9)  # padding may move the last bits
+
+
+class _NewWeightsEachCall(ScriptedGenerator):
+    """Under sync.mode inflight the weights may change between two turns: here, after every call."""
+
+    def generate(self, requests, params):
+        rollouts = super().generate(requests, params)
+        self.version += 1
+        return rollouts
+
+
+class _NoRewards:
+    """Every episode here is scored by its environment: the run's rewards must not be asked."""
+
+    def score(self, completions, answers, num_tokens=None):
+        assert not completions
+        return RewardResult([], [], {}, [], [])
+
+
+def test_an_episode_takes_new_weights_between_turns_and_each_token_keeps_its_version():
+    seed = sample_seed(0, "p", 0)  # the worker's seed for sample 0 of prompt "p"
+    generator = _NewWeightsEachCall({seed: [ids("9") + [EOS], ids("3") + [EOS], ids("4") + [EOS]]})
+    episodes = MultiTurn(generator, TOKENIZER, FeedbackEnvironment, stop_token_ids=[EOS], limits=EpisodeLimits(4, 99))
+    worker = RolloutWorker(
+        generator, _NoRewards(), TOKENIZER, run_seed=0, group_size=1, sampling=PARAMS, inflight=True, episodes=episodes
+    )
+    prompt = Prompt("p", "2+2=", "4")
+    [group] = worker.generate([RolloutJob(slot_id=0, prompt=prompt, start_version=7, target_step=0)]).groups
+    episodes.close()
+    versions = group.token_versions[0][group.response_mask[0] > 0].tolist()
+    assert versions == [7, 7, 8, 8, 9, 9]
+    assert (group.start_version, group.end_version) == (7, 9)
+    assert group.rewards.tolist() == [0.25] and group.correct.tolist() == [0.0]  # solved, not at the first answer
+    assert group.episode_metrics["turns"] == 3 and group.episode_metrics["solved"] == 1
