@@ -40,6 +40,12 @@ class RewardConfig(Section):
         description="worker processes the reward calls run in, started on the first batch; a call past "
         "timeout_s has its process killed and replaced",
     )
+    startup_timeout_s: float = Field(
+        60.0,
+        gt=0.0,
+        description="a reward process must load the functions within this (a module that blocks at import); "
+        "past it the run stops with exit code 2",
+    )
 
     @model_validator(mode="after")
     def _functions_valid(self) -> RewardConfig:

@@ -260,6 +260,8 @@ class SingleController:
     async def _collect(self, batch: list[RolloutJob], future: Awaitable[RolloutBatch]) -> None:
         try:
             result: RolloutBatch = await future
+        except RunStopped:  # the worker's own verdict (a reward process that cannot start): no retry helps
+            raise
         except Exception as err:
             self.gate.add_running(-1)
             self._schedule_retry(batch, err)

@@ -13,6 +13,12 @@ call is running and since when. A call that runs for ``timeout_s`` scores 0 and 
 process is killed, the calls it had not started go back to the waiting ones, and a fresh process
 takes its place. A call whose process dies scores 0 and is counted as an error. Either way every
 call returns its value or scores 0, and the next ``score`` runs normally.
+
+A process that does not start (its interpreter does not come up, a reward does not load there, or
+not within ``startup_timeout_s``: a module that blocks at import) is killed and stops the run with a
+``RewardStartError`` naming the reward it was loading: that is the config's or the reward's fault,
+and no retry would fix it. ``close`` wakes a ``score`` waiting on its processes, so it never waits
+for a process to start or a call to end.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import wait
 from typing import TYPE_CHECKING
 
+from asyncrl.errors import RunStopped
 from asyncrl.rewards.functions import RewardFn, resolve_reward
 from asyncrl.rewards.worker import Outcome
 
@@ -42,6 +49,14 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 _START_WORKER = "from asyncrl.rewards.worker import main; main()"
+STARTUP_TIMEOUT_S = 60.0  # launch to functions loaded (rewards.startup_timeout_s): ample for importing torch
+
+
+class RewardStartError(RunStopped):
+    """A reward process did not start: a reward does not load there, or not within the start
+    deadline. The config or the reward's module is at fault, so the CLI exits with code 2."""
+
+    exit_code = 2
 
 
 @dataclass
@@ -81,6 +96,7 @@ class RewardRunner:
         weights: Sequence[float] | None = None,
         timeout_s: float = 5.0,
         processes: int = 4,
+        startup_timeout_s: float = STARTUP_TIMEOUT_S,
     ) -> None:
         names = [name for name, _ in functions]
         if not names:
@@ -96,15 +112,22 @@ class RewardRunner:
             raise ValueError(f"rewards.timeout_s: must be a positive number of seconds, got {timeout_s}")
         if processes < 1:
             raise ValueError(f"rewards.processes: must be at least 1, got {processes}")
+        if not (math.isfinite(startup_timeout_s) and startup_timeout_s > 0):
+            raise ValueError(
+                f"rewards.startup_timeout_s: must be a positive number of seconds, got {startup_timeout_s}"
+            )
         self.names = names
         self.weights = weights
         self.timeout_s = timeout_s
         self.processes = processes
+        self.startup_timeout_s = startup_timeout_s
         self.counts = {name: RewardCounts() for name in names}
         self._functions = [fn for _, fn in functions]
-        self._payload = pickle.dumps([_picklable(name, fn) for name, fn in functions])
+        # One pickle per function: a process loads them one by one and says which it is loading.
+        self._payload = pickle.dumps([_pickled(name, fn) for name, fn in functions])
         self._pool: list[_Worker] = []
         self._lock = threading.Lock()  # one score at a time owns the pool
+        self._wake, self._wake_sender = multiprocessing.Pipe(duplex=False)  # close() ends a score's wait
         self._warned: set[tuple[str, str]] = set()
         self._closed = False
 
@@ -125,7 +148,13 @@ class RewardRunner:
             "overlong_cache": cfg.overlong_cache,
         }
         functions = [(name, resolve_reward(name, cfg.options.get(name), **settings)) for name in cfg.functions]
-        return cls(functions, weights=cfg.weights, timeout_s=cfg.timeout_s, processes=cfg.processes)
+        return cls(
+            functions,
+            weights=cfg.weights,
+            timeout_s=cfg.timeout_s,
+            processes=cfg.processes,
+            startup_timeout_s=cfg.startup_timeout_s,
+        )
 
     def __getstate__(self) -> dict:
         """Configuration and counters only: a copy (say, sent to a Ray actor) starts its own processes."""
@@ -134,6 +163,7 @@ class RewardRunner:
             "weights": self.weights,
             "timeout_s": self.timeout_s,
             "processes": self.processes,
+            "startup_timeout_s": self.startup_timeout_s,
             "counts": self.counts,
         }
 
@@ -173,9 +203,12 @@ class RewardRunner:
         return RewardResult(rewards, [s >= 1.0 for s in first], per_function, errors, timeouts)
 
     def close(self) -> None:
-        """Stop the worker processes; idempotent."""
-        with self._lock:
+        """Stop the worker processes; idempotent. A ``score`` waiting on them is woken and raises,
+        so this never waits for a process to start or a call to end."""
+        if not self._closed:
             self._closed = True
+            self._wake_sender.send_bytes(b"")
+        with self._lock:
             while self._pool:
                 self._pool.pop().kill()
 
@@ -194,13 +227,15 @@ class RewardRunner:
                 for worker in [w for w in self._pool if not w.calls and w.process.poll() is not None]:
                     self._retire(worker, waiting)  # it died while idle
                 while len(self._pool) < min(self.processes, len(waiting) + self._running()):
-                    self._pool.append(_Worker(self._payload))
+                    self._pool.append(_Worker())
                 self._hand_out(waiting, calls)
-                deadlines = [worker.since + self.timeout_s for worker in self._pool if worker.running]
-                wait([worker.conn for worker in self._pool], min(deadlines) - time.monotonic() if deadlines else None)
+                self._wait()
                 for worker in list(self._pool):
                     self._receive(worker, outcomes, waiting)
                 now = time.monotonic()
+                for worker in [w for w in self._pool if not w.ready and now - w.started >= self.startup_timeout_s]:
+                    self._retire(worker, waiting)
+                    raise RewardStartError(f"rewards.functions: {self._start_problem(worker)}")
                 for worker in [w for w in self._pool if w.running and now - w.since >= self.timeout_s]:
                     outcomes[worker.calls.popleft()] = _TIMED_OUT
                     self._retire(worker, waiting)
@@ -208,6 +243,23 @@ class RewardRunner:
             for worker in [w for w in self._pool if w.calls]:
                 self._retire(worker, waiting)
         return outcomes
+
+    def _wait(self) -> None:
+        """Until a process sends something, a deadline (a running call's, a starting process's)
+        passes, or ``close`` is called."""
+        deadlines = [worker.since + self.timeout_s for worker in self._pool if worker.running]
+        deadlines += [worker.started + self.startup_timeout_s for worker in self._pool if not worker.ready]
+        timeout = min(deadlines) - time.monotonic() if deadlines else None
+        wait([self._wake, *(worker.conn for worker in self._pool)], timeout)
+        if self._closed:
+            raise RuntimeError("RewardRunner.score: the runner was closed while scoring")
+
+    def _start_problem(self, worker: _Worker) -> str:
+        """What a process that did not start within ``startup_timeout_s`` was doing."""
+        within = f"a reward process did not start within rewards.startup_timeout_s={self.startup_timeout_s:g}s"
+        if worker.loading is None:
+            return f"{within}: its interpreter never came up; it was killed"
+        return f"{within}: loading {self._loading(worker)} never finished (does its module block at import?); it was killed"
 
     def _running(self) -> int:
         return sum(len(worker.calls) for worker in self._pool)
@@ -227,8 +279,14 @@ class RewardRunner:
                 kind, body = worker.conn.recv()
                 if kind == "failed":
                     self._retire(worker, waiting)
-                    raise RuntimeError(f"rewards.functions: a reward process cannot load the functions ({body})")
-                if kind == "ready":
+                    raise RewardStartError(
+                        f"rewards.functions: {self._loading(worker)} does not load in a reward process ({body})"
+                    )
+                if kind == "started":
+                    worker.conn.send_bytes(self._payload)  # read at once: the process waits for it
+                elif kind == "loading":
+                    worker.loading = body
+                elif kind == "ready":
                     worker.ready = True
                 else:
                     outcomes[worker.calls.popleft()] = body
@@ -239,9 +297,12 @@ class RewardRunner:
                 outcomes[worker.calls.popleft()] = (0.0, f"its process died (exit code {code})")
             self._retire(worker, waiting)
             if not worker.ready:
-                raise RuntimeError(
-                    f"rewards.functions: a reward process exited while starting (exit code {code})"
+                raise RewardStartError(
+                    f"rewards.functions: a reward process exited while loading {self._loading(worker)} (exit code {code})"
                 ) from None
+
+    def _loading(self, worker: _Worker) -> str:
+        return "the reward functions" if worker.loading is None else f"'{self.names[worker.loading]}'"
 
     def _retire(self, worker: _Worker, waiting: deque[int]) -> None:
         """Kill the process; the calls it had not finished wait for another."""
@@ -280,7 +341,7 @@ class RewardRunner:
 class _Worker:
     """One reward process and the calls handed to it, in order: the first is the one running."""
 
-    def __init__(self, payload: bytes) -> None:
+    def __init__(self) -> None:
         self.conn, child = multiprocessing.Pipe()
         command = [sys.executable, "-c", _START_WORKER, str(child.fileno()), str(os.getpid())]
         path = {"PYTHONPATH": os.pathsep.join(sys.path)}  # the run's imports resolve the same way there
@@ -288,7 +349,8 @@ class _Worker:
             command, pass_fds=[child.fileno()], stdin=subprocess.DEVNULL, env={**os.environ, **path}
         )
         child.close()
-        self.conn.send_bytes(payload)
+        self.started = time.monotonic()
+        self.loading: int | None = None  # the function it loads; None until its interpreter is up
         self.ready = False
         self.calls: deque[int] = deque()
         self.since = 0.0  # when the running call started: the hand-over, or the last message
@@ -303,14 +365,13 @@ class _Worker:
         self.conn.close()
 
 
-def _picklable(name: str, fn: RewardFn) -> RewardFn:
-    """``fn`` itself, once it is known to pickle: a process receives the functions by pickle (a
-    module-level function travels as its import path)."""
+def _pickled(name: str, fn: RewardFn) -> bytes:
+    """``fn`` pickled: a process receives the functions by pickle (a module-level function travels
+    as its import path)."""
     try:
-        pickle.dumps(fn)
+        return pickle.dumps(fn)
     except Exception as err:
         raise ValueError(
             f"rewards.functions: '{name}' cannot be sent to a reward process ({type(err).__name__}: {err}); "
             "give a module-level function or a picklable object"
         ) from None
-    return fn

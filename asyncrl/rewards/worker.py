@@ -2,8 +2,10 @@
 past its timeout.
 
 It is never forked from the run's process (whose threads a fork would copy mid-operation) and
-never imports the run's main module: it loads the reward functions the runner pickled, then
-scores the chunks of calls it is handed, sending each call's outcome as soon as it has one.
+never imports the run's main module. It says it has started, loads the reward functions the runner
+then sends it, one pickle each (saying which it is loading, so a module that blocks at import can
+be named), then scores the chunks of calls it is handed, sending each call's outcome as soon as it
+has one.
 """
 
 from __future__ import annotations
@@ -29,8 +31,12 @@ def main() -> None:
     conn, parent = Connection(int(sys.argv[1])), int(sys.argv[2])
     _die_with(parent)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the run's to handle; it then closes the pool
+    conn.send(("started", None))
     try:
-        functions = pickle.loads(conn.recv_bytes())
+        functions = []
+        for pickled in pickle.loads(conn.recv_bytes()):
+            conn.send(("loading", len(functions)))  # the runner names this one if it never loads
+            functions.append(pickle.loads(pickled))
     except Exception as err:  # a function that imports in the run but not here
         conn.send(("failed", f"{type(err).__name__}: {err}"))
         return
