@@ -2,7 +2,7 @@
 
 Started by the vLLM venv's interpreter as a script (``python vllm_server.py <api_server args>``),
 so it imports only vLLM, torch, safetensors and the standard library, never asyncrl's own
-environment (the collective engine's group code, ``runtime/broadcast.py``, is loaded by path:
+environment (the collective engine's group code, ``weights/broadcast.py``, is loaded by path:
 it needs only torch). The registration runs at import: the engine-core process, forked or spawned from
 this one, finds it in vLLM's registry too. The server leads its own process group and ends it
 when the process that started it is gone (``exit_with_parent``).
@@ -48,9 +48,9 @@ REMOVE_ON_EXIT = "ASYNCRL_VLLM_REMOVE_ON_EXIT"  # paths, os.pathsep-separated
 
 
 def load_broadcast():
-    """asyncrl's ``runtime/broadcast.py`` as a module of its own (asyncrl itself is not installed here)."""
+    """asyncrl's ``weights/broadcast.py`` as a module of its own (asyncrl itself is not installed here)."""
     spec = importlib.util.spec_from_file_location(
-        "asyncrl_broadcast", Path(__file__).resolve().parents[1] / "runtime" / "broadcast.py"
+        "asyncrl_broadcast", Path(__file__).resolve().parents[1] / "weights" / "broadcast.py"
     )
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look their module up while the file runs
