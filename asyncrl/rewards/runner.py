@@ -341,9 +341,10 @@ class RewardRunner:
 class _Worker:
     """One reward process and the calls handed to it, in order: the first is the one running."""
 
-    def __init__(self) -> None:
+    def __init__(self, start: str = _START_WORKER) -> None:
+        """``start``: the Python code the process runs (a tool process's calls ``main(call_tool)``)."""
         self.conn, child = multiprocessing.Pipe()
-        command = [sys.executable, "-c", _START_WORKER, str(child.fileno()), str(os.getpid())]
+        command = [sys.executable, "-c", start, str(child.fileno()), str(os.getpid())]
         path = {"PYTHONPATH": os.pathsep.join(sys.path)}  # the run's imports resolve the same way there
         self.process = subprocess.Popen(
             command, pass_fds=[child.fileno()], stdin=subprocess.DEVNULL, env={**os.environ, **path}

@@ -11,13 +11,16 @@ has one.
 from __future__ import annotations
 
 import ctypes
+import json
 import math
 import numbers
 import os
 import pickle
 import signal
 import sys
+from collections.abc import Callable
 from multiprocessing.connection import Connection
+from typing import Any
 
 from asyncrl.rewards.functions import RewardFn
 
@@ -26,8 +29,12 @@ Outcome = tuple[float, str | None]  # a call's score, and what went wrong or Non
 _PR_SET_PDEATHSIG = 1
 
 
-def main() -> None:
-    """``python -c 'from asyncrl.rewards.worker import main; main()' FD PARENT_PID``."""
+def main(caller: Callable[..., Any] | None = None) -> None:
+    """``python -c 'from asyncrl.rewards.worker import main; main()' FD PARENT_PID``.
+
+    ``caller`` runs one call, ``caller(function, *arguments)``: ``call`` (a reward's score) by
+    default, ``call_tool`` in a tool process (asyncrl/environments/tools.py)."""
+    caller = call if caller is None else caller
     conn, parent = Connection(int(sys.argv[1])), int(sys.argv[2])
     _die_with(parent)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the run's to handle; it then closes the pool
@@ -43,8 +50,8 @@ def main() -> None:
     try:
         conn.send(("ready", None))
         while True:
-            for f, completion, answer, num_tokens in conn.recv():
-                conn.send(("scored", call(functions[f], completion, answer, num_tokens)))
+            for f, *arguments in conn.recv():
+                conn.send(("scored", caller(functions[f], *arguments)))
     except (EOFError, BrokenPipeError):  # the runner is gone
         return
 
@@ -61,6 +68,16 @@ def call(fn: RewardFn, completion: str, answer: str, num_tokens: int | None) -> 
     if not math.isfinite(value):
         return 0.0, f"returned {value}"
     return float(value), None
+
+
+def call_tool(fn: Callable[..., Any], arguments: dict[str, Any]) -> tuple[str, str | None]:
+    """(the result as the model reads it, None), or ("", what went wrong): a tool's failure is
+    an observation, never propagated. A str is the result as is, anything else its JSON."""
+    try:
+        value = fn(**arguments)
+        return (value if isinstance(value, str) else json.dumps(value)), None
+    except BaseException as err:
+        return "", f"raised {type(err).__name__}: {err}"
 
 
 def _die_with(parent: int) -> None:
