@@ -41,13 +41,18 @@ BUILTINS: dict[str, dict[str, str]] = {
         "parquet": "asyncrl.data.tasks:FileTaskSource",
         "hf_dataset": "asyncrl.data.tasks:HFDatasetTaskSource",
         "reasoning_gym": "asyncrl.data.tasks:ReasoningGymTaskSource",
+        "products": "asyncrl.environments.calculator:ProductsTask",
     },
     "backend": {
         "hf": "asyncrl.generation.hf:build_hf_generator",
         "vllm": "asyncrl.generation.vllm:build_vllm_generator",
     },
     "algorithm": {"grpo": "asyncrl.algorithms.grpo:build_grpo"},
-    "environment": {"feedback": "asyncrl.environments.feedback:FeedbackEnvironment"},
+    "environment": {
+        "feedback": "asyncrl.environments.feedback:FeedbackEnvironment",
+        "calculator": "asyncrl.environments.calculator:CalculatorEnvironment",
+        "skyrl_gym": "asyncrl.environments.skyrl:SkyRLGymEnvironment",
+    },
     "tool_parser": {"hermes": "asyncrl.environments.parsers:HermesParser"},
 }
 
