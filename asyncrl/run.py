@@ -48,7 +48,7 @@ from asyncrl.runtime import build_runtime
 from asyncrl.trainer.group import TrainerGroup, build_trainer_rank
 from asyncrl.trainer.policy import PolicyTrainer
 from asyncrl.trainer.worker import TrainerWorker
-from asyncrl.warm_start import warm_start
+from asyncrl.warm_start import demonstrations, warm_start
 
 T = TypeVar("T")
 
@@ -145,6 +145,7 @@ def _warm_start_then_run(
         config.warm_start,
         model_path=config.model.path,
         on_progress=lambda step, total, loss: progress.status(f"warm start {step}/{total}, loss {loss:.3f}"),
+        **demonstrations(config),
     )
     trainer, rollout_workers = _start_workers(runtime, config, context, parts)
     control = {"sampler": parts.sampler, "buffer": parts.buffer}
@@ -401,7 +402,9 @@ def evaluate(config: RunConfig, *, checkpoint: str | Path | None = None) -> dict
     if checkpoint_dir is not None:
         _checkpoint_input(load_weights, model, checkpoint_dir)
     else:
-        warm_start(model, tokenizer, task.train, config.warm_start, model_path=config.model.path)
+        warm_start(
+            model, tokenizer, task.train, config.warm_start, model_path=config.model.path, **demonstrations(config)
+        )
     rewards = _input(RewardRunner.from_config, config.rewards, task, config.generation.max_new_tokens)
     worker = None
     try:

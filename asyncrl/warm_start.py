@@ -22,13 +22,15 @@ import json
 import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import load_model, save_model
 from torch import nn
 
-from asyncrl.config import ConfigError, WarmStartConfig
+from asyncrl.config import ConfigError, RunConfig, WarmStartConfig
 from asyncrl.data import Prompt, encode_prompts
+from asyncrl.environments.episode import environment_class
 from asyncrl.models.logprobs import token_logprobs
 
 
@@ -40,16 +42,26 @@ def warm_start(
     *,
     model_path: str | None = None,
     on_progress: Callable[[int, int, float], None] | None = None,
+    demonstration: Callable[[Prompt], list[dict]] | None = None,
+    tools: list[dict] | None = None,
 ) -> Path | None:
     """Train ``model`` in place for ``cfg.steps`` steps, or load the cached result. Returns the cache file.
 
     ``model_path``: the checkpoint directory ``model`` was just loaded from (None: the tiny model).
+    ``demonstration``: an environment's whole episode for a prompt, in chat messages (a tool
+    environment's calls and results); the model learns its assistant turns, with the chat
+    template's ``tools``, and every other token (the prompt, tool results) is masked out.
     """
     if cfg.steps == 0:
         return None
     if not prompts:
         raise ValueError("warm_start.steps: the train split is empty")
-    path = Path(cfg.cache_dir).expanduser() / f"{_cache_key(model, model_path, tokenizer, prompts, cfg)}.safetensors"
+    if demonstration is None:
+        examples = [_encode(tokenizer, p) for p in prompts]
+    else:
+        examples = [encode_conversation(tokenizer, demonstration(p), tools) for p in prompts]
+    key = _cache_key(model, model_path, tokenizer, prompts, cfg, examples if demonstration else None)
+    path = Path(cfg.cache_dir).expanduser() / f"{key}.safetensors"
     if path.is_file():
         try:
             load_model(model, path)
@@ -59,7 +71,6 @@ def warm_start(
                 "delete the file to warm-start again"
             ) from None
         return path
-    examples = [_encode(tokenizer, p) for p in prompts]
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
     generator = torch.Generator().manual_seed(cfg.seed)
     device = next(model.parameters()).device
@@ -84,28 +95,66 @@ def warm_start(
     return path
 
 
-def _encode(tokenizer, prompt: Prompt) -> tuple[list[int], int]:
-    """(prompt + answer + eos token ids, number of prompt tokens)."""
+def demonstrations(config: RunConfig) -> dict[str, Any]:
+    """The ``warm_start`` keywords of the config's environment: its ``demonstration`` and tools,
+    when it has one (the calculator environment); none otherwise."""
+    found = environment_class(config)
+    if found is None or not hasattr(found[0], "demonstration"):
+        return {}
+    env = found[0](**found[1])
+    return {"demonstration": env.demonstration, "tools": env.tools}
+
+
+def _encode(tokenizer, prompt: Prompt) -> tuple[list[int], list[int]]:
+    """(prompt + answer + eos token ids, 1 on the answer and eos: the targets)."""
     prompt_ids = encode_prompts([prompt.text], tokenizer)[0]
-    answer_ids = tokenizer(prompt.answer, add_special_tokens=False)["input_ids"]
-    return prompt_ids + answer_ids + [tokenizer.eos_token_id], len(prompt_ids)
+    answer_ids = tokenizer(prompt.answer, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    return prompt_ids + answer_ids, [0] * len(prompt_ids) + [1] * len(answer_ids)
 
 
-def _batch(examples: list[tuple[list[int], int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Right-padded ids, attention mask, and a mask on the answer tokens (the targets)."""
+def encode_conversation(tokenizer, messages: list[dict], tools: list[dict] | None) -> tuple[list[int], list[int]]:
+    """A whole conversation's token ids as an episode lays them out, each message appended as the
+    chat template's delta, and 1 on the assistant turns' tokens up to their last EOS (what the
+    generator samples); 0 on everything else."""
+    ids: list[int] = []
+    mask: list[int] = []
+    for i, message in enumerate(messages):
+        prompt_next = i + 1 < len(messages) and messages[i + 1]["role"] == "assistant"
+        text = tokenizer.apply_chat_template(
+            messages[: i + 1], tools=tools or None, add_generation_prompt=prompt_next, tokenize=False
+        )
+        rendered = encode_prompts([text], tokenizer)[0]
+        if rendered[: len(ids)] != ids:
+            raise ValueError("warm_start: the chat template renders a conversation differently as it grows")
+        new = rendered[len(ids) :]
+        trained = [0] * len(new)
+        if message["role"] == "assistant" and tokenizer.eos_token_id in new:
+            last = len(new) - new[::-1].index(tokenizer.eos_token_id)
+            trained[:last] = [1] * last
+        ids, mask = ids + new, mask + trained
+    return ids, mask
+
+
+def _batch(examples: list[tuple[list[int], list[int]]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Right-padded ids, attention mask, and the target mask."""
     width = max(len(ids) for ids, _ in examples)
     input_ids = torch.full((len(examples), width), pad_id, dtype=torch.long)
     attention_mask = torch.zeros((len(examples), width), dtype=torch.long)
     target_mask = torch.zeros((len(examples), width))
-    for row, (ids, prompt_len) in enumerate(examples):
+    for row, (ids, targets) in enumerate(examples):
         input_ids[row, : len(ids)] = torch.tensor(ids)
         attention_mask[row, : len(ids)] = 1
-        target_mask[row, prompt_len : len(ids)] = 1.0
+        target_mask[row, : len(ids)] = torch.tensor(targets, dtype=torch.float32)
     return input_ids, attention_mask, target_mask
 
 
 def _cache_key(
-    model: nn.Module, model_path: str | None, tokenizer, prompts: Sequence[Prompt], cfg: WarmStartConfig
+    model: nn.Module,
+    model_path: str | None,
+    tokenizer,
+    prompts: Sequence[Prompt],
+    cfg: WarmStartConfig,
+    demonstrations: list[tuple[list[int], list[int]]] | None = None,
 ) -> str:
     digest = hashlib.sha256()
     settings = {
@@ -119,6 +168,8 @@ def _cache_key(
     digest.update(json.dumps(sorted(tokenizer.get_vocab().items())).encode())
     for prompt in prompts:
         digest.update(f"{prompt.text}\0{prompt.answer}\0".encode())
+    for ids, targets in demonstrations or []:
+        digest.update(json.dumps([ids, targets]).encode())
     for name, tensor in sorted(model.state_dict().items()):
         digest.update(f"{name}:{tensor.dtype}:{tuple(tensor.shape)}".encode())
         if model_path is None:
