@@ -70,7 +70,7 @@ class Upper:
 
 def test_the_parser_is_a_part_a_config_names():
     assert isinstance(build_parser("hermes", {}, "environment.options.parser"), HermesParser)
-    user = build_parser("tests.test_tools_parser:Upper", {}, "environment.options.parser")
+    user = build_parser("test_tools_parser:Upper", {}, "environment.options.parser")
     assert user.parse("HI").message["tool_calls"] == [call("shout", {"x": "HI"})]
     with pytest.raises(ValueError, match=r"^environment.options.parser: unknown tool_parser 'json'"):
         build_parser("json", {}, "environment.options.parser")
