@@ -173,10 +173,24 @@ class MultiTurn:
                 self._generate(ready, params)
                 pending |= {self._pool.submit(self._step, e) for e in ready if e.finish is None}
                 ready = []
+        self._rescore(episodes, params)
         return [e.completion() for e in episodes]
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def _rescore(self, episodes: list[_Episode], params: SamplingParams) -> None:
+        """Logprobs from one batch of the episodes in order, where the backend offers ``score``:
+        the turn batches depended on when environments answered, and a row's float logits on its
+        batch. Same tokens, same weights (an episode sampled by one version), so the same
+        logprobs up to rounding, and a run is again a function of its config."""
+        score = getattr(self.generator, "score", None)
+        single = [e for e in episodes if len({v for v in e.versions if v != OBSERVATION_VERSION}) <= 1]
+        if score is None or params.temperature == 0 or not single:
+            return
+        for episode, logprobs in zip(single, score([e.prompt_ids + e.response for e in single], params)):
+            sampled = logprobs[len(episode.prompt_ids) :]
+            episode.logprobs = [lp if trained else 0.0 for lp, trained in zip(sampled, episode.mask)]
 
     def _open(self, prompt: Prompt, seed: int) -> _Episode:
         started = time.perf_counter()

@@ -50,7 +50,7 @@ class FeedbackEnvironment(Environment):
         if found is not None and float(found.group()) == self.target:
             return Turn([], done=True, reward=self.discount ** (self.answers - 1), metrics={"solved": 1.0})
         side = 0 if found is None else (1 if float(found.group()) > self.target else -1)
-        return Turn([{"role": "user", "content": self.replies[side]}], done=False)
+        return Turn([{"role": "user", "content": self.replies[side]}], done=False, metrics={"solved": 0.0})
 
     @staticmethod
     def demonstration(prompt: Prompt) -> list[Message]:

@@ -31,7 +31,7 @@ from transformers import PreTrainedModel
 
 from asyncrl.generation.base import SampleRequest, SamplingParams, check_vocabulary
 from asyncrl.models.factory import DTYPES
-from asyncrl.models.logprobs import SampledDistribution, position_ids_from_mask
+from asyncrl.models.logprobs import SampledDistribution, position_ids_from_mask, token_logprobs
 from asyncrl.models.lora import adapter_tensors, apply_lora
 from asyncrl.types import Rollout
 
@@ -132,6 +132,29 @@ class HFGenerator:
             for name, tensor in state_dict.items():
                 expected[name].copy_(tensor)
         self.version = version
+
+    @torch.inference_mode()
+    def score(self, sequences: Sequence[Sequence[int]], params: SamplingParams) -> list[list[float]]:
+        """Each token's logprob given the tokens before it (0 for the first), under the sampling
+        distribution, in chunks of ``batch_size`` in the order given: a function of the sequences,
+        their order and the weights alone. Multi-turn episodes take their logprobs from here,
+        since the batches their turns were sampled in depend on when environments answered."""
+        distribution = SampledDistribution(params.temperature, params.top_k, params.top_p)
+        scores: list[list[float]] = []
+        for start in range(0, len(sequences), self.batch_size):
+            chunk = sequences[start : start + self.batch_size]
+            width = max(len(s) for s in chunk)
+            input_ids = torch.full((len(chunk), width), self.pad_token_id, dtype=torch.long)
+            attention_mask = torch.zeros((len(chunk), width), dtype=torch.long)
+            for row, sequence in enumerate(chunk):
+                input_ids[row, : len(sequence)] = torch.tensor(sequence, dtype=torch.long)
+                attention_mask[row, : len(sequence)] = 1
+            device = self.model.device
+            logprobs, _ = token_logprobs(
+                self.model, input_ids.to(device), attention_mask.to(device), distribution=distribution
+            )
+            scores += [row[: len(s)] for row, s in zip(logprobs.double().tolist(), chunk)]
+        return scores
 
     @torch.inference_mode()
     def _generate_chunk(self, requests: Sequence[SampleRequest], params: SamplingParams) -> list[Rollout]:

@@ -3,6 +3,7 @@ is the chat template's delta and is masked out of the loss, limits truncate, and
 on its environment never holds up the others."""
 
 import threading
+import time
 
 import pytest
 import torch
@@ -210,3 +211,35 @@ def test_an_episode_takes_new_weights_between_turns_and_each_token_keeps_its_ver
     assert (group.start_version, group.end_version) == (7, 9)
     assert group.rewards.tolist() == [0.25] and group.correct.tolist() == [0.0]  # solved, not at the first answer
     assert group.episode_metrics["turns"] == 3 and group.episode_metrics["solved"] == 1
+
+
+class _Slow(FeedbackEnvironment):
+    """The feedback environment, with a delay before it answers the episodes of ``slow`` uids."""
+
+    slow: tuple[str, ...] = ()
+
+    def reset(self, prompt):
+        self.uid = prompt.uid
+        return super().reset(prompt)
+
+    def step(self, assistant):
+        if self.uid in type(self).slow:
+            time.sleep(0.3)
+        return super().step(assistant)
+
+
+def test_episodes_are_bit_identical_however_their_turns_were_batched_on_the_hf_backend():
+    """Which turns share a generation call depends on when environments answer; the episodes'
+    tokens and logprobs must not."""
+    model = build_tiny_model(len(TOKENIZER), seed=0)
+    stops = ids("0123456789") + [EOS]
+    generator = HFGenerator(model, stop_token_ids=stops, pad_token_id=0, batch_size=8)
+    episodes = MultiTurn(generator, TOKENIZER, _Slow, stop_token_ids=stops, limits=EpisodeLimits(4, 60))
+    prompts = [Prompt(f"p{i}", f"{i}+{i}=", str(2 * i)) for i in range(6)]
+    runs = []
+    for slow in (("p0", "p1"), ("p4", "p5")):
+        _Slow.slow = slow
+        runs.append([c.rollout for c in episodes.run(prompts, list(range(6)), SamplingParams(max_new_tokens=12))])
+    episodes.close()
+    assert max(len(r.response_ids) for r in runs[0]) > 12  # several turns
+    assert runs[0] == runs[1]

@@ -1,0 +1,46 @@
+"""Runs with multi-turn episodes (environment.name feedback): the step records carry the documented
+episode metrics, and an in_order run resumed from a checkpoint matches the uninterrupted one."""
+
+import re
+from pathlib import Path
+
+import pytest
+from helpers import deterministic, run
+
+DOC = Path(__file__).resolve().parents[2] / "docs" / "metrics.md"
+# A warm start teaches the answer format (digits, then EOS), so episodes take several turns.
+EPISODES = (
+    "environment.name=feedback",
+    "environment.max_turns=3",
+    "environment.max_tokens=40",
+    "warm_start.steps=60",
+    "warm_start.lr=0.01",
+)
+
+
+def documented_episode_keys() -> set[str]:
+    section = re.search(r"^## Episode metrics[^\n]*\n(.*?)(?=^## )", DOC.read_text(), re.M | re.S)
+    assert section, "docs/metrics.md has no Episode metrics section"
+    return set(re.findall(r"^\| `([^`]+)` \|", section.group(1), re.M))
+
+
+@pytest.mark.slow
+def test_a_multi_turn_run_writes_every_documented_episode_metric_and_trains_sampled_tokens_only(tmp_path):
+    _, metrics, _ = run(tmp_path, "run", *EPISODES, "grpo.max_steps=2")
+    written = {key for record in metrics for key in record if "episode/" in key}
+    assert written == documented_episode_keys()
+    assert max(record["episode/turns"] for record in metrics) > 1
+    for record in metrics:
+        assert record["episode/masked_tokens"] > 0
+        assert record["response_length_mean"] == pytest.approx(record["episode/trained_tokens"])
+        assert record["num_tokens"] == pytest.approx(record["episode/trained_tokens"] * 16)  # 4 prompts x 4
+
+
+@pytest.mark.slow
+def test_a_resumed_multi_turn_in_order_run_matches_the_uninterrupted_one(tmp_path):
+    _, full, full_groups = run(tmp_path, "full", *EPISODES, "grpo.max_steps=4", "checkpoint.every_steps=2")
+    run(tmp_path, "part", *EPISODES, "grpo.max_steps=2")
+    _, resumed, resumed_groups = run(tmp_path, "part", *EPISODES, "grpo.max_steps=4", resume=tmp_path / "part")
+    assert deterministic(resumed) == deterministic(full)
+    assert resumed_groups == full_groups
+    assert max(record["episode/turns"] for record in full) > 1
