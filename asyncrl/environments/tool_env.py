@@ -47,6 +47,8 @@ def close_toolboxes() -> None:
 
 
 class ToolEnvironment(Environment):
+    """Tool calls until an answer; a subclass gives ``functions`` and ``reset``."""
+
     functions: ClassVar[Sequence[Callable[..., Any]]] = ()
 
     class Options(BaseModel):

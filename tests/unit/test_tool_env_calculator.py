@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 
 from asyncrl.data.prompts import Prompt
@@ -40,6 +43,9 @@ def test_calc_evaluates_arithmetic(expr, value):
 def test_calc_refuses_anything_but_bounded_arithmetic(expr, problem):
     with pytest.raises(ValueError, match=problem):
         calc(expr)
+
+
+def test_calc_raises_what_arithmetic_raises():
     with pytest.raises(ZeroDivisionError):
         calc("1/0")
 
@@ -87,3 +93,9 @@ def test_the_demonstration_is_one_call_then_the_answer():
     assert call["tool_calls"][0]["function"] == {"name": "calc", "arguments": {"expr": "12*34"}}
     assert result == {"role": "tool", "name": "calc", "content": "408"}
     assert answer == {"role": "assistant", "content": "408"}
+
+
+def test_a_tool_process_loads_calc_without_torch_or_transformers():
+    """A tool process imports the tool's module: the calculator's must stay light (it starts in a fraction of a second)."""
+    probe = "import sys, asyncrl.environments.calculator; print(sorted({'torch', 'transformers'} & set(sys.modules)))"
+    assert subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout == "[]\n"
