@@ -2,6 +2,7 @@
 is the chat template's delta and is masked out of the loss, limits truncate, and an episode waiting
 on its environment never holds up the others."""
 
+import re
 import threading
 import time
 
@@ -243,3 +244,24 @@ def test_episodes_are_bit_identical_however_their_turns_were_batched_on_the_hf_b
     episodes.close()
     assert max(len(r.response_ids) for r in runs[0]) > 12  # several turns
     assert runs[0] == runs[1]
+
+
+def test_the_environment_docs_example_runs_as_a_user_copies_it(tmp_path, monkeypatch):
+    from helpers import ROOT
+
+    from asyncrl.config import load_config
+    from asyncrl.environments.episode import environment_class
+
+    doc = (ROOT / "docs" / "environments.md").read_text()
+    (tmp_path / "my_env.py").write_text(re.search(r"```python\n(# my_env.py\n.*?)```", doc, re.S).group(1))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    config = load_config(None, ["environment.name=my_env:Spell", "environment.options={bonus: 0.5}"])
+    cls, options = environment_class(config)
+    assert options == {"bonus": 0.5}
+    [completion], _ = run(
+        {4: [ids("cot") + [EOS], ids("cat") + [EOS]]},
+        [Prompt("w", "spell cat", "cat")],
+        make_env=lambda: cls(**options),
+    )
+    assert completion.reward == 1.0 and completion.metrics["right_letters"] == 2 + 3
+    assert TOKENIZER.decode(completion.rollout.response_ids) == "cot<eos>U:2 letters right\nA:cat<eos>"
