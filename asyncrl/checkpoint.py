@@ -3,7 +3,9 @@
 A checkpoint is a directory ``<run>/checkpoints/step-<V>/`` holding
 
 - the policy as an HF model (``config.json`` + ``model.safetensors``) and the tokenizer, so
-  ``AutoModelForCausalLM.from_pretrained`` works on it directly;
+  ``AutoModelForCausalLM.from_pretrained`` works on it directly; for a LoRA policy the adapter in
+  PEFT's format instead (``adapter_model.safetensors``) and ``lora_base.json``, the digest of the
+  base it applies to (models/lora.py, docs/lora.md);
 - ``state.pt``: optimizer, scheduler, RNG and version of the trainer, the sampler, the prompt
   loader, the ready buffer groups and any prompt still waiting for its rollout, all tensors and
   plain Python so it loads with ``torch.load(weights_only=True)``;
@@ -49,6 +51,8 @@ from asyncrl.errors import RunStopped
 
 STATE_FILE = "state.pt"
 WEIGHTS_FILE = "model.safetensors"
+ADAPTER_WEIGHTS_FILE = "adapter_model.safetensors"  # a LoRA run's checkpoint: the adapter alone
+LORA_BASE_FILE = "lora_base.json"  # next to it: the base it applies to (models/lora.py)
 MANIFEST_FILE = "manifest.json"
 RUN_CONFIG_FILE = "run.yaml"
 LATEST_FILE = "latest"
@@ -235,8 +239,11 @@ def verify_checkpoint(directory: Path) -> None:
         raise CheckpointError(
             f"{MANIFEST_FILE} is damaged (not a manifest of file sizes and checksums as asyncrl writes it)"
         )
-    if not any(name == STATE_FILE for name, _, _ in entries) or not any(name == WEIGHTS_FILE for name, _, _ in entries):
-        raise CheckpointError(f"{MANIFEST_FILE} is damaged (it does not list {STATE_FILE} and {WEIGHTS_FILE})")
+    listed = {name for name, _, _ in entries}
+    if STATE_FILE not in listed or not listed & {WEIGHTS_FILE, ADAPTER_WEIGHTS_FILE}:
+        raise CheckpointError(
+            f"{MANIFEST_FILE} is damaged (it does not list {STATE_FILE} and {WEIGHTS_FILE} or {ADAPTER_WEIGHTS_FILE})"
+        )
     for name, size, sha256 in entries:
         path = directory / name
         if Path(name).name != name or not path.is_file():
@@ -286,6 +293,11 @@ def _intact_hint(root: Path, option: str, skip: Path | None = None) -> str:
             continue
         return f"; the newest intact checkpoint is {other.name}: continue from it with {option} {other}"
     return "; no other checkpoint of this run is intact"
+
+
+def is_adapter_checkpoint(checkpoint_dir: Path) -> bool:
+    """A LoRA run's checkpoint: the adapter alone, over a base saved elsewhere (docs/lora.md)."""
+    return (Path(checkpoint_dir) / ADAPTER_WEIGHTS_FILE).is_file()
 
 
 def load_state(checkpoint_dir: Path) -> dict:
@@ -360,6 +372,25 @@ def load_weights(model: nn.Module, checkpoint_dir: Path) -> None:
             f"checkpoint {checkpoint_dir}: weights do not match the model "
             f"(missing {untied[:5]}, unexpected {unexpected[:5]})"
         )
+
+
+def write_directory_atomic(final: Path, write: Callable[[Path], None]) -> None:
+    """Fill a new directory ``final`` through ``write(tmp)`` and rename it into place once flushed:
+    a crash or a failed write leaves no ``final``, never a part of it. ``final`` must not exist."""
+    final = Path(final).expanduser().absolute()
+    if final.exists():
+        raise CheckpointError(f"{final}: already exists; name a new directory")
+    if not final.parent.is_dir():
+        raise CheckpointError(f"{final.parent}: no such directory")
+    tmp = final.with_name(f".tmp-{final.name}-{os.getpid()}")
+    try:
+        tmp.mkdir()
+        write(tmp)
+        _fsync_tree(tmp)
+        os.replace(tmp, final)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    _fsync(final.parent)
 
 
 def _write_text_atomic(path: Path, text: str) -> None:

@@ -93,6 +93,7 @@ def verify(
     ratio_level: RatioLevelChoice = typer.Option(
         "token", "--ratio-level", help="loss.ratio_level: token (PPO) or sequence (GSPO) importance ratio"
     ),
+    lora: bool = typer.Option(False, "--lora", help="the policy is a frozen base with random LoRA adapters"),
 ) -> None:
     """Check that a split (or dp x cp parallel) train step equals the monolithic step, for every loss mode."""
     from asyncrl.verify import check_layout
@@ -100,7 +101,7 @@ def verify(
 
     dtype, plant, wrap = dtype.value, plant.value if plant else None, wrap.value
     try:
-        check_layout(dp, cp, micro_batches, [plant], updates, ratio_level.value)
+        check_layout(dp, cp, micro_batches, [plant], updates, ratio_level.value, lora)
     except ValueError as err:
         hint, _, message = str(err).partition(": ")
         raise typer.BadParameter(message, param_hint=hint) from None
@@ -116,8 +117,9 @@ def verify(
         wrap=wrap,
         updates=updates,
         ratio_level=ratio_level.value,
+        lora=lora,
     )
-    what = _layout(dp, cp, wrap, micro_batches, updates, ratio_level.value)
+    what = _layout(dp, cp, wrap, micro_batches, updates, ratio_level.value) + (", LoRA" if lora else "")
     console.print(
         _results_table(f"{what} vs monolithic step, {dtype}" + (f", planted: {plant}" if plant else ""), results)
     )
@@ -233,6 +235,22 @@ def evaluate(
 
     result = run_evaluate(load_config(config, overrides or ()), checkpoint=checkpoint)
     typer.echo(json.dumps(result, indent=2))
+
+
+@app.command()
+def merge(
+    checkpoint: Path = typer.Argument(..., help="a LoRA run's checkpoint or run directory"),
+    out_dir: Path = typer.Argument(..., help="new directory for the merged HF model"),
+    config: Path | None = typer.Option(None, "--config", help="YAML run config (default: the checkpoint's)"),
+    overrides: list[str] | None = typer.Argument(None, help="dotted overrides of the run config"),
+) -> None:
+    """Add a LoRA checkpoint's adapter into its base and save a plain HF model (docs/lora.md)."""
+    from asyncrl.merge import merge as run_merge
+    from asyncrl.run import resumed_checkpoint, resumed_config_path
+
+    checkpoint_dir = resumed_checkpoint(checkpoint, "CHECKPOINT")
+    run_config = load_config(config or resumed_config_path(checkpoint_dir), overrides or ())
+    console.print(f"merged model in {run_merge(run_config, checkpoint_dir, out_dir)}", highlight=False)
 
 
 @app.command("vllm-env")

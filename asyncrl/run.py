@@ -25,11 +25,12 @@ from asyncrl.checkpoint import (
     RUN_CONFIG_FILE,
     STATE_FILE,
     CheckpointError,
+    is_adapter_checkpoint,
     load_run_state,
     load_weights,
     resolve_checkpoint,
 )
-from asyncrl.config import ConfigError, RunConfig, dump_config
+from asyncrl.config import ConfigError, LoraConfig, RunConfig, dump_config
 from asyncrl.control.buffer import ReplayBuffer
 from asyncrl.control.controller import SingleController
 from asyncrl.control.handles import RolloutHandle, TrainerHandle
@@ -38,8 +39,9 @@ from asyncrl.environments.episode import build_episodes
 from asyncrl.faults import inject_rollout_faults, inject_trainer_faults
 from asyncrl.generation import SamplingParams, build_generator
 from asyncrl.metrics import MetricsWriter, ProgressDisplay, read_jsonl, write_json_atomic
-from asyncrl.models.factory import build_model, build_tokenizer
+from asyncrl.models.factory import DTYPES, build_model, build_tokenizer
 from asyncrl.models.hf import stop_token_ids
+from asyncrl.models.lora import merged_model
 from asyncrl.plots import write_report
 from asyncrl.rewards import RewardRunner
 from asyncrl.rollout import RolloutWorker
@@ -354,9 +356,9 @@ def _from_checkpoint(where: str, load: Callable[..., T], *args: Any) -> T:
         raise CheckpointError(f"{where}: holds a state this version of asyncrl cannot load ({detail})") from None
 
 
-def resumed_checkpoint(resume: str | Path) -> Path:
-    """The checked checkpoint directory ``--resume`` names."""
-    return _checkpoint_input(resolve_checkpoint, resume)
+def resumed_checkpoint(resume: str | Path, option: str = "--resume") -> Path:
+    """The checked checkpoint directory ``--resume`` (or ``option``) names."""
+    return _checkpoint_input(resolve_checkpoint, resume, option)
 
 
 def resumed_config_path(checkpoint_dir: Path) -> Path:
@@ -399,7 +401,10 @@ def evaluate(config: RunConfig, *, checkpoint: str | Path | None = None) -> dict
     tokenizer = _input(build_tokenizer, config)
     model = _input(build_model, config, tokenizer)
     task = _checked_task(config, tokenizer, model)
-    if checkpoint_dir is not None:
+    if checkpoint_dir is not None and is_adapter_checkpoint(checkpoint_dir):  # LoRA: base + adapter, merged
+        model = _checkpoint_input(merged_model, model, checkpoint_dir, DTYPES[config.trainer.dtype])
+        config = config.model_copy(update={"lora": LoraConfig()})
+    elif checkpoint_dir is not None:
         _checkpoint_input(load_weights, model, checkpoint_dir)
     else:
         warm_start(

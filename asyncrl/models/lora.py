@@ -14,15 +14,20 @@ tensors: a generator copies a sync straight into them.
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import json
 from collections.abc import Iterator, Mapping
+from pathlib import Path
 from typing import Protocol
 
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dict
+from safetensors.torch import load_file
 from torch import Tensor, nn
 
-ADAPTER_CONFIG_FILE = "adapter_config.json"
-ADAPTER_WEIGHTS_FILE = "adapter_model.safetensors"
+from asyncrl.checkpoint import ADAPTER_WEIGHTS_FILE, LORA_BASE_FILE, CheckpointError
+
+PEFT_PREFIX = "base_model.model."
 
 
 class LoraSettings(Protocol):
@@ -94,3 +99,70 @@ def adapter_dropout(model: nn.Module) -> Iterator[None]:
     finally:
         for module in dropouts:
             module.eval()
+
+
+def base_sha256(state: Mapping[str, Tensor]) -> str:
+    """SHA-256 of the base's tensors in ``state``: a PeftModel's (adapters left out, PEFT's wrapping
+    taken off the names) or the plain base's, so both give the same digest for the same base."""
+    digest = hashlib.sha256()
+    names = {name.removeprefix(PEFT_PREFIX).replace(".base_layer.", "."): name for name in state if "lora_" not in name}
+    for plain in sorted(names):
+        tensor = state[names[plain]].detach().cpu().contiguous()
+        digest.update(f"{plain} {tensor.dtype} {tuple(tensor.shape)}\n".encode())
+        digest.update(tensor.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+def save_adapter(model: PeftModel, directory: Path, state: Mapping[str, Tensor]) -> None:
+    """The adapter in PEFT's format (``PeftModel.from_pretrained`` loads it) and ``lora_base.json``:
+    the base it applies to (its class, config and weights' SHA-256), which is not saved."""
+    model.save_pretrained(directory, state_dict=dict(state), safe_serialization=True)
+    base = model.get_base_model()
+    (directory / LORA_BASE_FILE).write_text(
+        json.dumps(
+            {"sha256": base_sha256(state), "class": type(base).__name__, "config": base.config.to_dict()}, indent=1
+        )
+        + "\n"
+    )
+
+
+def check_base(state: Mapping[str, Tensor], checkpoint_dir: Path) -> None:
+    """Refuse an adapter saved over another base than the one in ``state``, in one line."""
+    path = Path(checkpoint_dir) / LORA_BASE_FILE
+    try:
+        saved = json.loads(path.read_text())["sha256"]
+    except (OSError, ValueError, KeyError, TypeError):
+        raise CheckpointError(f"{path}: missing or damaged, so the base the adapter applies to is unknown") from None
+    here = base_sha256(state)
+    if here != saved:
+        raise CheckpointError(
+            f"{path}: the adapter was trained over another base (weights SHA-256 {saved[:12]}, this one's "
+            f"{here[:12]}); set model.* and trainer.dtype as in the run that saved it"
+        )
+
+
+def read_adapter(model: nn.Module, checkpoint_dir: Path) -> dict[str, Tensor]:
+    """``adapter_model.safetensors`` under ``model``'s state-dict names, each checked against it."""
+    path = Path(checkpoint_dir) / ADAPTER_WEIGHTS_FILE
+    try:
+        saved = load_file(path)
+    except Exception as err:
+        raise CheckpointError(f"{path}: cannot be read as safetensors ({type(err).__name__})") from None
+    names, state = model_names(model), model.state_dict()
+    if set(saved) != set(names):
+        raise CheckpointError(
+            f"{path}: does not fit the configured adapters (missing {sorted(set(names) - set(saved))[:3]}, "
+            f"unexpected {sorted(set(saved) - set(names))[:3]}); set lora.* as in the run that saved it"
+        )
+    for peft_name, tensor in saved.items():
+        if tensor.shape != state[names[peft_name]].shape:
+            raise CheckpointError(f"{path}: {peft_name} is {list(tensor.shape)}, the configured adapter's is not")
+    return {names[peft_name]: tensor for peft_name, tensor in saved.items()}
+
+
+def merged_model(base: nn.Module, checkpoint_dir: Path, dtype: torch.dtype) -> nn.Module:
+    """``base`` (cast to ``dtype``, the trainer's) with the checkpoint's adapter added into its
+    weights: a plain model again. The base is checked against the one the adapter was trained over."""
+    base.to(dtype)
+    check_base(base.state_dict(), checkpoint_dir)
+    return PeftModel.from_pretrained(base, checkpoint_dir).merge_and_unload()

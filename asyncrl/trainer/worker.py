@@ -29,6 +29,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +46,7 @@ from torch.distributed.checkpoint.state_dict import (
 from asyncrl.checkpoint import read_weights, save_checkpoint
 from asyncrl.config import GRPOConfig
 from asyncrl.generation.base import sample_seed
+from asyncrl.models.lora import check_base, is_lora, read_adapter, save_adapter
 from asyncrl.trainer.policy import PolicyTrainer
 from asyncrl.types import RolloutGroup, StepData, StepReport, TrainBatch
 
@@ -148,7 +150,8 @@ class TrainerWorker:
         return version, weights if self.rank == 0 else {}
 
     def save_checkpoint(self, run_dir: str, step: int, run_state: dict, keep_last: int) -> Path | None:
-        """The whole policy as an HF model, the tokenizer, and the trainer state next to ``run_state``.
+        """The whole policy as an HF model (a LoRA policy: its adapter in PEFT's format), the
+        tokenizer, and the trainer state next to ``run_state``.
 
         Every rank takes part in gathering whole weights and optimizer state; rank 0 writes them
         and returns the checkpoint directory, the others return None. The optimizer state is keyed
@@ -159,11 +162,15 @@ class TrainerWorker:
         if self.rank != 0:
             return None
         trainer_state = {**self.trainer.state_dict(), "optimizer": optimizer}
-        trainer_state.pop("model")  # saved as model.safetensors
+        trainer_state.pop("model")  # saved as model.safetensors, or a LoRA policy's adapter alone
+        if is_lora(model):
+            write_model = partial(save_adapter, model, state=weights)
+        else:
+            write_model = partial(model.save_pretrained, state_dict=weights, safe_serialization=True)
         return save_checkpoint(
             run_dir,
             step,
-            write_model=lambda directory: model.save_pretrained(directory, state_dict=weights, safe_serialization=True),
+            write_model=write_model,
             tokenizer=self.tokenizer,
             state={"trainer": trainer_state, "run": run_state},
             keep_last=keep_last,
@@ -173,8 +180,14 @@ class TrainerWorker:
         """Load a checkpoint written by any layout; every rank calls it and keeps its own shards."""
         checkpoint_dir = Path(checkpoint_dir)
         model, optimizer = self.trainer.model, self.trainer.optimizer
-        weights = read_weights(model, checkpoint_dir)
-        _check_weight_names(model, weights.keys(), checkpoint_dir)
+        if is_lora(model):  # the adapter alone, over the base this run built: checked to be the saved one
+            base = get_model_state_dict(model, options=_FULL_ON_RANK0)
+            if self.rank == 0:
+                check_base(base, checkpoint_dir)
+            weights = read_adapter(model, checkpoint_dir)
+        else:
+            weights = read_weights(model, checkpoint_dir)
+            _check_weight_names(model, weights.keys(), checkpoint_dir)
         set_model_state_dict(model, weights, options=_FULL_INTO_SHARDS)
         set_optimizer_state_dict(model, optimizer, trainer_state["optimizer"], options=_FULL_INTO_SHARDS)
         # the rest of the trainer state (schedule, version, RNG); weights and moments are in place

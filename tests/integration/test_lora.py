@@ -4,6 +4,7 @@ import copy
 
 import pytest
 import torch
+from helpers import SMALL
 
 from asyncrl.config import ConfigError, load_config
 from asyncrl.generation import SampleRequest, SamplingParams, build_generator
@@ -13,31 +14,12 @@ from asyncrl.run import train
 from asyncrl.trainer import PolicyTrainer
 from asyncrl.verify import random_batch
 
-TINY = ["model.hidden_size=32", "model.num_layers=2", "model.num_heads=4", "model.num_kv_heads=2"]
-TINY += ["model.intermediate_size=64", "trainer.device=cpu", "lora.rank=4"]
-SMALL_RUN = [  # the small arithmetic task of the end-to-end tests
-    *TINY,
-    "data.task=arithmetic",
-    "data.difficulty=1",
-    "grpo.prompts_per_step=4",
-    "grpo.generations_per_prompt=4",
-    "grpo.max_steps=4",
-    "generation.max_new_tokens=4",
-    "generation.batch_size=8",
-    "trainer.micro_batch_size=6",
-    "trainer.lr=0.01",
-    "trainer.lr_schedule=constant",
-    "data.eval_size=8",
-    "warm_start.steps=0",
-    "logging.eval_every_steps=2",
-    "logging.tensorboard=false",
-    "logging.progress=false",
-]
+LORA = ["trainer.device=cpu", "lora.rank=4"]  # over the small run of helpers
 
 
 def trainer_and_base(*overrides):
     """(config, tokenizer, an untouched copy of the base, the LoRA trainer built on the base)."""
-    config = load_config(None, [*TINY, *overrides])
+    config = load_config(None, [*SMALL, *LORA, *overrides])
     tokenizer = build_tokenizer(config)
     model = build_model(config, tokenizer)
     base = copy.deepcopy(model)
@@ -74,7 +56,7 @@ def test_a_target_module_the_model_lacks_is_a_one_line_error_naming_the_field():
 
 def test_lora_with_a_backend_that_cannot_load_adapters_is_refused_at_load_time():
     with pytest.raises(ConfigError, match="lora.rank: LoRA adapters are synced to generation.backend hf only"):
-        load_config(None, [*TINY, "generation.backend=vllm"])
+        load_config(None, [*SMALL, *LORA, "generation.backend=vllm"])
 
 
 def test_the_adapter_alone_syncs_and_the_generator_then_samples_the_trainers_policy():
@@ -102,7 +84,7 @@ def test_the_adapter_alone_syncs_and_the_generator_then_samples_the_trainers_pol
 
 @pytest.mark.slow
 def test_a_lora_run_syncs_adapter_bytes_only(tmp_path):
-    config = load_config(None, [*SMALL_RUN, f"logging.output_dir={tmp_path / 'run'}"])
+    config = load_config(None, [*SMALL, *LORA, f"logging.output_dir={tmp_path / 'run'}"])
     summary = train(config)
     metrics = read_jsonl(tmp_path / "run" / "metrics.jsonl")
     assert summary["steps"] == 4

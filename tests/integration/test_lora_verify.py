@@ -2,7 +2,9 @@
 and each planted LoRA mistake fails the check."""
 
 import pytest
+from helpers import error
 
+from asyncrl.cli import main
 from asyncrl.verify import LORA_PLANTS, check_layout, verify
 
 
@@ -31,3 +33,10 @@ def test_lora_steps_on_dp_and_cp_ranks_equal_the_monolithic_one():
     assert all(c.passed for c in comparisons), comparisons
     [planted] = verify(("token-mean",), lora=True, dp=2, wrap="ddp", plant="lora-base-trainable")
     assert not planted.passed
+
+
+def test_verify_lora_on_the_command_line_passes_and_each_plant_fails(capsys):
+    assert main(["verify", "--lora", "--mode", "token-mean"]) == 0
+    for plant in LORA_PLANTS:
+        assert main(["verify", "--lora", "--mode", "token-mean", "--plant", plant]) == 1
+    assert "it needs --lora" in error(capsys, "verify", "--mode", "token-mean", "--plant", "lora-double-scaling")
