@@ -226,17 +226,11 @@ def token_loss(
     trainer_logprobs = old_logprobs  # the trainer's side of mismatch_kl
     if cfg.clip_against == "behaviour":
         old_logprobs, trainer_logprobs = behaviour_logprobs, logprobs.detach()
-    if cfg.ratio_level == "sequence":
-        if response_mask is None:
-            raise ValueError("response_mask: required when ratio_level is sequence")
-        ratio = sequence_ratio(logprobs, old_logprobs, response_mask, sequence_sum).expand_as(logprobs)
-    else:
-        ratio = torch.exp(logprobs - old_logprobs)
+    ratio = _policy_ratio(logprobs, old_logprobs, cfg.ratio_level, response_mask, sequence_sum)
     surrogate, clipped = _clip(ratio, advantages, cfg.clip_low, cfg.clip_high, cfg.dual_clip)
     is_weight = importance_weights(
         old_logprobs, behaviour_logprobs, mode=is_mode, cap=cfg.is_cap, low=cfg.is_low, high=cfg.is_high
     )
-    loss = is_weight * surrogate
     clamps = {"log_ratio_clamp": cfg.kl_log_ratio_clamp, "kl_clamp": cfg.kl_clamp}
     metrics = {
         "clip": clipped,
@@ -244,6 +238,36 @@ def token_loss(
         "ratio": ratio.detach(),
         "mismatch_kl": mismatch_kl(behaviour_logprobs, trainer_logprobs, **clamps),
     }
+    loss = _regularized(is_weight * surrogate, logprobs, ref_logprobs, entropy, cfg, clamps, metrics)
+    return loss, metrics
+
+
+def _policy_ratio(
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    level: str,
+    response_mask: Tensor | None,
+    sequence_sum: Callable[[Tensor], Tensor],
+) -> Tensor:
+    """The surrogate's ratio per token: its own, or its sequence's (``ratio_level`` sequence, GSPO)."""
+    if level != "sequence":
+        return torch.exp(logprobs - old_logprobs)
+    if response_mask is None:
+        raise ValueError("response_mask: required when ratio_level is sequence")
+    return sequence_ratio(logprobs, old_logprobs, response_mask, sequence_sum).expand_as(logprobs)
+
+
+def _regularized(
+    loss: Tensor,
+    logprobs: Tensor,
+    ref_logprobs: Tensor | None,
+    entropy: Tensor | None,
+    cfg: LossConfig,
+    clamps: dict[str, float],
+    metrics: dict[str, Tensor],
+) -> Tensor:
+    """``loss`` + kl_coef * k3 to the reference - entropy_coef * entropy; each term given is also
+    recorded in ``metrics`` ("kl", "entropy"), even with a coefficient of 0."""
     if ref_logprobs is not None:
         kl = kl_k3(logprobs, ref_logprobs, **clamps)
         if cfg.kl_coef != 0:
@@ -253,7 +277,7 @@ def token_loss(
         if cfg.entropy_coef != 0:
             loss = loss - cfg.entropy_coef * entropy
         metrics["entropy"] = entropy.detach()
-    return loss, metrics
+    return loss
 
 
 def build_grpo(config: RunConfig) -> GRPO:
