@@ -121,6 +121,24 @@ def _weight_sync(result: dict) -> str:
 def _e2e(result: dict) -> str:
     r = result["results"]
     target = result["settings"]["target_accuracy"]
+    lines = [_e2e_runs(r, target)]
+    goal = r.get("max_lag_1_time_to_sync_final_accuracy_over_sync_time")
+    if goal is not None:
+        lines.append(
+            f"max_lag 1 reaches the synchronous final accuracy ({goal['sync_final_accuracy']:.3f}) in "
+            f"{_number(goal['median'], '{:.2f}')} of the synchronous run's time (median over seeds; goal <= "
+            f"{goal['goal']:g}): {_goal(goal['goal_met'], '')}."
+        )
+    per_seed = [
+        [name, *(_number(t, "{:.1f}") for t in run["time_to_target_s"]["values"])] for name, run in r["runs"].items()
+    ]
+    seeds = len(per_seed[0]) - 1
+    lines.append(_table(["run", *(f"seed {i} s to {target:g}" for i in range(seeds))], per_seed))
+    return "\n\n".join(lines + _e2e_ratios(r, target))
+
+
+def _e2e_runs(r: dict, target: float) -> str:
+    """One row per run: time to the target accuracy, final accuracy, accuracy at equal time."""
     rows = []
     for name, run in r["runs"].items():
         time_to, final, wall = run["time_to_target_s"], run["final_accuracy"], run["train_wall_s"]
@@ -148,19 +166,12 @@ def _e2e(result: dict) -> str:
         "train s",
         "samples",
     ]
-    lines = [_table(header, rows)]
-    goal = r.get("max_lag_1_time_to_sync_final_accuracy_over_sync_time")
-    if goal is not None:
-        lines.append(
-            f"max_lag 1 reaches the synchronous final accuracy ({goal['sync_final_accuracy']:.3f}) in "
-            f"{_number(goal['median'], '{:.2f}')} of the synchronous run's time (median over seeds; goal <= "
-            f"{goal['goal']:g}): {_goal(goal['goal_met'], '')}."
-        )
-    per_seed = [
-        [name, *(_number(t, "{:.1f}") for t in run["time_to_target_s"]["values"])] for name, run in r["runs"].items()
-    ]
-    seeds = len(per_seed[0]) - 1
-    lines.append(_table(["run", *(f"seed {i} s to {target:g}" for i in range(seeds))], per_seed))
+    return _table(header, rows)
+
+
+def _e2e_ratios(r: dict, target: float) -> list[str]:
+    """The time-to-target ratios between runs, per seed, and TRL's against asyncrl's, if measured."""
+    lines = []
     ratios = [
         [
             pair,
@@ -180,7 +191,7 @@ def _e2e(result: dict) -> str:
             f"TRL time to {target:g} / asyncrl {name} time to {target:g}: {_number(ratio['ratio'], '{:.2f}x')} "
             f"(goal >= {ratio['goal']:g}x): {_goal(ratio['goal_met'], '')}."
         )
-    return "\n\n".join(lines)
+    return lines
 
 
 def _backends(result: dict) -> str:
