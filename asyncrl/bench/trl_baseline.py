@@ -62,9 +62,14 @@ LOSS_TYPES = {
 
 def trl_settings(config: RunConfig) -> dict[str, Any]:
     """``{"kwargs": GRPOConfig keyword arguments, "unmatched": {setting: why}}`` for ``config``."""
+    return {"kwargs": _grpo_kwargs(config), "unmatched": _unmatched(config)}
+
+
+def _grpo_kwargs(config: RunConfig) -> dict[str, Any]:
+    """The GRPOConfig keyword arguments of every setting the two share."""
     grpo, loss, trainer, generation = config.grpo, config.loss, config.trainer, config.generation
     cosine = trainer.lr_schedule == "cosine"
-    kwargs = {
+    return {
         "num_generations": grpo.generations_per_prompt,
         "per_device_train_batch_size": grpo.prompts_per_step * grpo.generations_per_prompt,
         "gradient_accumulation_steps": 1,
@@ -96,6 +101,11 @@ def trl_settings(config: RunConfig) -> dict[str, Any]:
         "bf16": False,
         "activation_checkpointing": False,
     }
+
+
+def _unmatched(config: RunConfig) -> dict[str, str]:
+    """{setting: why TRL cannot match it}, for those that apply to ``config``."""
+    grpo, loss, trainer, generation = config.grpo, config.loss, config.trainer, config.generation
     unmatched = {
         "sampling seeds": "TRL samples from the global RNG, asyncrl seeds each sample from (run seed, prompt, index)",
         "generation.batch_size": "TRL generates all of a step's completions in one call",
@@ -124,7 +134,7 @@ def trl_settings(config: RunConfig) -> dict[str, Any]:
         unmatched["generation.temperature"] = "TRL trains on temperature-scaled logprobs, asyncrl on the model's own"
     if config.sampler.max_lag > 0:
         unmatched["sampler.max_lag"] = "TRL is synchronous"
-    return {"kwargs": kwargs, "unmatched": unmatched}
+    return unmatched
 
 
 def require_trl() -> None:
@@ -147,9 +157,6 @@ def run_trl(config: RunConfig, *, seed: int, max_steps: int, eval_every_steps: i
     ``asyncrl.bench.e2e.run_asyncrl`` reports them, plus the unmatched settings."""
     start = time.perf_counter()
     require_trl()
-    from datasets import Dataset
-    from trl import GRPOConfig, GRPOTrainer
-
     torch.manual_seed(seed)
     torch.set_num_threads(local_torch_threads(config))
     transformers.utils.logging.disable_progress_bar()
@@ -160,16 +167,8 @@ def run_trl(config: RunConfig, *, seed: int, max_steps: int, eval_every_steps: i
 
     loader = PromptLoader(task.train, shuffle_seed=config.data.shuffle_seed, epochs=config.data.epochs)
     prompts = list(itertools.islice(iter(loader.next, None), max_steps * config.grpo.prompts_per_step))
-    # The dataset carries uids, not answers: a task's checker may need the answer object itself
-    # (a reasoning-gym entry), which a dataset column would flatten to its text.
-    answers = {p.uid: p.answer for p in prompts}
-    dataset = Dataset.from_list([{"prompt": p.text, "uid": p.uid} for p in prompts])
     settings = trl_settings(config)
     rewards = RewardRunner.from_config(config.rewards, task)
-
-    def asyncrl_rewards(completions: list[str], uid: list[str], **_: Any) -> list[float]:
-        return rewards.score(completions, [answers[u] for u in uid]).rewards
-
     evaluator = Evaluator(
         # The warm-started model becomes the generator's; TRL trains its own, loaded from init_dir.
         RolloutWorker(
@@ -184,35 +183,11 @@ def run_trl(config: RunConfig, *, seed: int, max_steps: int, eval_every_steps: i
         every=eval_every_steps,
         samples_per_step=config.grpo.prompts_per_step * config.grpo.generations_per_prompt,
     )
-    args = GRPOConfig(
-        **settings["kwargs"],
-        output_dir=str(output_dir),
-        seed=seed,
-        max_steps=len(prompts) // config.grpo.prompts_per_step,
-        shuffle_dataset=False,  # the dataset is already in PromptLoader order
-        model_init_kwargs={"dtype": "auto"},  # the saved dtype, which is trainer.dtype
-        report_to=[],
-        save_strategy="no",
-        logging_strategy="no",
-        disable_tqdm=True,
+    args = _grpo_config(
+        config, settings, seed=seed, steps=len(prompts) // config.grpo.prompts_per_step, output_dir=output_dir
     )
     try:
-        with tempfile.TemporaryDirectory(prefix="asyncrl-trl-init-") as init_dir:
-            # TRL builds the policy (and a KL reference) from a path; the tokenizer is reloaded as
-            # the fast class, since AutoTokenizer would pick one that drops spaces.
-            model.save_pretrained(init_dir)
-            tokenizer.save_pretrained(init_dir)
-            # TRL prints its logs; stdout belongs to the benchmark's JSON.
-            with contextlib.redirect_stdout(sys.stderr):
-                trainer = GRPOTrainer(
-                    model=init_dir,
-                    reward_funcs=asyncrl_rewards,
-                    args=args,
-                    train_dataset=dataset,
-                    processing_class=PreTrainedTokenizerFast.from_pretrained(init_dir),
-                    callbacks=[evaluator],
-                )
-                trainer.train()
+        _train(model, tokenizer, prompts, rewards, evaluator, args)
     finally:
         rewards.close()
     return {
@@ -222,6 +197,56 @@ def run_trl(config: RunConfig, *, seed: int, max_steps: int, eval_every_steps: i
         "reward_errors": sum(count.errors for count in rewards.counts.values()),
         "unmatched": settings["unmatched"],
     }
+
+
+def _grpo_config(config: RunConfig, settings: dict[str, Any], *, seed: int, steps: int, output_dir: Path) -> Any:
+    """TRL's GRPOConfig: the shared settings, ``steps`` steps over the prompts in the order given, no
+    logging or saving of its own."""
+    from trl import GRPOConfig
+
+    return GRPOConfig(
+        **settings["kwargs"],
+        output_dir=str(output_dir),
+        seed=seed,
+        max_steps=steps,
+        shuffle_dataset=False,  # the dataset is already in PromptLoader order
+        model_init_kwargs={"dtype": "auto"},  # the saved dtype, which is trainer.dtype
+        report_to=[],
+        save_strategy="no",
+        logging_strategy="no",
+        disable_tqdm=True,
+    )
+
+
+def _train(model: Any, tokenizer: Any, prompts: list, rewards: RewardRunner, evaluator: Evaluator, args: Any) -> None:
+    """TRL's GRPOTrainer from ``model``'s weights on ``prompts``, scored by asyncrl's rewards."""
+    from datasets import Dataset
+    from trl import GRPOTrainer
+
+    # The dataset carries uids, not answers: a task's checker may need the answer object itself
+    # (a reasoning-gym entry), which a dataset column would flatten to its text.
+    answers = {p.uid: p.answer for p in prompts}
+    dataset = Dataset.from_list([{"prompt": p.text, "uid": p.uid} for p in prompts])
+
+    def asyncrl_rewards(completions: list[str], uid: list[str], **_: Any) -> list[float]:
+        return rewards.score(completions, [answers[u] for u in uid]).rewards
+
+    with tempfile.TemporaryDirectory(prefix="asyncrl-trl-init-") as init_dir:
+        # TRL builds the policy (and a KL reference) from a path; the tokenizer is reloaded as
+        # the fast class, since AutoTokenizer would pick one that drops spaces.
+        model.save_pretrained(init_dir)
+        tokenizer.save_pretrained(init_dir)
+        # TRL prints its logs; stdout belongs to the benchmark's JSON.
+        with contextlib.redirect_stdout(sys.stderr):
+            trainer = GRPOTrainer(
+                model=init_dir,
+                reward_funcs=asyncrl_rewards,
+                args=args,
+                train_dataset=dataset,
+                processing_class=PreTrainedTokenizerFast.from_pretrained(init_dir),
+                callbacks=[evaluator],
+            )
+            trainer.train()
 
 
 class Evaluator(TrainerCallback):
