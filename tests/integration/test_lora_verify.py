@@ -35,6 +35,7 @@ def test_lora_steps_on_dp_and_cp_ranks_equal_the_monolithic_one():
     assert not planted.passed
 
 
+@pytest.mark.slow
 def test_verify_lora_on_the_command_line_passes_and_each_plant_fails(capsys):
     assert main(["verify", "--lora", "--mode", "token-mean"]) == 0
     for plant in LORA_PLANTS:
