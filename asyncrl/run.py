@@ -35,7 +35,7 @@ from asyncrl.control.buffer import ReplayBuffer
 from asyncrl.control.controller import SingleController
 from asyncrl.control.handles import RolloutHandle, TrainerHandle
 from asyncrl.data import PromptLoader, build_task, check_encodable, check_prompt_lengths
-from asyncrl.environments.episode import build_episodes
+from asyncrl.environments.episode import build_episodes, environment_class
 from asyncrl.faults import inject_rollout_faults, inject_trainer_faults
 from asyncrl.generation import SamplingParams, build_generator
 from asyncrl.metrics import MetricsWriter, ProgressDisplay, read_jsonl, write_json_atomic
@@ -127,6 +127,7 @@ def _build_parts(config: RunConfig) -> _Parts:
     """The sampler first (checking the buffer capacity it needs costs nothing), then the models,
     the checked task and the rewards."""
     sampler, capacity = _input(build_run_sampler, config)
+    _input(environment_class, config)  # the environment and its options, checked before anything is built
     tokenizer = _input(build_tokenizer, config)
     model = _input(build_model, config, tokenizer)
     task = _checked_task(config, tokenizer, model)
@@ -398,6 +399,7 @@ def evaluate(config: RunConfig, *, checkpoint: str | Path | None = None) -> dict
     checkpoint_dir = (
         _checkpoint_input(resolve_checkpoint, checkpoint, "--checkpoint") if checkpoint is not None else None
     )
+    _input(environment_class, config)
     tokenizer = _input(build_tokenizer, config)
     model = _input(build_model, config, tokenizer)
     task = _checked_task(config, tokenizer, model)

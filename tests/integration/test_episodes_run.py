@@ -5,7 +5,7 @@ import re
 from pathlib import Path
 
 import pytest
-from helpers import deterministic, run
+from helpers import deterministic, error, run
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "metrics.md"
 # A warm start teaches the answer format (digits, then EOS), so episodes take several turns.
@@ -44,3 +44,20 @@ def test_a_resumed_multi_turn_in_order_run_matches_the_uninterrupted_one(tmp_pat
     assert deterministic(resumed) == deterministic(full)
     assert resumed_groups == full_groups
     assert max(record["episode/turns"] for record in full) > 1
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["environment.name=nope"], "environment.name: unknown environment 'nope'"),
+        (["environment.name=feedback", "environment.options={bogus: 1}"], "environment.options.bogus: unknown option"),
+        (["environment.name=feedback", "environment.options={discount: 2}"], "environment.options.discount:"),
+        (["environment.name=asyncrl.data:Prompt"], "environment.name: 'asyncrl.data:Prompt' is not a subclass"),
+        (["environment.options={discount: 0.5}"], "environment.options: set, but environment.name is null"),
+        (["environment.name=feedback", "data.chat_template=true"], "data.chat_template: environment.name is set"),
+    ],
+)
+def test_a_bad_environment_setting_is_a_one_line_error(tmp_path, capsys, overrides, message):
+    assert error(capsys, "train", *overrides, "warm_start.steps=0", f"logging.output_dir={tmp_path}").startswith(
+        message
+    )
