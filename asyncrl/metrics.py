@@ -28,7 +28,7 @@ from rich.text import Text
 from asyncrl.config import LoggingConfig
 
 if TYPE_CHECKING:
-    from asyncrl.types import StepReport
+    from asyncrl.types import StepReport, StepResult
     from asyncrl.weights.sync import SyncReport
 
 TIMING_PREFIX = "time/"
@@ -126,10 +126,29 @@ def step_record(
     counted; a pure function so that the controller only keeps the books."""
     result, data = report.result, report.data
     samples = max(data.num_samples, 1)
-    reward_mean = data.reward_sum / samples
-    lags = data.lag_histogram
     record = {
-        "step": result.version,
+        **_sample_keys(report, counters, samples),
+        **_update_keys(result),
+        **_fault_keys(report, counters),
+        "sync_bytes": sync.bytes,
+        "sync_version": sync.version,
+        "sync_transport": sync.transport,
+    }
+    for source, name in (("entropy_mean", "entropy"), ("kl_mean", "kl")):
+        if source in result.metrics:
+            record[name] = result.metrics[source]
+    for key, total in sorted(data.episode_metrics.items()):  # per episode; a duration (*_s) is timing
+        record[f"{TIMING_PREFIX if key.endswith('_s') else ''}episode/{key}"] = total / samples
+    record.update(_timing_keys(clock, sync, step_s, wall_s, rollout_workers))
+    return record
+
+
+def _sample_keys(report: StepReport, counters: RunCounters, samples: int) -> dict:
+    """What the step's samples scored and how its groups were filtered and refilled."""
+    data = report.data
+    reward_mean = data.reward_sum / samples
+    return {
+        "step": report.result.version,
         "reward_mean": reward_mean,
         "reward_std": max(data.reward_sq_sum / samples - reward_mean**2, 0.0) ** 0.5,
         "accuracy": data.num_correct / samples,
@@ -139,6 +158,12 @@ def step_record(
         "num_informative_groups": data.num_groups - data.num_filtered_groups,
         "refill_groups": data.num_refill_groups,
         "refill_groups_total": counters.refill_groups_total,
+    }
+
+
+def _update_keys(result: StepResult) -> dict:
+    """What the trainer's update saw: its size, loss, gradient, clipping and off-policy weights."""
+    return {
         "num_sequences": result.num_sequences,
         "num_tokens": result.num_tokens,
         "loss": _finite_or_none(result.loss),
@@ -149,6 +174,14 @@ def step_record(
         "is_weight_min": result.metrics.get("is_weight_min"),
         "is_weight_max": result.metrics.get("is_weight_max"),
         "mismatch_kl": result.metrics["mismatch_kl_mean"],
+    }
+
+
+def _fault_keys(report: StepReport, counters: RunCounters) -> dict:
+    """Staleness, and the step's faults beside the run's totals of each."""
+    result, data = report.result, report.data
+    lags = data.lag_histogram
+    return {
         "lag_histogram": {str(lag): lags[lag] for lag in sorted(lags)},
         "lag_mean": sum(lag * count for lag, count in lags.items()) / max(sum(lags.values()), 1),
         "reward_errors": data.reward_errors,
@@ -161,29 +194,22 @@ def step_record(
         "nonfinite_steps": counters.nonfinite_steps,
         "num_updates": result.num_updates,
         "empty_steps": counters.empty_steps,
-        "sync_bytes": sync.bytes,
-        "sync_version": sync.version,
-        "sync_transport": sync.transport,
     }
-    for source, name in (("entropy_mean", "entropy"), ("kl_mean", "kl")):
-        if source in result.metrics:
-            record[name] = result.metrics[source]
-    for key, total in sorted(data.episode_metrics.items()):  # per episode; a duration (*_s) is timing
-        record[f"{TIMING_PREFIX if key.endswith('_s') else ''}episode/{key}"] = total / samples
-    record.update(
-        {
-            "time/step_s": step_s,
-            "time/wall_s": wall_s,
-            "time/tokens_per_s": clock.generated_tokens / step_s if step_s > 0 else 0.0,
-            "time/generation_s": clock.generation_s,
-            "time/generation_idle_fraction": _idle(clock.generation_s, step_s * rollout_workers),
-            "time/train_s": clock.train_s,
-            "time/train_idle_fraction": _idle(clock.train_s, step_s),
-            "time/sync_pause_s": sync.pause_s,
-            "time/sync_transfer_s": sync.transfer_s,
-        }
-    )
-    return record
+
+
+def _timing_keys(clock: StepClock, sync: SyncReport, step_s: float, wall_s: float, rollout_workers: int) -> dict:
+    """Wall-clock keys (``time/``): how long the step took and how busy each side was."""
+    return {
+        "time/step_s": step_s,
+        "time/wall_s": wall_s,
+        "time/tokens_per_s": clock.generated_tokens / step_s if step_s > 0 else 0.0,
+        "time/generation_s": clock.generation_s,
+        "time/generation_idle_fraction": _idle(clock.generation_s, step_s * rollout_workers),
+        "time/train_s": clock.train_s,
+        "time/train_idle_fraction": _idle(clock.train_s, step_s),
+        "time/sync_pause_s": sync.pause_s,
+        "time/sync_transfer_s": sync.transfer_s,
+    }
 
 
 def _finite_or_none(value: float) -> float | None:
