@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import warnings
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Protocol
@@ -67,7 +68,9 @@ def apply_lora(model: nn.Module, settings: LoraSettings, dtype: torch.dtype, *, 
     trainable in float32, or float64 over a float64 base. Draws the A matrices from the torch RNG."""
     check_targets(model, settings.target_modules)
     model.to(dtype)
-    return get_peft_model(model, peft_config(settings, random_b=random_b), autocast_adapter_dtype=True)
+    with warnings.catch_warnings():  # peft reads a transformers attribute deprecated in 5.x
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing", category=FutureWarning)
+        return get_peft_model(model, peft_config(settings, random_b=random_b), autocast_adapter_dtype=True)
 
 
 def adapter_tensors(model: nn.Module, state: Mapping[str, Tensor] | None = None) -> dict[str, Tensor]:
