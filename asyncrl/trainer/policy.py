@@ -118,21 +118,9 @@ class PolicyTrainer:
             raise ValueError(f"temperature: must be > 0, got {distribution.temperature}")
         self.distribution = distribution
         self.forward_dtype = _LOW_PRECISION.get(trainer_cfg.dtype)
-        for m in (model, reference_model):
-            if m is not None:
-                _upcast_low_precision(m)
-                m.eval()
-        if trainer_cfg.activation_checkpointing:
-            checkpoint_activations(model)
         self.parallel = parallel
-        self._autocast = self.forward_dtype is not None
-        if parallel is not None:
-            model = parallel.parallelize(model, reference_model, mixed_precision=self.forward_dtype)
-            self._autocast = self._autocast and not parallel.casts_parameters
-        self.model = model
+        self.model = model = self._prepare(model, reference_model, trainer_cfg.activation_checkpointing)
         self.reference_model = reference_model
-        if reference_model is not None:
-            reference_model.requires_grad_(False)
         self.cfg = trainer_cfg
         self.algorithm = algorithm
         self.params = [p for p in model.parameters() if p.requires_grad]
@@ -141,6 +129,24 @@ class PolicyTrainer:
         self.version = 0
         self._step: _StepState | None = None
         self._step_start = StepSnapshot(self.device)  # taken before a step's first of several updates
+
+    def _prepare(self, model: nn.Module, reference_model: nn.Module | None, recompute: bool) -> nn.Module:
+        """The policy as it trains: both models upcast to float32 masters and in eval mode, the
+        policy's blocks recomputed in the backward if ``recompute``, both wrapped for the ranks, the
+        reference frozen; decides whether autocast runs the forward (not where FSDP2 casts)."""
+        for m in (model, reference_model):
+            if m is not None:
+                _upcast_low_precision(m)
+                m.eval()
+        if recompute:
+            checkpoint_activations(model)
+        self._autocast = self.forward_dtype is not None
+        if self.parallel is not None:
+            model = self.parallel.parallelize(model, reference_model, mixed_precision=self.forward_dtype)
+            self._autocast = self._autocast and not self.parallel.casts_parameters
+        if reference_model is not None:
+            reference_model.requires_grad_(False)
+        return model
 
     @classmethod
     def from_config(cls, config: RunConfig, model: nn.Module, parallel: ParallelContext | None = None) -> PolicyTrainer:
