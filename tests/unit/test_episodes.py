@@ -265,3 +265,12 @@ def test_the_environment_docs_example_runs_as_a_user_copies_it(tmp_path, monkeyp
     )
     assert completion.reward == 1.0 and completion.metrics["right_letters"] == 2 + 3
     assert TOKENIZER.decode(completion.rollout.response_ids) == "cot<eos>U:2 letters right\nA:cat<eos>"
+
+
+def test_an_episode_past_its_wall_time_is_truncated_after_the_step_that_crossed_it():
+    _Slow.slow = ("p",)  # each step takes 0.3 s, three times the limit
+    wrong = [ids("9") + [EOS]] * 4
+    limits = EpisodeLimits(max_turns=4, max_tokens=200, max_seconds=0.1)
+    [completion], _ = run({1: wrong}, [Prompt("p", "2+2=", "4")], limits, make_env=_Slow)
+    assert completion.metrics["turns"] == 1 and completion.metrics["truncated"] == 1
+    assert completion.rollout.finish_reason == "length" and completion.reward is None
