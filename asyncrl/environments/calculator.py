@@ -78,11 +78,21 @@ def _evaluate(node: ast.AST) -> int | float:
     raise ValueError(f"{type(node).__name__} is not arithmetic")
 
 
+def digit_credit(completion: str, answer: str) -> float:
+    """The share of the answer's digits given in place, out of its length or the completion's if
+    longer: ``1726`` for ``1776`` scores 0.75, and only the exact answer scores 1 (the ``task``
+    reward, which lets GRPO learn from answers that are almost copied right)."""
+    given = completion.strip()
+    return sum(a == b for a, b in zip(given, answer)) / max(len(given), len(answer))
+
+
 class ProductsTask:
-    """``products``: ``37*48=`` -> ``1776``, two factors of ``data.difficulty`` digits each."""
+    """``products``: ``37*48=`` -> ``1776``, two factors of ``data.difficulty`` digits each; its
+    checker (the ``task`` reward) is ``digit_credit``."""
 
     reads = ()
-    has_checker = checker_required = False
+    has_checker = True
+    checker_required = False
 
     def __init__(self, data: DataConfig) -> None:
         self.data = data
@@ -95,7 +105,13 @@ class ProductsTask:
             raise ValueError(f"data.eval_size: {data.eval_size} held-out problems leave none of {count} to train on")
         numbers = random.Random(f"products:{data.difficulty}:{data.task_seed}").sample(range(size), count)
         prompts = [self._prompt(n, low) for n in numbers]
-        return Task("products", prompts[data.eval_size :], prompts[: data.eval_size], format_pattern=r"-?\d+")
+        return Task(
+            "products",
+            prompts[data.eval_size :],
+            prompts[: data.eval_size],
+            format_pattern=r"-?\d+",
+            score=digit_credit,
+        )
 
     def _prompt(self, number: int, low: int) -> Prompt:
         a, b = divmod(number, 10**self.data.difficulty - low)

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from asyncrl.data.prompts import Prompt
-from asyncrl.environments.calculator import CalculatorEnvironment, ProductsTask, calc
+from asyncrl.environments.calculator import CalculatorEnvironment, ProductsTask, calc, digit_credit
 from asyncrl.environments.tool_env import close_toolboxes
 from asyncrl.environments.tools import Tool
 
@@ -84,6 +84,15 @@ def test_products_are_two_factors_of_the_difficulty_in_digits_with_disjoint_spli
     }
     with pytest.raises(ValueError, match="^data.eval_size: 100 held-out problems leave none of 100"):
         ProductsTask(Data(1, num_problems=1000, eval_size=100)).build()
+
+
+@pytest.mark.parametrize(
+    ("completion", "credit"), [("1776", 1.0), (" 1776\n", 1.0), ("1726", 0.75), ("17760", 0.8), ("", 0.0), ("abc", 0.0)]
+)
+def test_the_products_checker_credits_the_digits_in_place_and_only_the_exact_answer_fully(completion, credit):
+    assert digit_credit(completion, "1776") == credit
+    assert ProductsTask(Data(2)).build().score is digit_credit
+    assert ProductsTask.has_checker
 
 
 def test_the_demonstration_is_one_call_then_the_answer():
