@@ -1,0 +1,49 @@
+"""Multi-turn episodes on the real vLLM CPU server: the sampled tokens and their logprobs come back
+from the server, each observation is the chat template's delta, masked, and every sampled token
+carries the weight version the server reports."""
+
+import pytest
+
+from asyncrl.data import Prompt
+from asyncrl.environments.episode import OBSERVATION_VERSION, EpisodeLimits, MultiTurn
+from asyncrl.environments.feedback import FeedbackEnvironment
+from asyncrl.generation import SamplingParams
+from asyncrl.models.tokenizer import build_char_tokenizer
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
+
+
+def test_episodes_run_on_the_vllm_server_with_masked_template_deltas(vllm_generator):
+    tokenizer = build_char_tokenizer(chat=True)  # the server's vocabulary, then the chat characters
+    ids = tokenizer("0123456789", add_special_tokens=False)["input_ids"]
+    stops, saved = ids + [tokenizer.eos_token_id], vllm_generator.stop_token_ids
+    vllm_generator.stop_token_ids = stops  # a turn of the untrained model ends at its first digit
+    episodes = MultiTurn(
+        vllm_generator, tokenizer, FeedbackEnvironment, stop_token_ids=stops, limits=EpisodeLimits(3, 60)
+    )
+    try:
+        prompts = [Prompt(f"p{i}", f"{i}+{i}=", str(2 * i)) for i in range(4)]
+        completions = episodes.run(prompts, [1, 2, 3, 4], SamplingParams(max_new_tokens=12))
+    finally:
+        episodes.close()
+        vllm_generator.stop_token_ids = saved
+    assert max(c.metrics["turns"] for c in completions) > 1
+    for completion in completions:
+        rollout = completion.rollout
+        sampled = [i for i, m in enumerate(rollout.loss_mask) if m]
+        observed = [i for i, m in enumerate(rollout.loss_mask) if not m]
+        assert all(rollout.logprobs[i] < 0 for i in sampled) and all(rollout.logprobs[i] == 0 for i in observed)
+        assert {rollout.versions[i] for i in sampled} == {vllm_generator.version}
+        assert {rollout.versions[i] for i in observed} <= {OBSERVATION_VERSION}
+        for span in _masked_spans(rollout.response_ids, rollout.loss_mask):
+            assert tokenizer.decode(span) in {"U:too high\nA:", "U:too low\nA:", "U:a number?\nA:"}
+
+
+def _masked_spans(ids: list[int], mask: list[int]) -> list[list[int]]:
+    spans, current = [], []
+    for token, trained in zip(ids, mask):
+        if not trained:
+            current.append(token)
+        elif current:
+            spans, current = [*spans, current], []
+    return spans + ([current] if current else [])
