@@ -1,6 +1,7 @@
 """The parts a config names: a built-in name or custom code as ``package.module:attribute``.
 
-Every kind of part (sampler, reward, task, generation backend) is found one way: ``resolve``
+Every kind of part (sampler, reward, task, generation backend, algorithm, environment, tool-call
+parser) is found one way: ``resolve``
 looks a built-in name up in ``BUILTINS``, which points at the built-in's own ``module:attribute``,
 and imports it exactly as it imports a user's path. Built-ins are paths, not objects, so naming a
 kind imports nothing heavy until a part of it is used. ``import_attribute`` is the only way user
