@@ -43,20 +43,20 @@ step, so nothing is lost and ``--resume`` continues. A watchdog stops a run that
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import signal
-import threading
 import time
 from collections.abc import Awaitable, Sequence
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
 from asyncrl.config import ConfigError, RunConfig, dump_config
 from asyncrl.control.buffer import ReplayBuffer
 from asyncrl.control.handles import RolloutHandle, TrainerHandle
+from asyncrl.control.interrupts import Interrupts
 from asyncrl.control.refill import DynamicSampling
+from asyncrl.control.run_state import RunState
 from asyncrl.control.sampler import Sampler
+from asyncrl.control.watchdog import Watchdog
 from asyncrl.data import Prompt, PromptLoader, Task
 from asyncrl.errors import (
     EvaluationFailedError,
@@ -64,19 +64,17 @@ from asyncrl.errors import (
     RolloutFailedError,
     RunInterrupted,
     RunStopped,
-    StallError,
     SyncTimedOut,
     TrainStepError,
     WeightLoadFailedError,
 )
-from asyncrl.metrics import RunCounters, StepClock, step_record
+from asyncrl.metrics import StepClock, step_record
 from asyncrl.types import RolloutGroup, RolloutJob
 from asyncrl.weights.sync import Changes, RolloutGate, SyncReport, SyncTimeoutError, WeightLoadError, WeightSync
 
 if TYPE_CHECKING:
     from asyncrl.types import RolloutBatch, StepReport
 
-T = TypeVar("T")
 STATE_VERSION = 2
 ABORT_TIMEOUT_S = 60.0  # a trainer too stuck to abort its step within this is left behind
 
@@ -109,14 +107,11 @@ class SingleController:
         self.metrics = metrics
         self.progress = progress
         self.run_dir = Path(run_dir)
-
         self.prompts_per_step = config.grpo.prompts_per_step
-        self.chunk_groups = config.grpo.min_groups_per_chunk
         self.groups_per_batch = max(1, config.generation.batch_size // config.grpo.generations_per_prompt)
         self.max_in_flight = config.runtime.max_inflight_groups or buffer.capacity
         self.max_retries = config.runtime.max_rollout_retries
         self.refills = DynamicSampling(loader, config.grpo.max_refill_groups)
-
         self.version = 0
         self.changes = Changes()
         self.gate = RolloutGate(0, self.changes, wait_for_admissions=sampler.gated, max_in_flight=self.max_in_flight)
@@ -127,22 +122,22 @@ class SingleController:
         self.data_exhausted = False
         self.retry_queue: list[list[RolloutJob]] = []  # failed batches, each re-dispatched as one
         self.jobs: dict[int, RolloutJob] = {}  # reserved slot -> its job, until committed
-        self.num_evicted = 0
-        self.skipped_prompts = 0
-        self.step_retries = 0
-        self.nonfinite_steps = 0
-        self.nonfinite_streak = 0
-        self.empty_steps = 0  # steps without an informative group: no update (docs/loss.md)
-        self.step_groups: list[RolloutGroup] = []  # taken by the open step; kept until it finishes
-        self.interrupt: int | None = None
-        self.last_progress = time.monotonic()
-        self.waiting = {"rollout loop": "starting", "train loop": "starting"}
+        self.state = RunState()
+        self.interrupts = Interrupts(self.changes, progress.status)
+        self.watchdog = Watchdog(config.runtime.watchdog_s)
         self.next_worker = 0
         self.clock = StepClock()
         self.start_time = time.perf_counter()
         self.evals: list[dict] = []
-        self.eval_due = False  # an evaluation of this version was started and has not finished
         self._tasks: asyncio.TaskGroup | None = None
+
+    @property
+    def skipped_prompts(self) -> int:
+        return self.state.skipped_prompts
+
+    @property
+    def num_evicted(self) -> int:
+        return self.state.num_evicted
 
     # ---- the run --------------------------------------------------------------------------
 
@@ -150,14 +145,14 @@ class SingleController:
         """Train to ``grpo.max_steps`` or the end of the data; returns the steps taken in total.
 
         Raises ``RunStopped`` (checkpoint saved where possible) or the error that stopped it."""
-        with self._signals_handled():
+        with self.interrupts.handled():
             try:
-                self.last_progress = time.monotonic()
+                self.watchdog.progressed()
                 try:
                     async with asyncio.TaskGroup() as tasks:
                         self._tasks = tasks
                         work = tasks.create_task(self._evaluate_train_evaluate(tasks))
-                        tasks.create_task(self.watchdog(work))
+                        tasks.create_task(self.watchdog.watch(work, self._stall_details))
                 except BaseExceptionGroup as group:
                     raise _first_error(group) from None
             except RunStopped as err:
@@ -167,14 +162,14 @@ class SingleController:
     async def _evaluate_train_evaluate(self, tasks: asyncio.TaskGroup) -> None:
         """The whole run, under the watchdog: the first evaluation, both loops, the last
         evaluation and the final checkpoint."""
-        if self.version == 0 or self.eval_due:
-            self.waiting["train loop"] = f"the evaluation at step {self.version}"
+        if self.version == 0 or self.state.eval_due:
+            self.watchdog.waiting["train loop"] = f"the evaluation at step {self.version}"
             await self.evaluate()
         await asyncio.gather(tasks.create_task(self.rollout_loop()), tasks.create_task(self.train_loop()))
         if not self.evals or self.evals[-1]["step"] != self.version:
-            self.waiting["train loop"] = f"the evaluation at step {self.version}"
+            self.watchdog.waiting["train loop"] = f"the evaluation at step {self.version}"
             await self.evaluate()
-        self.waiting["train loop"] = f"the final checkpoint of step {self.version}"
+        self.watchdog.waiting["train loop"] = f"the final checkpoint of step {self.version}"
         await self.checkpoint()
 
     async def _stopped(self, err: BaseException) -> BaseException:
@@ -194,7 +189,7 @@ class SingleController:
 
     async def rollout_loop(self) -> None:
         while True:
-            self.waiting["rollout loop"] = "admission (gate closed, buffer full or in-flight limit reached)"
+            self.watchdog.waiting["rollout loop"] = "admission (gate closed, buffer full or in-flight limit reached)"
             await self.changes.wait_for(
                 lambda: self.stopping or self.gate.admitting or (self.retry_queue and not self.gate.loading)
             )
@@ -207,7 +202,7 @@ class SingleController:
                 self._dispatch(jobs)
                 if settled:
                     self.gate.settled()
-            self.waiting["rollout loop"] = f"a change ({self.gate.in_flight} groups generating)"
+            self.watchdog.waiting["rollout loop"] = f"a change ({self.gate.in_flight} groups generating)"
             await self.changes.next()
 
     def _admit(self) -> tuple[list[RolloutJob], bool]:
@@ -270,7 +265,7 @@ class SingleController:
         for job, group in zip(batch, result.groups):
             self.buffer.commit(job.slot_id, group)
             del self.jobs[job.slot_id]
-        self.last_progress = time.monotonic()
+        self.watchdog.progressed()
         self.clock.generation_s += result.seconds
         self.clock.generated_tokens += result.num_tokens
         self.gate.add_in_flight(-len(batch))
@@ -278,7 +273,7 @@ class SingleController:
     def _schedule_retry(self, batch: list[RolloutJob], err: Exception) -> None:
         """Retry the batch whole while the budget lasts (same slots and seeds), then each prompt on
         its own, so the prompt that keeps failing is found and the others go on."""
-        self.last_progress = time.monotonic()
+        self.watchdog.progressed()
         if len(batch) > 1 and any(job.retries >= self.max_retries for job in batch):
             self._queue_retries([[job] for job in batch])
         elif len(batch) > 1 or batch[0].retries < self.max_retries:
@@ -300,7 +295,7 @@ class SingleController:
             raise RolloutFailedError(
                 f"prompt {job.prompt.uid}: {attempts}; last error: {type(err).__name__}: {err}"
             ) from err
-        self.skipped_prompts += 1
+        self.state.skipped_prompts += 1
         refill = self.refills.is_refill(job.prompt)
         if refill:  # a refill is replaced from its own stream
             prompt = self.refills.next_prompt()
@@ -335,16 +330,16 @@ class SingleController:
     async def train_loop(self) -> None:
         try:
             while self.version < self.config.grpo.max_steps:
-                self._check_interrupt()
+                self.interrupts.check(self.version)
                 step_start = time.perf_counter()
                 report = await self.train_step()
                 if report is None:
                     break
                 self.version = report.result.version  # the trainer's: a checkpoint from here on holds the step
-                self.waiting["train loop"] = f"the weight sync after step {self.version}"
+                self.watchdog.waiting["train loop"] = f"the weight sync after step {self.version}"
                 sync_start = time.perf_counter()
                 try:
-                    sync = await self._interruptible(self.weight_sync.sync())
+                    sync = await self.interrupts.interruptible(self.weight_sync.sync(), self.version)
                 except (SyncTimeoutError, WeightLoadError, RunInterrupted) as err:
                     how = "interrupted" if isinstance(err, RunInterrupted) else "failed"
                     failed = SyncReport.failed(self.version - 1, time.perf_counter() - sync_start, how)
@@ -354,18 +349,17 @@ class SingleController:
                     if isinstance(err, SyncTimeoutError):
                         raise SyncTimedOut(err) from None
                     raise WeightLoadFailedError(str(err)) from err.__cause__
-                self.last_progress = time.monotonic()
-                self._count_nonfinite(report)
-                self.empty_steps += report.result.num_tokens == 0
+                self.watchdog.progressed()
+                self.state.count_step(report.result)
                 self._log_step(report, sync, time.perf_counter() - step_start)
                 self._stop_if_nonfinite(report)
                 every = self.config.logging.eval_every_steps
                 if every and self.version % every == 0:
-                    self.waiting["train loop"] = f"the evaluation at step {self.version}"
+                    self.watchdog.waiting["train loop"] = f"the evaluation at step {self.version}"
                     await self.evaluate()
                 every = self.config.checkpoint.every_steps
                 if every and self.version % every == 0 and self.version < self.config.grpo.max_steps:
-                    self.waiting["train loop"] = f"the checkpoint of step {self.version}"
+                    self.watchdog.waiting["train loop"] = f"the checkpoint of step {self.version}"
                     await self.checkpoint()
         finally:
             self.stopping = True
@@ -378,7 +372,7 @@ class SingleController:
         for attempt in range(retries + 1):
             try:
                 report = await self._attempt_step()
-                self.step_groups = []
+                self.state.step_groups = []
                 refills = self.refills.end_step()
                 if report is not None:
                     report.data.num_refill_groups = refills
@@ -392,7 +386,7 @@ class SingleController:
                         f"train step {self.version} failed {attempt + 1} times (trainer.max_step_retries={retries}); "
                         f"last error: {type(err).__name__}: {err}"
                     ) from err
-                self.step_retries += 1
+                self.state.step_retries += 1
                 self.progress.status(f"step {self.version} failed ({type(err).__name__}: {err}); rerunning it")
             except BaseException:
                 await self._abort_step()
@@ -402,17 +396,17 @@ class SingleController:
     async def _attempt_step(self) -> StepReport | None:
         """Stream step V's groups into the split step: first those a failed attempt had taken."""
         version = self.version
-        self.waiting["train loop"] = f"trainer.begin_step({version})"
+        self.watchdog.waiting["train loop"] = f"trainer.begin_step({version})"
         await self.trainer.begin_step(version)
-        if self.step_groups:
-            self.waiting["train loop"] = f"trainer.train_groups, rerunning step {version}"
-            await self.trainer.train_groups(list(self.step_groups))
+        if self.state.step_groups:
+            self.watchdog.waiting["train loop"] = f"trainer.train_groups, rerunning step {version}"
+            await self.trainer.train_groups(list(self.state.step_groups))
         while await self._next_chunk(version):
             pass
-        if not self.step_groups:
+        if not self.state.step_groups:
             await self.trainer.abort_step()
             return None
-        self.waiting["train loop"] = f"trainer.finish_step({version})"
+        self.watchdog.waiting["train loop"] = f"trainer.finish_step({version})"
         busy_start = time.perf_counter()
         report = await self.trainer.finish_step()
         self.clock.train_s += time.perf_counter() - busy_start
@@ -421,35 +415,35 @@ class SingleController:
     async def _next_chunk(self, version: int) -> bool:
         """Train the next chunk of step V's groups, or wait for one; False once the step has all
         it will get (its groups and refills, or what exists when the data ran out)."""
-        self._check_interrupt()
+        self.interrupts.check(self.version)
         wanted = self.prompts_per_step + self.refills.step_refills
-        if len(self.step_groups) >= wanted:
+        if len(self.state.step_groups) >= wanted:
             return await self._refill_round(version)
         # Evict on every pass: a stale group committed mid-step would otherwise hold a slot.
         if evicted := self.buffer.evict(self.sampler.evict(version, self.buffer)):
-            self.num_evicted += evicted
+            self.state.num_evicted += evicted
             self.changes.notify()
-        remaining = wanted - len(self.step_groups)
+        remaining = wanted - len(self.state.step_groups)
         exhausted = self.data_exhausted and self.gate.in_flight == 0
-        min_k = 1 if exhausted else min(self.chunk_groups, remaining)
+        min_k = 1 if exhausted else min(self.config.grpo.min_groups_per_chunk, remaining)
         slot_ids = self._in_dispatch_order(self.sampler.select(version, self.buffer, min_k, remaining))
         if len(slot_ids) < min_k:
             if not exhausted:
                 await self._wait_for_groups(version)
             return not exhausted
         groups = self.buffer.take(slot_ids)
-        self.step_groups.extend(groups)
+        self.state.step_groups.extend(groups)
         self.changes.notify()
-        self.waiting["train loop"] = f"trainer.train_groups ({len(groups)} groups of step {version})"
+        self.watchdog.waiting["train loop"] = f"trainer.train_groups ({len(groups)} groups of step {version})"
         busy_start = time.perf_counter()
         await self.trainer.train_groups(groups)
         self.clock.train_s += time.perf_counter() - busy_start
-        self.last_progress = time.monotonic()
+        self.watchdog.progressed()
         return True
 
     async def _wait_for_groups(self, version: int) -> None:
-        self.waiting["train loop"] = (
-            f"groups for step {version} ({len(self.step_groups)} of {self.prompts_per_step} trained, "
+        self.watchdog.waiting["train loop"] = (
+            f"groups for step {version} ({len(self.state.step_groups)} of {self.prompts_per_step} trained, "
             f"{self.buffer.num_ready} ready, {self.gate.in_flight} generating)"
         )
         wait_start = time.perf_counter()
@@ -459,16 +453,16 @@ class SingleController:
     async def _refill_round(self, version: int) -> bool:
         """Every group the step waited for is in: dispatch replacements for the filtered ones
         (``DynamicSampling``), or wait for room to; False when the step wants none."""
-        informative = sum(group.informative for group in self.step_groups)
+        informative = sum(group.informative for group in self.state.step_groups)
         count = self.refills.wanted(self.prompts_per_step - informative, self.buffer.num_free)
         if count <= 0 or self.stopping:
             return False
         count = min(count, self.max_in_flight - self.gate.in_flight)
         if count <= 0:
-            self.waiting["train loop"] = f"room under runtime.max_inflight_groups to refill step {version}"
+            self.watchdog.waiting["train loop"] = f"room under runtime.max_inflight_groups to refill step {version}"
             await self.changes.next()
             return True
-        target = self.step_groups[0].target_step
+        target = self.state.step_groups[0].target_step
         prompts = self.refills.take(count)
         self._dispatch(
             [RolloutJob(self.buffer.reserve(self.gate.version, target), p, self.gate.version, target) for p in prompts]
@@ -480,87 +474,26 @@ class SingleController:
         abort = asyncio.ensure_future(self.trainer.abort_step())
         await asyncio.wait([abort], timeout=ABORT_TIMEOUT_S)
 
-    def _count_nonfinite(self, report: StepReport) -> None:
-        if report.result.skipped:
-            self.nonfinite_steps += 1
-            self.nonfinite_streak += 1
-        else:
-            self.nonfinite_streak = 0
-
     def _stop_if_nonfinite(self, report: StepReport) -> None:
         """Stop once more consecutive steps than allowed were skipped as non-finite."""
         if not report.result.skipped:
             return
         limit = self.config.trainer.max_nonfinite_steps
         self.progress.status(f"step {report.result.version - 1} skipped: non-finite loss or gradient")
-        if self.nonfinite_streak > limit:
+        if self.state.nonfinite_streak > limit:
             raise NonFiniteStepsError(
-                f"{self.nonfinite_streak} consecutive steps had a non-finite loss or gradient "
+                f"{self.state.nonfinite_streak} consecutive steps had a non-finite loss or gradient "
                 f"(trainer.max_nonfinite_steps={limit}); the last was step {report.result.version - 1}"
             )
 
-    # ---- interrupts and the watchdog ------------------------------------------------------------
+    # ---- the watchdog ------------------------------------------------------------
 
-    def _check_interrupt(self) -> None:
-        if self.interrupt is not None:
-            raise RunInterrupted(self.interrupt, self.version)
-
-    async def _interruptible(self, awaitable: Awaitable[T]) -> T:
-        """``awaitable``'s result, or ``RunInterrupted`` as soon as a signal arrives. For the waits
-        that can last as long as a generation batch (a weight sync, a checkpoint's drain, an
-        evaluation queued behind a batch): the stop checkpoint never waits for running generation."""
-        work = asyncio.ensure_future(awaitable)
-        signalled = asyncio.ensure_future(self.changes.wait_for(lambda: self.interrupt is not None))
-        try:
-            await asyncio.wait([work, signalled], return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            signalled.cancel()
-            signal_came_first = not work.done()
-            if signal_came_first:
-                work.cancel()
-        if signal_came_first:
-            self._check_interrupt()
-        return work.result()
-
-    def _on_signal(self, signum: int) -> None:
-        """First SIGINT / SIGTERM: stop at the next safe point and checkpoint. A second one is not
-        caught any more, so it ends the process the default way."""
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.remove_signal_handler(sig)
-        self.interrupt = signum
-        self.progress.status(f"{signal.Signals(signum).name}: checkpointing, then stopping (again to quit now)")
-        self.changes.notify()
-
-    @contextlib.contextmanager
-    def _signals_handled(self):
-        loop = asyncio.get_running_loop()
-        handled = threading.current_thread() is threading.main_thread()
-        if handled:
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                loop.add_signal_handler(sig, self._on_signal, sig)
-        try:
-            yield
-        finally:
-            if handled and self.interrupt is None:
-                for sig in (signal.SIGINT, signal.SIGTERM):
-                    loop.remove_signal_handler(sig)
-
-    async def watchdog(self, work: asyncio.Task) -> None:
-        """Stop the run when it has made no progress for ``runtime.watchdog_s``."""
-        limit = self.config.runtime.watchdog_s
-        if limit is None:
-            return
-        while not work.done():
-            await asyncio.wait([work], timeout=min(limit / 4, 1.0))
-            idle = time.monotonic() - self.last_progress
-            if idle > limit and not work.done():
-                waits = "; ".join(f"{loop} waits on {what}" for loop, what in self.waiting.items())
-                raise StallError(
-                    f"no progress for {idle:.1f}s (runtime.watchdog_s={limit:g}): {waits}; "
-                    f"buffer {self.buffer.num_reserved} reserved / {self.buffer.num_ready} ready / "
-                    f"{self.buffer.capacity} slots; {len(self.retry_queue)} batches waiting to be retried"
-                )
+    def _stall_details(self) -> str:
+        """What the watchdog's error says beside the loops' waits."""
+        return (
+            f"buffer {self.buffer.num_reserved} reserved / {self.buffer.num_ready} ready / "
+            f"{self.buffer.capacity} slots; {len(self.retry_queue)} batches waiting to be retried"
+        )
 
     def _in_dispatch_order(self, slot_ids: list[int]) -> list[int]:
         """Hold back groups dispatched after a still-generating group that has a target step.
@@ -586,24 +519,24 @@ class SingleController:
         """Greedy held-out evaluation, retried on the next worker like a generation batch; past the
         budget the run stops, and ``eval_due`` makes the resumed run evaluate this version first."""
         self.progress.status(f"evaluating at step {self.version}")
-        self.eval_due = True
+        self.state.eval_due = True
         prompts: list[Prompt] = list(self.task.heldout[: self.config.data.eval_size])
         for attempt in range(self.max_retries + 1):
             worker = self.rollout_workers[attempt % len(self.rollout_workers)]
             try:
-                result = await self._interruptible(worker.evaluate(prompts))
+                result = await self.interrupts.interruptible(worker.evaluate(prompts), self.version)
                 break
             except RunStopped:
                 raise
             except Exception as err:
-                self.last_progress = time.monotonic()
+                self.watchdog.progressed()
                 if attempt == self.max_retries:
                     raise EvaluationFailedError(
                         f"evaluation at step {self.version} failed {attempt + 1} times "
                         f"(runtime.max_rollout_retries={self.max_retries}); last error: {type(err).__name__}: {err}"
                     ) from err
                 self.progress.status(f"evaluation at step {self.version} failed ({type(err).__name__}); retrying")
-        self.eval_due = False
+        self.state.eval_due = False
         record = {
             "step": self.version,
             "accuracy": result.accuracy,
@@ -615,21 +548,21 @@ class SingleController:
         self.evals.append(record)
         self.metrics.log_eval(record)
         self.progress.update_eval(record)
-        self.last_progress = time.monotonic()
+        self.watchdog.progressed()
 
     async def checkpoint(self) -> Path:
         """Save at a quiet point: admissions closed and every dispatched rollout committed, so the
         checkpoint holds whole groups and a resumed run regenerates nothing."""
         self.progress.status(f"checkpointing step {self.version}")
         if not self.stopping:
-            await self._interruptible(self.gate.close())
-        await self._interruptible(self.gate.drained())
+            await self.interrupts.interruptible(self.gate.close(), self.version)
+        await self.interrupts.interruptible(self.gate.drained(), self.version)
         path = await self.trainer.save_checkpoint(
             str(self.run_dir), self.version, self.state_dict(), self.config.checkpoint.keep_last
         )
         if not self.stopping:
             self.gate.open(self.gate.version)
-        self.last_progress = time.monotonic()
+        self.watchdog.progressed()
         return path
 
     def state_dict(self) -> dict:
@@ -641,20 +574,13 @@ class SingleController:
             "format": STATE_VERSION,
             "version": self.version,
             "data_exhausted": self.data_exhausted,
-            "num_evicted": self.num_evicted,
-            "skipped_prompts": self.skipped_prompts,
-            "step_retries": self.step_retries,
-            "nonfinite_steps": self.nonfinite_steps,
-            "nonfinite_streak": self.nonfinite_streak,
-            "empty_steps": self.empty_steps,
+            **self.state.state_dict(),
             **self.refills.state_dict(),
-            "eval_due": self.eval_due,
             "config": self.config_text,
             "sampler": self.sampler.state_dict(),
             "loader": self.loader.state_dict(),
             "buffer": buffer_state,
             "pending": [_job_state(job) for job in pending],
-            "step_groups": [group.state_dict() for group in self.step_groups],
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -663,17 +589,7 @@ class SingleController:
         self.version = state["version"]
         self.gate.version = self.version
         self.data_exhausted = state["data_exhausted"]
-        self.num_evicted = state["num_evicted"]
-        for name in (
-            "skipped_prompts",
-            "step_retries",
-            "nonfinite_steps",
-            "nonfinite_streak",
-            "empty_steps",
-        ):
-            setattr(self, name, state.get(name, 0))
-        self.eval_due = bool(state.get("eval_due", False))
-        self.step_groups = [RolloutGroup.from_state_dict(group) for group in state.get("step_groups", [])]
+        self.state.load_state_dict(state)
         self.sampler.load_state_dict(state["sampler"])
         self.loader.load_state_dict(state["loader"])
         self.refills.load_state_dict(state)
@@ -684,8 +600,8 @@ class SingleController:
         self.buffer.load_state_dict(buffer_state)
         pending = []
         split = {prompt.uid: prompt for loader in (self.loader, self.refills.loader) for prompt in loader.prompts}
-        for job_state in state["pending"]:
-            job = _job_from_state(job_state, split)
+        for saved in state["pending"]:
+            job = _job_from_state(saved, split)
             slot_id = self.buffer.reserve(job.start_version, job.target_step)
             self.jobs[slot_id] = pending_job = replace(job, slot_id=slot_id)
             pending.append(pending_job)
@@ -694,15 +610,8 @@ class SingleController:
             self.retry_queue.append(pending[start : start + self.groups_per_batch])
 
     def _log_step(self, report: StepReport, sync: SyncReport, step_s: float) -> None:
-        counters = RunCounters(
-            refill_groups_total=self.refills.total,
-            evicted_groups=self.num_evicted,
-            skipped_prompts=self.skipped_prompts,
-            step_retries=self.step_retries,
-            nonfinite_steps=self.nonfinite_steps,
-            empty_steps=self.empty_steps,
-        )
         wall_s = time.perf_counter() - self.start_time
+        counters = self.state.counters(self.refills.total)
         record = step_record(report, sync, counters, self.clock, step_s, wall_s, len(self.rollout_workers))
         self.clock = StepClock()
         self.metrics.log_groups(report.data.groups)
