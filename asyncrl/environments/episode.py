@@ -161,18 +161,28 @@ class MultiTurn:
         self._pool = ThreadPoolExecutor(max_workers=env_threads, thread_name_prefix="environment")
 
     def run(self, prompts: Sequence[Prompt], seeds: Sequence[int], params: SamplingParams) -> list[Completion]:
-        """Generate the turns that are ready in one call while the other episodes' environments answer."""
+        """Generate the turns that are ready in one call while the other episodes' environments
+        answer. A backend that takes concurrent calls (``concurrent_calls``: vLLM) gets each batch
+        on a thread, so turns that become ready meanwhile need not wait for it; the rest run here."""
         episodes = list(self._pool.map(self._open, prompts, seeds))
         order = {id(e): i for i, e in enumerate(episodes)}
+        concurrent = getattr(self.generator, "concurrent_calls", False)
         ready, pending = list(episodes), set[Future]()
         while ready or pending:
             done, pending = wait(pending, timeout=0 if ready else None, return_when=FIRST_COMPLETED)
-            ready += [e for e in (f.result() for f in done) if e.finish is None]
-            ready.sort(key=lambda e: order[id(e)])
+            for result in (f.result() for f in done):
+                if isinstance(result, list):  # a generation call: its turns go to their environments
+                    pending |= {self._pool.submit(self._step, e) for e in result if e.finish is None}
+                elif result.finish is None:
+                    ready.append(result)
             if ready:
-                self._generate(ready, params)
-                pending |= {self._pool.submit(self._step, e) for e in ready if e.finish is None}
-                ready = []
+                batch, ready = sorted(ready, key=lambda e: order[id(e)]), []
+                if concurrent:
+                    pending.add(self._pool.submit(self._generate, batch, params))
+                else:
+                    pending |= {
+                        self._pool.submit(self._step, e) for e in self._generate(batch, params) if e.finish is None
+                    }
         self._rescore(episodes, params)
         return [e.completion() for e in episodes]
 
@@ -201,7 +211,7 @@ class MultiTurn:
             raise ValueError(f"prompt {prompt.uid}: the environment's opening messages template to no tokens")
         return _Episode(prompt, seed, env, messages, ids, started, env_s=time.perf_counter() - started)
 
-    def _generate(self, episodes: list[_Episode], params: SamplingParams) -> None:
+    def _generate(self, episodes: list[_Episode], params: SamplingParams) -> list[_Episode]:
         """One generation call for every ready turn; each keeps the tokens that fit its budget."""
         version = self.generator.version
         requests = [SampleRequest(e.prompt_ids + e.response, turn_seed(e.seed, e.turns)) for e in episodes]
@@ -214,6 +224,7 @@ class MultiTurn:
             episode.text = self.tokenizer.decode(ids, skip_special_tokens=True)
             if rollout.finish_reason != "stop" or len(rollout.response_ids) > room:
                 episode.finish = "length"
+        return episodes
 
     def _step(self, episode: _Episode) -> _Episode:
         """The environment's answer to the last turn, appended as the template's delta (masked)."""

@@ -207,6 +207,7 @@ class VLLMGenerator:
     """
 
     loads_while_generating = True  # the server swaps weights between decoding steps of running requests
+    concurrent_calls = True  # generate may run on several threads at once: the server takes every request
 
     def __init__(
         self,

@@ -274,3 +274,35 @@ def test_an_episode_past_its_wall_time_is_truncated_after_the_step_that_crossed_
     [completion], _ = run({1: wrong}, [Prompt("p", "2+2=", "4")], limits, make_env=_Slow)
     assert completion.metrics["turns"] == 1 and completion.metrics["truncated"] == 1
     assert completion.rollout.finish_reason == "length" and completion.reward is None
+
+
+class _ConcurrentScripted(ScriptedGenerator):
+    """A backend taking concurrent calls: the call that holds episode "b"'s second turn returns
+    only once a call with episode "a"'s second turn has started, which needs calls to overlap."""
+
+    concurrent_calls = True
+
+    def __init__(self, script, hold_seed: int, release_seed: int) -> None:
+        super().__init__(script)
+        self.hold_seed, self.release_seed = hold_seed, release_seed
+        self.released = threading.Event()
+
+    def generate(self, requests, params):
+        seeds = [r.seed for r in requests]
+        if self.release_seed in seeds:
+            self.released.set()
+        if self.hold_seed in seeds:
+            assert self.released.wait(timeout=20), "a generation call held up the turns that became ready"
+        return super().generate(requests, params)
+
+
+def test_a_backend_taking_concurrent_calls_gets_turns_that_become_ready_while_a_call_runs():
+    _Slow.slow = ("a",)  # a's environment answers 0.3 s after b's, so their second turns part
+    answer = [ids("9") + [EOS], ids("4") + [EOS]]
+    generator = _ConcurrentScripted({1: answer, 2: answer}, hold_seed=turn_seed(2, 1), release_seed=turn_seed(1, 1))
+    episodes = MultiTurn(generator, TOKENIZER, _Slow, stop_token_ids=[EOS], limits=EpisodeLimits(4, 99))
+    prompts = [Prompt("a", "2+2=", "4"), Prompt("b", "2+2=", "4")]
+    completions = episodes.run(prompts, [1, 2], PARAMS)
+    episodes.close()
+    assert [c.reward for c in completions] == [0.5, 0.5]
+    assert [turn_seed(2, 1)] in generator.calls and [turn_seed(1, 1)] in generator.calls
