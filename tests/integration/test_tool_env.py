@@ -110,3 +110,11 @@ def test_the_example_of_docs_environments_runs(tmp_path, monkeypatch):
     turn = step(env, '<tool_call>{"name": "lookup", "arguments": {"word": "cat", "limit": 1}}</tool_call>')
     assert turn.messages == [{"role": "tool", "name": "lookup", "content": "a small carnivore"}]
     assert step(env, "a small carnivore").done
+
+
+def test_the_simulated_latency_is_waited_before_each_call_and_counted_in_the_tool_time():
+    env = CalculatorEnvironment(latency_median_s=0.2, latency_sigma=0.0)  # every draw is the median
+    env.reset(PROMPT)
+    turn = step(env, call("1+1") + call("2+2"))
+    assert [m["content"] for m in turn.messages] == ["2", "4"]
+    assert turn.metrics["tool_s"] >= 2 * 0.2  # a sleep lasts at least as long as asked
