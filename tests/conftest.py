@@ -18,14 +18,16 @@ from helpers import ray_server_processes, vllm_processes, wait_for_exit, wait_un
 def ray_cluster(tmp_path_factory):
     """A 4-CPU local cluster (logical CPUs: the actors of a run fit, the 2 cores are shared).
 
-    Actors import modules from ``tests/`` (test reward functions), and find the file that
-    ``ray_exit_marker`` names in their environment."""
+    Actors import modules from ``tests/`` (test reward functions) and from the test folders
+    (functions a test module defines), and find the file that ``ray_exit_marker`` names in their
+    environment."""
     import ray
 
     before = ray_server_processes()
     marker = tmp_path_factory.mktemp("ray") / "exit-marker"
-    tests_dir = str(Path(__file__).parent)
-    python_path = os.pathsep.join(p for p in (tests_dir, os.environ.get("PYTHONPATH")) if p)
+    tests_dir = Path(__file__).parent
+    folders = [tests_dir, tests_dir / "unit", tests_dir / "integration"]
+    python_path = os.pathsep.join([*map(str, folders), *filter(None, [os.environ.get("PYTHONPATH")])])
     ray.init(
         num_cpus=4,
         include_dashboard=False,
