@@ -18,21 +18,12 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
-from helpers import SMALL
+from helpers import SMALL, error
 from tokenizers import normalizers
 
 from asyncrl.checkpoint import resolve_checkpoint
 from asyncrl.cli import main
 from asyncrl.metrics import read_jsonl
-
-
-def error(capsys, *argv) -> str:
-    """The one-line message of a command that must fail with exit code 2, without ``error: ``."""
-    assert main(list(argv)) == 2
-    captured = capsys.readouterr()
-    assert captured.err.startswith("error: ") and captured.err.count("\n") == 1, captured.err
-    assert "Traceback" not in captured.err + captured.out
-    return captured.err.removeprefix("error: ").rstrip("\n")
 
 
 def train_error(capsys, tmp_path, *overrides) -> str:
@@ -150,6 +141,7 @@ def test_unknown_options_and_missing_option_values(capsys):
     assert error(capsys, "not-a-command").startswith("No such command 'not-a-command'")
 
 
+@pytest.mark.slow
 def test_the_installed_entry_point_prints_no_traceback(tmp_path):
     broken = tmp_path / "train.jsonl"
     broken.write_text('{"prompt": "1+1=", "answer": 2}\n{"prompt": "2+2=" "answer": 4}\n')
@@ -701,6 +693,7 @@ def hostile_resume(run_dir, tmp_path):
     return ["train", "--resume", str(run_dir)], "state.pt: holds os.makedirs, from module os, which torch blocks"
 
 
+@pytest.mark.slow
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "case",
