@@ -63,14 +63,35 @@ def warm_start(
     key = _cache_key(model, model_path, tokenizer, prompts, cfg, examples if demonstration else None)
     path = Path(cfg.cache_dir).expanduser() / f"{key}.safetensors"
     if path.is_file():
-        try:
-            load_model(model, path)
-        except Exception as err:
-            raise ConfigError(
-                f"warm_start.cache_dir: the cached weights {path} cannot be loaded ({type(err).__name__}); "
-                "delete the file to warm-start again"
-            ) from None
+        _load_cached(model, path)
         return path
+    _train(model, examples, tokenizer.pad_token_id, cfg, on_progress)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    save_model(model, str(tmp))
+    os.replace(tmp, path)
+    return path
+
+
+def _load_cached(model: nn.Module, path: Path) -> None:
+    try:
+        load_model(model, path)
+    except Exception as err:
+        raise ConfigError(
+            f"warm_start.cache_dir: the cached weights {path} cannot be loaded ({type(err).__name__}); "
+            "delete the file to warm-start again"
+        ) from None
+
+
+def _train(
+    model: nn.Module,
+    examples: list[tuple[list[int], list[int]]],
+    pad_id: int,
+    cfg: WarmStartConfig,
+    on_progress: Callable[[int, int, float], None] | None,
+) -> None:
+    """``cfg.steps`` AdamW steps on batches drawn with replacement from ``warm_start.seed``: the
+    mean negative log-likelihood of the target tokens."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
     generator = torch.Generator().manual_seed(cfg.seed)
     device = next(model.parameters()).device
@@ -78,7 +99,7 @@ def warm_start(
     model.train()
     for step in range(cfg.steps):
         index = torch.randint(len(examples), (cfg.batch_size,), generator=generator).tolist()
-        input_ids, attention_mask, target_mask = _batch([examples[i] for i in index], tokenizer.pad_token_id)
+        input_ids, attention_mask, target_mask = _batch([examples[i] for i in index], pad_id)
         logprobs, _ = token_logprobs(model, input_ids.to(device), attention_mask.to(device))
         target_mask = target_mask.to(device, logprobs.dtype)
         loss = -(logprobs * target_mask).sum() / target_mask.sum()
@@ -88,11 +109,6 @@ def warm_start(
         if on_progress is not None:
             on_progress(step + 1, cfg.steps, loss.item())
     model.train(was_training)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    save_model(model, str(tmp))
-    os.replace(tmp, path)
-    return path
 
 
 def demonstrations(config: RunConfig) -> dict[str, Any]:
