@@ -405,15 +405,27 @@ def bench_e2e(
         False, "--variants", help="also max_lag 1 with 4 mini-batch updates per step, and with dynamic sampling"
     ),
     lags: str = typer.Option("0,1,2", "--lags", help="the max_lag settings to train, comma-separated"),
-    output: Path | None = typer.Option(None, "--output", help=OUTPUT_HELP),
+    config: Path | None = typer.Option(
+        None, "--config", help="YAML run config every run starts from (default: the embedded one)"
+    ),
+    metric: str = typer.Option(
+        "accuracy", "--metric", help="the held-out metric the target is on: accuracy or reward_mean"
+    ),
+    output: Path | None = typer.Option(
+        None, "--output", help="where to write the JSON (default: bench-results/e2e[-trl][-<config name>].json)"
+    ),
     overrides: list[str] | None = typer.Argument(None, help="config overrides applied to every run"),
 ) -> None:
-    """Wall time to a held-out accuracy for max_lag 0, 1 and 2 (and TRL with --against trl)."""
+    """Wall time to a held-out accuracy (or --metric) for max_lag 0, 1 and 2 (and TRL with --against trl)."""
     lag_values = _lags(lags)
     _require_baseline(against)
     from asyncrl.bench import common, e2e
 
+    if metric not in e2e.METRICS:
+        raise typer.BadParameter(f"'{metric}' is not one of {', '.join(e2e.METRICS)}", param_hint="--metric")
     settings = {
+        "config": str(config) if config is not None else None,
+        "metric": metric,
         "overrides": (e2e.QUICK if quick else []) + list(overrides or ()),
         "seeds": list(range(1 if quick else seeds)),
         "max_steps": max_steps or (6 if quick else 400),
@@ -423,7 +435,11 @@ def bench_e2e(
         "variants": e2e.VARIANTS if variants else {},
         "lags": list(lag_values),
     }
-    load_config(None, settings["overrides"])  # a bad override fails here, before any run
+    base = load_config(config, settings["overrides"])  # a bad file or override fails here, before any run
+    if against == "trl" and base.environment.name is not None:
+        from asyncrl.bench.trl_environment import require_tool_environment
+
+        require_tool_environment(base)
     result = e2e.run(
         overrides=settings["overrides"],
         seeds=tuple(settings["seeds"]),
@@ -433,8 +449,11 @@ def bench_e2e(
         against_trl=against == "trl",
         variants=settings["variants"],
         lags=lag_values,
+        config_path=config,
+        metric=metric,
     )
-    common.write_result("e2e-trl" if against else "e2e", settings, result, output)
+    name = "-".join(["e2e", *(["trl"] if against else []), *([config.stem] if config is not None else [])])
+    common.write_result(name, settings, result, output)
 
 
 def _lags(lags: str) -> tuple[int, ...]:

@@ -1,7 +1,10 @@
 """``asyncrl bench e2e``: wall time to a held-out accuracy, synchronous against asynchronous.
 
-The default task and tiny model train with ``max_lag`` 0 (synchronous), 1 and 2, each over
-several seeds, for the same number of steps, so the same number of samples. The report gives:
+The default task and tiny model (or the run config of ``--config``) train with ``max_lag`` 0
+(synchronous), 1 and 2, each over several seeds, for the same number of steps, so the same number
+of samples. The target is on one held-out metric, ``--metric``: ``accuracy`` (exact answers) or
+``reward_mean`` (the mean reward, which moves where exact answers stay rare, as in the tool task's
+digit credit); every figure below is of that metric. The report gives:
 
 - the wall time to a target held-out accuracy (mean, spread, median over seeds);
 - the final accuracy at that sample budget, so that speed bought with accuracy shows;
@@ -50,9 +53,15 @@ QUICK = [
 ]
 
 
-def bench_config(overrides: list[str], *, seed: int, max_lag: int, max_steps: int, eval_every: int) -> RunConfig:
+METRICS = ("accuracy", "reward_mean")  # eval.jsonl fields a target can be on
+
+
+def bench_config(
+    overrides: list[str], *, seed: int, max_lag: int, max_steps: int, eval_every: int, config_path: Path | None = None
+) -> RunConfig:
+    """``config_path``'s run config (default: the embedded one) with the overrides, then the bench's own."""
     return load_config(
-        None,
+        config_path,
         [
             *overrides,
             f"seed={seed}",
@@ -82,20 +91,20 @@ def run_asyncrl(config: RunConfig, output_dir: Path) -> dict[str, Any]:
                 "samples": step * samples_per_step,
                 "wall_s": wall,
                 "train_wall_s": wall - eval_seconds,
-                "accuracy": record["accuracy"],
+                **{metric: record[metric] for metric in METRICS},
             }
         )
     return {"evals": evals, "wall_s": summary["wall_seconds"]}
 
 
-def time_to(evals: list[dict], accuracy: float) -> float | None:
-    """Training seconds until the first evaluation at or above ``accuracy``; None if never."""
-    return next((e["train_wall_s"] for e in evals if e["accuracy"] >= accuracy), None)
+def time_to(evals: list[dict], level: float, metric: str = "accuracy") -> float | None:
+    """Training seconds until the first evaluation with ``metric`` at or above ``level``; None if never."""
+    return next((e["train_wall_s"] for e in evals if e[metric] >= level), None)
 
 
-def accuracy_at(evals: list[dict], train_wall_s: float) -> float:
-    """The accuracy of the last evaluation taken within ``train_wall_s`` seconds of training."""
-    return [e for e in evals if e["train_wall_s"] <= train_wall_s][-1]["accuracy"]
+def value_at(evals: list[dict], train_wall_s: float, metric: str = "accuracy") -> float:
+    """``metric`` at the last evaluation taken within ``train_wall_s`` seconds of training."""
+    return [e for e in evals if e["train_wall_s"] <= train_wall_s][-1][metric]
 
 
 def summarize(values: list[float | None]) -> dict[str, Any]:
@@ -119,8 +128,11 @@ def run(
     against_trl: bool,
     lags: tuple[int, ...] = LAGS,
     variants: dict[str, list[str]] | None = None,
+    config_path: Path | None = None,
+    metric: str = "accuracy",
 ) -> dict[str, Any]:
-    """``variants``: name -> overrides, each trained at max_lag 1 over the same seeds."""
+    """``variants``: name -> overrides, each trained at max_lag 1 over the same seeds; ``target``
+    is a level of ``metric``."""
     settings = {f"max_lag={lag}": (lag, overrides) for lag in lags}
     settings.update({name: (1, overrides + extra) for name, extra in (variants or {}).items()})
     runs: dict[str, list[dict]] = {}
@@ -128,7 +140,14 @@ def run(
         for index, (name, (lag, setting)) in enumerate(settings.items()):
             runs[name] = [
                 run_asyncrl(
-                    bench_config(setting, seed=seed, max_lag=lag, max_steps=max_steps, eval_every=eval_every),
+                    bench_config(
+                        setting,
+                        seed=seed,
+                        max_lag=lag,
+                        max_steps=max_steps,
+                        eval_every=eval_every,
+                        config_path=config_path,
+                    ),
                     Path(tmp) / f"setting{index}-seed{seed}",
                 )
                 for seed in seeds
@@ -138,7 +157,14 @@ def run(
 
             runs["trl"] = [
                 run_trl(
-                    bench_config(overrides, seed=seed, max_lag=0, max_steps=max_steps, eval_every=eval_every),
+                    bench_config(
+                        overrides,
+                        seed=seed,
+                        max_lag=0,
+                        max_steps=max_steps,
+                        eval_every=eval_every,
+                        config_path=config_path,
+                    ),
                     seed=seed,
                     max_steps=max_steps,
                     eval_every_steps=eval_every,
@@ -146,19 +172,20 @@ def run(
                 )
                 for seed in seeds
             ]
-    return summarize_runs(runs, target)
+    return summarize_runs(runs, target, metric)
 
 
-def summarize_runs(runs: dict[str, list[dict]], target: float) -> dict[str, Any]:
-    """The report of ``run``, from each setting's runs (one per seed) and their evaluations."""
-    results: dict[str, Any] = {"runs": {}}
+def summarize_runs(runs: dict[str, list[dict]], target: float, metric: str = "accuracy") -> dict[str, Any]:
+    """The report of ``run``, from each setting's runs (one per seed) and their evaluations; every
+    level (target, final value, value at equal time) is of ``metric``, and the keys name it."""
+    results: dict[str, Any] = {"runs": {}, "metric": metric}
     equal_time = min(r["evals"][-1]["train_wall_s"] for seed_runs in runs.values() for r in seed_runs)
     for name, seed_runs in runs.items():
-        final = [r["evals"][-1]["accuracy"] for r in seed_runs]
+        final = [r["evals"][-1][metric] for r in seed_runs]
         results["runs"][name] = {
-            "time_to_target_s": summarize([time_to(r["evals"], target) for r in seed_runs]),
-            "final_accuracy": summarize(final),
-            "accuracy_at_equal_time": summarize([accuracy_at(r["evals"], equal_time) for r in seed_runs]),
+            "time_to_target_s": summarize([time_to(r["evals"], target, metric) for r in seed_runs]),
+            f"final_{metric}": summarize(final),
+            f"{metric}_at_equal_time": summarize([value_at(r["evals"], equal_time, metric) for r in seed_runs]),
             "train_wall_s": summarize([r["evals"][-1]["train_wall_s"] for r in seed_runs]),
             "samples": seed_runs[0]["evals"][-1]["samples"],
             "evals": [r["evals"] for r in seed_runs],
@@ -170,16 +197,16 @@ def summarize_runs(runs: dict[str, list[dict]], target: float) -> dict[str, Any]
     results["equal_time_s"] = equal_time
     sync = results["runs"].get("max_lag=0")
     if sync is not None and "max_lag=1" in results["runs"]:
-        sync_final = sync["final_accuracy"]["mean"]
-        lag1 = [time_to(r["evals"], sync_final) for r in runs["max_lag=1"]]
+        sync_final = sync[f"final_{metric}"]["mean"]
+        lag1 = [time_to(r["evals"], sync_final, metric) for r in runs["max_lag=1"]]
         fraction = summarize([t / sync["train_wall_s"]["mean"] if t is not None else None for t in lag1])
-        results["max_lag_1_time_to_sync_final_accuracy_over_sync_time"] = {
+        results[f"max_lag_1_time_to_sync_final_{metric}_over_sync_time"] = {
             **fraction,
-            "sync_final_accuracy": sync_final,
+            f"sync_final_{metric}": sync_final,
             "goal": GOAL_FRACTION_OF_SYNC,
             "goal_met": fraction["median"] is not None and fraction["median"] <= GOAL_FRACTION_OF_SYNC,
         }
-    results["time_to_target_ratios"] = seed_ratios(runs, target)
+    results["time_to_target_ratios"] = seed_ratios(runs, target, metric)
     if "trl" in results["runs"]:
         results["trl_time_to_target_over_asyncrl"] = {
             name: _ratio(results["runs"]["trl"], results["runs"][name]) for name in results["runs"] if name != "trl"
@@ -187,7 +214,7 @@ def summarize_runs(runs: dict[str, list[dict]], target: float) -> dict[str, Any]
     return results
 
 
-def seed_ratios(runs: dict[str, list[dict]], target: float) -> dict[str, dict[str, Any]]:
+def seed_ratios(runs: dict[str, list[dict]], target: float, metric: str = "accuracy") -> dict[str, dict[str, Any]]:
     """Time to ``target`` of one setting over another's, seed by seed: max_lag 1 over max_lag 0,
     and TRL over every asyncrl setting, each summarized with its spread."""
     pairs = [("max_lag=1", "max_lag=0")] + [("trl", name) for name in runs if name != "trl" and "trl" in runs]
@@ -195,7 +222,8 @@ def seed_ratios(runs: dict[str, list[dict]], target: float) -> dict[str, dict[st
     for over, under in pairs:
         if over in runs and under in runs:
             times = zip(
-                (time_to(r["evals"], target) for r in runs[over]), (time_to(r["evals"], target) for r in runs[under])
+                (time_to(r["evals"], target, metric) for r in runs[over]),
+                (time_to(r["evals"], target, metric) for r in runs[under]),
             )
             ratios[f"{over} / {under}"] = summarize([a / b if a is not None and b else None for a, b in times])
     return ratios

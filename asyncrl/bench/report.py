@@ -121,11 +121,12 @@ def _weight_sync(result: dict) -> str:
 def _e2e(result: dict) -> str:
     r = result["results"]
     target = result["settings"]["target_accuracy"]
-    lines = [_e2e_runs(r, target)]
-    goal = r.get("max_lag_1_time_to_sync_final_accuracy_over_sync_time")
+    metric = result["settings"].get("metric", "accuracy")  # results from before --metric are on accuracy
+    lines = [_e2e_runs(r, target, metric)]
+    goal = r.get(f"max_lag_1_time_to_sync_final_{metric}_over_sync_time")
     if goal is not None:
         lines.append(
-            f"max_lag 1 reaches the synchronous final accuracy ({goal['sync_final_accuracy']:.3f}) in "
+            f"max_lag 1 reaches the synchronous final {metric} ({goal[f'sync_final_{metric}']:.3f}) in "
             f"{_number(goal['median'], '{:.2f}')} of the synchronous run's time (median over seeds; goal <= "
             f"{goal['goal']:g}): {_goal(goal['goal_met'], '')}."
         )
@@ -137,11 +138,12 @@ def _e2e(result: dict) -> str:
     return "\n\n".join(lines + _e2e_ratios(r, target))
 
 
-def _e2e_runs(r: dict, target: float) -> str:
-    """One row per run: time to the target accuracy, final accuracy, accuracy at equal time."""
+def _e2e_runs(r: dict, target: float, metric: str) -> str:
+    """One row per run: time to the target, final value and value at equal time of ``metric``."""
+    short = METRIC_NAMES[metric]
     rows = []
     for name, run in r["runs"].items():
-        time_to, final, wall = run["time_to_target_s"], run["final_accuracy"], run["train_wall_s"]
+        time_to, final, wall = run["time_to_target_s"], run[f"final_{metric}"], run["train_wall_s"]
         rows.append(
             [
                 name,
@@ -150,7 +152,7 @@ def _e2e_runs(r: dict, target: float) -> str:
                 _number(time_to["spread"], "{:.1f}"),
                 _number(final["mean"], "{:.3f}"),
                 _number(final["spread"], "{:.3f}"),
-                _number(run["accuracy_at_equal_time"]["mean"], "{:.3f}"),
+                _number(run[f"{metric}_at_equal_time"]["mean"], "{:.3f}"),
                 _number(wall["mean"], "{:.1f}"),
                 run["samples"],
             ]
@@ -160,9 +162,9 @@ def _e2e_runs(r: dict, target: float) -> str:
         f"reached {target:g}",
         "median s to target",
         "spread s",
-        "final acc (mean)",
+        f"final {short} (mean)",
         "spread",
-        f"acc at {r['equal_time_s']:.0f} s (mean)",
+        f"{short} at {r['equal_time_s']:.0f} s (mean)",
         "train s",
         "samples",
     ]
@@ -227,12 +229,17 @@ SECTIONS: dict[str, Callable[[dict], str]] = {
     "e2e-trl": _e2e,
     "e2e-trl-reasoning-gym": _e2e,
     "e2e-trl-long-responses": _e2e,
+    "e2e-tool-use": _e2e,
+    "e2e-trl-tool-use": _e2e,
 }
 COMMANDS = {  # results saved under another name than the command's (--output); the overrides are in Settings
     "e2e-trl": "e2e --against trl",
     "e2e-trl-reasoning-gym": "e2e --against trl data.task=reasoning_gym ...",
     "e2e-trl-long-responses": "e2e --against trl data.difficulty=3 ...",
+    "e2e-tool-use": "e2e --config configs/tool-use.yaml ...",
+    "e2e-trl-tool-use": "e2e --against trl --config configs/tool-use.yaml ...",
 }
+METRIC_NAMES = {"accuracy": "acc", "reward_mean": "reward"}  # column headings of the e2e tables
 
 
 def _command(name: str) -> str:

@@ -3,9 +3,10 @@
 
 Only the trainer differs. Shared with asyncrl: the warm-started initial weights (asyncrl's own
 warm start and its cache), the train prompts in the order asyncrl's PromptLoader gives them, the
-reward functions (one RewardRunner, weights applied), and held-out accuracy, measured by asyncrl's
-``RolloutWorker.evaluate`` (greedy, on a generator that takes the TRL policy's weights at every
-evaluation). Torch uses as many threads per op as asyncrl's local runtime: ``runtime.torch_threads``,
+reward functions (one RewardRunner, weights applied), and held-out accuracy and mean reward,
+measured by asyncrl's ``RolloutWorker.evaluate`` (greedy, on a generator that takes the TRL
+policy's weights at every evaluation). With an ``environment`` in the config, TRL runs the
+environment's tool episodes itself (asyncrl/bench/trl_environment.py). Torch uses as many threads per op as asyncrl's local runtime: ``runtime.torch_threads``,
 else half the cores. Evaluations are timed and subtracted from the training time, as for asyncrl.
 
 ``trl_settings`` maps every setting the two share. Not matched (a run lists those that apply to
@@ -41,14 +42,16 @@ import torch
 import transformers
 from transformers import PreTrainedTokenizerFast, TrainerCallback
 
+from asyncrl.bench import trl_environment
 from asyncrl.config import ConfigError, RunConfig
 from asyncrl.data import PromptLoader, build_task
+from asyncrl.environments.episode import build_episodes
 from asyncrl.generation import SamplingParams, build_generator
 from asyncrl.models.factory import build_model, build_tokenizer, resolve_device
 from asyncrl.rewards import RewardRunner
 from asyncrl.rollout import RolloutWorker
 from asyncrl.run import local_torch_threads
-from asyncrl.warm_start import warm_start
+from asyncrl.warm_start import demonstrations, warm_start
 
 # token-mean is DAPO's global token mean. TRL's "luspo" sums each sequence's token losses and
 # averages over sequences, which is seq-mean-token-sum as long as ratios stay per token.
@@ -69,6 +72,12 @@ def _grpo_kwargs(config: RunConfig) -> dict[str, Any]:
     """The GRPOConfig keyword arguments of every setting the two share."""
     grpo, loss, trainer, generation = config.grpo, config.loss, config.trainer, config.generation
     cosine = trainer.lr_schedule == "cosine"
+    episodes = (
+        {"max_completion_length": config.environment.max_tokens}
+        | {"max_tool_calling_iterations": config.environment.max_turns - 1}
+        if config.environment.name is not None
+        else {}
+    )
     return {
         "num_generations": grpo.generations_per_prompt,
         "per_device_train_batch_size": grpo.prompts_per_step * grpo.generations_per_prompt,
@@ -100,6 +109,7 @@ def _grpo_kwargs(config: RunConfig) -> dict[str, Any]:
         "use_cpu": resolve_device(trainer.device).type == "cpu",
         "bf16": False,
         "activation_checkpointing": False,
+        **episodes,
     }
 
 
@@ -134,6 +144,8 @@ def _unmatched(config: RunConfig) -> dict[str, str]:
         unmatched["generation.temperature"] = "TRL trains on temperature-scaled logprobs, asyncrl on the model's own"
     if config.sampler.max_lag > 0:
         unmatched["sampler.max_lag"] = "TRL is synchronous"
+    if config.environment.name is not None:
+        unmatched.update(trl_environment.UNMATCHED)
     return unmatched
 
 
@@ -163,21 +175,23 @@ def run_trl(config: RunConfig, *, seed: int, max_steps: int, eval_every_steps: i
     tokenizer = build_tokenizer(config)
     model = build_model(config, tokenizer)
     task = build_task(config.data, tokenizer)
-    warm_start(model, tokenizer, task.train, config.warm_start)
+    warm_start(model, tokenizer, task.train, config.warm_start, **demonstrations(config))
 
     loader = PromptLoader(task.train, shuffle_seed=config.data.shuffle_seed, epochs=config.data.epochs)
     prompts = list(itertools.islice(iter(loader.next, None), max_steps * config.grpo.prompts_per_step))
     settings = trl_settings(config)
     rewards = RewardRunner.from_config(config.rewards, task)
+    # The warm-started model becomes the generator's; TRL trains its own, loaded from init_dir.
+    generator = build_generator(config, model, tokenizer)
     evaluator = Evaluator(
-        # The warm-started model becomes the generator's; TRL trains its own, loaded from init_dir.
         RolloutWorker(
-            build_generator(config, model, tokenizer),
+            generator,
             rewards,
             tokenizer,
             run_seed=seed,
             group_size=1,
             sampling=SamplingParams.from_config(config.generation),
+            episodes=build_episodes(config, generator, tokenizer),
         ),
         list(task.heldout[: config.data.eval_size]),
         every=eval_every_steps,
@@ -187,8 +201,9 @@ def run_trl(config: RunConfig, *, seed: int, max_steps: int, eval_every_steps: i
         config, settings, seed=seed, steps=len(prompts) // config.grpo.prompts_per_step, output_dir=output_dir
     )
     try:
-        _train(model, tokenizer, prompts, rewards, evaluator, args)
+        _train(config, model, tokenizer, prompts, rewards, evaluator, args)
     finally:
+        evaluator.worker.close()
         rewards.close()
     return {
         "evals": evaluator.evals,
@@ -218,24 +233,39 @@ def _grpo_config(config: RunConfig, settings: dict[str, Any], *, seed: int, step
     )
 
 
-def _train(model: Any, tokenizer: Any, prompts: list, rewards: RewardRunner, evaluator: Evaluator, args: Any) -> None:
-    """TRL's GRPOTrainer from ``model``'s weights on ``prompts``, scored by asyncrl's rewards."""
+def _train(
+    config: RunConfig,
+    model: Any,
+    tokenizer: Any,
+    prompts: list,
+    rewards: RewardRunner,
+    evaluator: Evaluator,
+    args: Any,
+) -> None:
+    """TRL's GRPOTrainer from ``model``'s weights on ``prompts`` (the environment's episodes, if the
+    config has one), scored by asyncrl's rewards."""
     from datasets import Dataset
     from trl import GRPOTrainer
 
     # The dataset carries uids, not answers: a task's checker may need the answer object itself
     # (a reasoning-gym entry), which a dataset column would flatten to its text.
     answers = {p.uid: p.answer for p in prompts}
-    dataset = Dataset.from_list([{"prompt": p.text, "uid": p.uid} for p in prompts])
+    episodes = config.environment.name is not None
+    texts = trl_environment.episode_prompts(config, prompts) if episodes else [p.text for p in prompts]
+    dataset = Dataset.from_list([{"prompt": text, "uid": p.uid} for text, p in zip(texts, prompts)])
+    environment = {"environment_factory": trl_environment.trl_environment(config)} if episodes else {}
 
-    def asyncrl_rewards(completions: list[str], uid: list[str], **_: Any) -> list[float]:
-        return rewards.score(completions, [answers[u] for u in uid]).rewards
+    def asyncrl_rewards(completions: list, uid: list[str], **_: Any) -> list[float]:
+        texts = [trl_environment.answer_text(c) for c in completions] if episodes else completions
+        return rewards.score(texts, [answers[u] for u in uid]).rewards
 
     with tempfile.TemporaryDirectory(prefix="asyncrl-trl-init-") as init_dir:
         # TRL builds the policy (and a KL reference) from a path; the tokenizer is reloaded as
         # the fast class, since AutoTokenizer would pick one that drops spaces.
         model.save_pretrained(init_dir)
         tokenizer.save_pretrained(init_dir)
+        trl_tokenizer = PreTrainedTokenizerFast.from_pretrained(init_dir)
+        trl_environment.use_response_template(trl_tokenizer)
         # TRL prints its logs; stdout belongs to the benchmark's JSON.
         with contextlib.redirect_stdout(sys.stderr):
             trainer = GRPOTrainer(
@@ -243,8 +273,9 @@ def _train(model: Any, tokenizer: Any, prompts: list, rewards: RewardRunner, eva
                 reward_funcs=asyncrl_rewards,
                 args=args,
                 train_dataset=dataset,
-                processing_class=PreTrainedTokenizerFast.from_pretrained(init_dir),
+                processing_class=trl_tokenizer,
                 callbacks=[evaluator],
+                **environment,
             )
             trainer.train()
 
@@ -276,7 +307,7 @@ class Evaluator(TrainerCallback):
         if not self.evals:
             self.start = begin  # the clock starts with the first evaluation, as asyncrl's controller does
         self.worker.load_weights(model.state_dict(), step)
-        accuracy = self.worker.evaluate(self.prompts).accuracy
+        result = self.worker.evaluate(self.prompts)
         end = time.perf_counter()
         self.eval_s += end - begin
         wall = end - self.start
@@ -286,6 +317,7 @@ class Evaluator(TrainerCallback):
                 "samples": step * self.samples_per_step,
                 "wall_s": wall,
                 "train_wall_s": wall - self.eval_s,
-                "accuracy": accuracy,
+                "accuracy": result.accuracy,
+                "reward_mean": result.reward_mean,
             }
         )

@@ -125,9 +125,7 @@ def test_time_to_target_uses_training_time_and_the_first_eval_that_reaches_it():
         {"train_wall_s": 6.0, "accuracy": 0.5},
     ]
     assert e2e.time_to(evals, 0.35) == 2.0 and e2e.time_to(evals, 0.45) == 6.0 and e2e.time_to(evals, 0.6) is None
-    assert (
-        e2e.accuracy_at(evals, 5.0) == 0.3 and e2e.accuracy_at(evals, 6.0) == 0.5 and e2e.accuracy_at(evals, 0.0) == 0.1
-    )
+    assert e2e.value_at(evals, 5.0) == 0.3 and e2e.value_at(evals, 6.0) == 0.5 and e2e.value_at(evals, 0.0) == 0.1
     summary = e2e.summarize([2.0, None, 4.0])
     assert summary["reached"] == "2/3" and summary["mean"] == 3.0 and summary["median"] is None
 
@@ -338,3 +336,99 @@ def test_memory_of_several_updates_holds_no_second_copy_of_the_step_start(capsys
     assert row["in_memory_snapshot_bytes"] == 12 * row["parameters"]
     # a copy of weights and moments in memory would make this about 1
     assert row["extra_over_in_memory_snapshot"] < 0.5
+
+
+TOOL_USE = ROOT / "configs" / "tool-use.yaml"
+
+
+def test_e2e_summaries_and_report_are_on_the_chosen_metric(tmp_path):
+    def run(*points):
+        return {
+            "evals": [
+                {"train_wall_s": t, "accuracy": a, "reward_mean": r, "samples": 0}
+                for t, a, r in [(0.0, 0.0, 0.5), *points]
+            ]
+        }
+
+    runs = {"max_lag=0": [run((10.0, 0.0, 0.55), (20.0, 0.1, 0.6))], "max_lag=1": [run((5.0, 0.0, 0.6))]}
+    result = e2e.summarize_runs(runs, target=0.58, metric="reward_mean")
+    assert result["runs"]["max_lag=0"]["time_to_target_s"]["values"] == [20.0]
+    assert result["runs"]["max_lag=1"]["reward_mean_at_equal_time"]["values"] == [0.6]
+    assert result["time_to_target_ratios"]["max_lag=1 / max_lag=0"]["values"] == [0.25]
+    goal = result["max_lag_1_time_to_sync_final_reward_mean_over_sync_time"]
+    assert goal["sync_final_reward_mean"] == 0.6 and goal["values"] == [0.25] and goal["goal_met"]
+    saved_result(tmp_path, "e2e-tool-use", {"target_accuracy": 0.58, "metric": "reward_mean"}, result)
+    text = report.render(tmp_path)
+    assert "### `asyncrl bench e2e --config configs/tool-use.yaml ...`" in text
+    assert "final reward (mean)" in text and "synchronous final reward_mean (0.600) in 0.25" in text
+
+
+def test_e2e_names_its_result_after_the_config(capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(e2e, "run", lambda **kwargs: {"metric": kwargs["metric"]})
+    assert main(["bench", "e2e", "--config", str(TOOL_USE), "--metric", "reward_mean"]) == 0
+    assert json.loads((tmp_path / "bench-results" / "e2e-tool-use.json").read_text())["results"]["metric"] == (
+        "reward_mean"
+    )
+
+
+@pytest.mark.parametrize(
+    ("args", "error"),
+    [
+        (["--config", "missing.yaml"], "error: --config: no such file 'missing.yaml'"),
+        (["--metric", "loss"], "error: Invalid value for --metric: 'loss' is not one of accuracy, reward_mean"),
+        (
+            ["--against", "trl", "environment.name=feedback"],
+            "error: --against trl: environment.name 'feedback' is not a tool environment; TRL's GRPOTrainer runs "
+            "only tool-calling episodes",
+        ),
+    ],
+)
+def test_bad_e2e_inputs_fail_in_one_line_before_any_run(capsys, tmp_path, monkeypatch, args, error):
+    monkeypatch.setattr(e2e, "run_asyncrl", lambda *a, **k: pytest.fail("an asyncrl run started"))
+    assert main(["bench", "e2e", "--quick", *args, "--output", str(tmp_path / "x.json")]) == 2
+    assert capsys.readouterr().err.splitlines() == [error]
+
+
+def test_trl_runs_the_tool_environments_episodes():
+    """TRL sees asyncrl's prompt, reads its tool calls and calls the environment's own tool."""
+    pytest.importorskip("trl")
+    from transformers.utils import get_json_schema
+    from trl.chat_template_utils import parse_response
+
+    from asyncrl.bench import trl_environment
+    from asyncrl.config import load_config
+    from asyncrl.data import Prompt
+    from asyncrl.models.tokenizer import build_char_tokenizer
+
+    config = load_config(TOOL_USE, [])
+    prompt = Prompt("products/2/7", "12*34=", "408")
+    (messages,) = trl_environment.episode_prompts(config, [prompt])
+    environment = trl_environment.trl_environment(config)()
+    environment.reset(uid=prompt.uid, prompt=messages)
+    tokenizer = build_char_tokenizer(chat=True)
+    trl_environment.use_response_template(tokenizer)
+    ours = tokenizer.apply_chat_template(messages, tools=environment.env.tools, add_generation_prompt=True)
+    theirs = tokenizer.apply_chat_template(messages, tools=[environment.calc], add_generation_prompt=True)
+    assert ours == theirs and get_json_schema(environment.calc)["function"]["parameters"]["required"] == ["expr"]
+    call = tokenizer('<tool_call>{"name": "calc", "arguments": {"expr": "12*34"}}</tool_call><eos>')["input_ids"]
+    (parsed,) = parse_response(tokenizer, call, prefix=theirs)["tool_calls"]
+    assert environment.calc(**parsed["function"]["arguments"]) == "408" and environment.calc(expr="1/0").startswith(
+        "error"
+    )
+    assert trl_environment.answer_text([*messages, {"role": "assistant", "content": "408"}]) == "408"
+
+
+def test_e2e_on_a_run_config_with_trl_on_its_tool_environment_targets_the_chosen_metric(capsys, tmp_path):
+    pytest.importorskip("trl")
+    args = ["--config", str(TOOL_USE), "--against", "trl", "--lags", "0", "--metric", "reward_mean", "--target", "0.0"]
+    result = bench(capsys, tmp_path, "e2e", *args)
+    assert result["settings"]["config"] == str(TOOL_USE) and result["settings"]["metric"] == "reward_mean"
+    runs = result["results"]["runs"]
+    assert set(runs) == {"max_lag=0", "trl"} and result["results"]["metric"] == "reward_mean"
+    for run in runs.values():
+        (evals,) = run["evals"]
+        assert run["final_reward_mean"]["values"] == [evals[-1]["reward_mean"]] and "final_accuracy" not in run
+        assert [e["step"] for e in evals] == [0, 3, 6] and run["time_to_target_s"]["values"] == [0.0]
+    assert runs["trl"]["reward_errors"] == [0] and "environment.max_turns" in runs["trl"]["unmatched"]
+    assert set(result["results"]["trl_time_to_target_over_asyncrl"]) == {"max_lag=0"}
