@@ -26,11 +26,19 @@ from typing import Any
 
 from pydantic import TypeAdapter, ValidationError
 
+from asyncrl.errors import RunStopped
 from asyncrl.rewards.runner import STARTUP_TIMEOUT_S, _Worker
 
 _START_TOOL_PROCESS = "from asyncrl.rewards.worker import call_tool, main; main(call_tool)"
 
 ERROR_KINDS = ("parse", "unknown_tool", "arguments", "raised", "timeout", "crashed", "limit")
+
+
+class ToolStartError(RunStopped):
+    """A tool process did not start: a tool's module does not import in a fresh interpreter, or
+    not within the start deadline. The environment is at fault, so the CLI exits with code 2."""
+
+    exit_code = 2
 
 
 @dataclass(frozen=True)
@@ -167,18 +175,28 @@ class ToolBox:
                 if kind == "started":
                     process.conn.send_bytes(self._payload)
                 elif kind == "failed":
-                    raise RuntimeError(f"tools: a tool does not load in a tool process ({body})")
+                    raise ToolStartError(
+                        f"environment: the tools {self._origin()} do not load in a tool process ({body})"
+                    )
                 elif kind == "ready":
                     process.ready = True
                     return process
-            raise RuntimeError(f"tools: a tool process did not start within {STARTUP_TIMEOUT_S:g}s")
+            raise ToolStartError(
+                f"environment: a tool process loading the tools {self._origin()} did not start within "
+                f"{STARTUP_TIMEOUT_S:g}s (does a tool's module block at import?)"
+            )
         except EOFError:
-            raise RuntimeError(
-                f"tools: a tool process exited while starting (exit code {process.process.wait()})"
+            raise ToolStartError(
+                f"environment: a tool process loading the tools {self._origin()} exited while starting "
+                f"(exit code {process.process.wait()})"
             ) from None
         finally:
             if not process.ready:
                 process.kill()
+
+    def _origin(self) -> str:
+        """The tools as ``module:name``, for an error that must say which one would not load."""
+        return ", ".join(f"{tool.fn.__module__}:{tool.fn.__qualname__}" for tool in self.tools.values())
 
     def _release(self, process: _Worker) -> None:
         with self._free:

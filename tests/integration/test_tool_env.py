@@ -6,7 +6,7 @@ import re
 import statistics
 
 import pytest
-from helpers import ROOT
+from helpers import ROOT, SMALL, error
 
 from asyncrl.data.prompts import Prompt
 from asyncrl.environments.calculator import CalculatorEnvironment
@@ -118,3 +118,20 @@ def test_the_simulated_latency_is_waited_before_each_call_and_counted_in_the_too
     turn = step(env, call("1+1") + call("2+2"))
     assert [m["content"] for m in turn.messages] == ["2", "4"]
     assert turn.metrics["tool_s"] >= 2 * 0.2  # a sleep lasts at least as long as asked
+
+
+@pytest.mark.slow
+def test_a_tool_module_that_does_not_import_in_a_tool_process_stops_the_run_with_one_line_and_code_2(tmp_path, capsys):
+    message = error(
+        capsys,
+        "train",
+        "--output-dir",
+        str(tmp_path / "run"),
+        *SMALL,
+        "environment.name=broken_tools:EchoEnvironment",
+        "environment.options.parser=broken_tools:AlwaysCalls",
+    )
+    assert message.startswith(
+        "environment: the tools broken_tools:echo do not load in a tool process "
+        "(ImportError: a dependency of this tool is missing here)"
+    ), message
