@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Any, get_args
+from typing import Any, get_args, get_origin
 
 import yaml
 from pydantic import BaseModel, ValidationError
@@ -79,15 +79,13 @@ def _set_dotted(data: dict, override: str) -> None:
         if key not in fields:
             raise unknown_key_error(tuple(keys[:depth]), key, list(fields))
         if depth == len(keys) - 1:
-            try:
-                value = load_yaml(raw) if raw.strip() else None
-            except TooLarge as err:
-                raise ConfigError(f"{dotted.strip()}: the value is refused: {err}") from None
-            except (yaml.YAMLError, RecursionError):
-                value = raw
+            value = _override_value(dotted.strip(), raw)
             if _textual(fields[key].annotation) and isinstance(value, (int, float)):
                 value = raw.strip()  # data.path=2024 names a file, not a number
             node[key] = value
+            return
+        if get_origin(fields[key].annotation) is dict:  # a part's options: environment.options.max_turns=3
+            _set_in_mapping(node, keys[depth:], _override_value(dotted.strip(), raw), dotted.strip())
             return
         section = section_model(fields[key].annotation)
         if section is None:
@@ -98,6 +96,29 @@ def _set_dotted(data: dict, override: str) -> None:
         if not isinstance(node[key], dict):
             raise ConfigError(f"{'.'.join(keys[: depth + 1])}: expected a section (a mapping), got {node[key]!r}")
         node = node[key]
+
+
+def _override_value(dotted: str, raw: str) -> Any:
+    """An override's value as YAML reads it (empty: null); text YAML cannot read stays text."""
+    try:
+        return load_yaml(raw) if raw.strip() else None
+    except TooLarge as err:
+        raise ConfigError(f"{dotted}: the value is refused: {err}") from None
+    except (yaml.YAMLError, RecursionError):
+        return raw
+
+
+def _set_in_mapping(node: dict, keys: list[str], value: Any, dotted: str) -> None:
+    """Set ``value`` at ``keys`` inside a mapping field (its options), making the mappings on the way."""
+    names = dotted.split(".")
+    offset = len(names) - len(keys)
+    for depth, key in enumerate(keys[:-1]):
+        if node.get(key) is None:
+            node[key] = {}
+        if not isinstance(node[key], dict):
+            raise ConfigError(f"{'.'.join(names[: offset + depth + 1])}: expected a mapping, got {shown(node[key])}")
+        node = node[key]
+    node[keys[-1]] = value
 
 
 def config_from_dict(data: dict[str, Any]) -> RunConfig:

@@ -230,6 +230,22 @@ def test_override_into_a_section_that_yaml_set_to_a_value_is_one_line(tmp_path):
     assert error_of(path=path).startswith("loss: ")
 
 
+def test_a_dotted_override_reaches_into_a_parts_options_keeping_the_files_other_options():
+    config = load_config(
+        ROOT / "configs" / "tool-use.yaml",
+        ["environment.options.latency_median_s=0.05", "environment.options.parser_options.strict=true"],
+    )
+    assert config.environment.options == {
+        "max_tool_calls": 2,
+        "latency_median_s": 0.05,
+        "parser_options": {"strict": True},
+    }
+    assert load_config(None, ["sampler.options.window=4"]).sampler.options == {"window": 4}
+    assert error_of(["environment.options={a: 1}", "environment.options.a.b=2"]) == (
+        "environment.options.a: expected a mapping, got 1"
+    )
+
+
 def test_shipped_configs_load_and_the_default_one_is_the_embedded_default():
     configs = sorted((ROOT / "configs").glob("*.yaml"))
     assert {p.name for p in configs} >= {"default.yaml", "sync.yaml", "gpu-hf.yaml"}
