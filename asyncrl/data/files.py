@@ -262,25 +262,31 @@ def _fields_hint(rows: list[dict[str, Any]], row: dict[str, Any], name: str) -> 
 
 
 def check_prompt_lengths(task: Task, config: RunConfig, tokenizer, max_positions: int | None) -> None:
-    """Reject, naming its row, a prompt that leaves no room for ``generation.max_new_tokens`` in the
-    model's ``max_positions`` (None: the model sets no limit). Tokenized as the rollout worker does."""
+    """Reject, naming its row, a prompt that leaves no room for its response in the model's
+    ``max_positions`` (None: the model sets no limit). Tokenized as the rollout worker does. The
+    response is ``generation.max_new_tokens``, or with an environment the episode's
+    ``environment.max_tokens`` (every turn and observation after the opening)."""
     if max_positions is None:
         return
-    data, max_new_tokens = config.data, config.generation.max_new_tokens
-    room = max_positions - max_new_tokens
+    data = config.data
+    budget, name = (
+        (config.environment.max_tokens, "environment.max_tokens")
+        if config.environment.name is not None
+        else (config.generation.max_new_tokens, "generation.max_new_tokens")
+    )
+    room = max_positions - budget
     if room < 1:
         raise ValueError(
-            f"generation.max_new_tokens: {max_new_tokens} leaves no room for a prompt in the model's "
-            f"{max_positions} positions; set it below {max_positions}"
+            f"{name}: {budget} leaves no room for a prompt in the model's {max_positions} positions; "
+            f"set it below {max_positions}"
         )
     for prompt, prompt_ids in encoded_prompts(task, tokenizer):
         if not prompt_ids:
             raise ValueError(f"{_where(prompt, data)}: the prompt tokenizes to no tokens")
         if len(prompt_ids) > room:
             raise ValueError(
-                f"{_where(prompt, data)}: the prompt is {len(prompt_ids)} tokens, and with "
-                f"generation.max_new_tokens {max_new_tokens} needs {len(prompt_ids) + max_new_tokens} "
-                f"positions, but the model has {max_positions}; shorten it or lower generation.max_new_tokens"
+                f"{_where(prompt, data)}: the prompt is {len(prompt_ids)} tokens, and with {name} {budget} needs "
+                f"{len(prompt_ids) + budget} positions, but the model has {max_positions}; shorten it or lower {name}"
             )
 
 

@@ -305,6 +305,13 @@ def test_a_prompt_too_long_for_the_context_is_rejected_by_row(tmp_path, capsys):
     assert train_error(capsys, tmp_path, "generation.max_new_tokens=1019").startswith(
         "data.task: prompt 'arithmetic/1/"
     )
+    episodes = ["environment.name=feedback", "generation.max_new_tokens=8"]
+    assert train_error(capsys, tmp_path, *episodes, "environment.max_tokens=1024") == (
+        "environment.max_tokens: 1024 leaves no room for a prompt in the model's 1024 positions; set it below 1024"
+    )
+    assert "with environment.max_tokens 1019 needs" in train_error(
+        capsys, tmp_path, *episodes, "environment.max_tokens=1019"
+    )
 
 
 def test_a_prompt_that_just_fits_is_accepted():
