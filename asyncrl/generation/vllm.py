@@ -15,6 +15,10 @@ update either names a safetensors file the state dict was written to (in /dev/sh
 one), or, for a collective transfer, describes the flat buffers this process then broadcasts to
 the server's worker over a process group of the two (``weights/broadcast.py``: gloo or NCCL).
 
+A LoRA run (``lora.rank`` > 0) sends the base once, at the server's start, and each sync loads
+the adapter alone as a new named adapter (``ServedAdapters``); every request names the adapter of
+the version it is sampled with, so its tokens all carry that version.
+
 A server asyncrl started and that died is restarted and re-synced (from the last weights file,
 or this process's copy of the last broadcast) before the next call, up to ``max_restarts``
 times; the failed call itself raises, and the rollout loop retries it.
@@ -35,15 +39,19 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
 
 import torch
+from peft import LoraConfig
 from safetensors.torch import save_file
 from torch import Tensor
 from transformers import PreTrainedModel
 
+from asyncrl.checkpoint import ADAPTER_WEIGHTS_FILE
 from asyncrl.config import RunConfig
+from asyncrl.config.lora import vllm_max_lora_rank
 from asyncrl.data import build_task, longest_prompt
 from asyncrl.generation.base import SampleRequest, SamplingParams, check_vocabulary
 from asyncrl.generation.vllm_env import checked_python
 from asyncrl.generation.vllm_process import ServerError, VLLMServer, http_json
+from asyncrl.models.lora import adapter_tensors, apply_lora, peft_config
 from asyncrl.types import Rollout
 from asyncrl.weights.broadcast import BroadcastMember, Rendezvous
 
@@ -68,27 +76,46 @@ def build_vllm_generator(
     environment) is a ValueError naming ``vllm.python`` and the log's last line.
     """
     cfg = config.vllm
+    lora = config.lora.rank > 0
     options = dict(
         shapes={name: tuple(tensor.shape) for name, tensor in model.state_dict().items()},
         stop_token_ids=stop_token_ids,
         vocab_size=model.get_input_embeddings().num_embeddings,
         request_timeout_s=cfg.request_timeout_s,
         max_restarts=cfg.max_restarts,
-        collective=collective_backend(cfg.weight_transfer, config.trainer.device),
+        collective=None if lora else collective_backend(cfg.weight_transfer, config.trainer.device),
     )
     if cfg.url is not None:
-        return VLLMGenerator(url=cfg.url, **options)
+        return VLLMGenerator(url=cfg.url, adapters=_adapters(config, model, run_dir), **options)
     server, weights_path, python = _started_server(config, model, tokenizer, run_dir, options["collective"])
+    adapters = _adapters(config, model, run_dir)
     try:
-        generator = VLLMGenerator(server=server, weights_path=weights_path, **options)
+        generator = VLLMGenerator(server=server, weights_path=weights_path, adapters=adapters, **options)
     except ServerError as err:
         shutil.rmtree(server.model_dir, ignore_errors=True)
+        if adapters is not None:
+            shutil.rmtree(adapters.directory, ignore_errors=True)
         raise ValueError(f"vllm.python: {python} could not serve the model: {err}") from None
     generator.model_dir = server.model_dir
     return generator
 
 
-build_vllm_generator.writes_to_run_dir = True  # the server's log
+build_vllm_generator.writes_to_run_dir = True  # the server's log, and the adapters it loads
+
+
+def _adapters(config: RunConfig, model: PreTrainedModel, run_dir: Path | None) -> ServedAdapters | None:
+    """With ``lora.rank`` > 0, the adapters' names and shapes (``model`` is wrapped in place: its
+    base is saved for the server first) and where their versions are written: ``<run_dir>/vllm/``,
+    else a temporary directory."""
+    if config.lora.rank == 0:
+        return None
+    settings = peft_config(config.lora)
+    shapes = {name: tuple(t.shape) for name, t in adapter_tensors(apply_lora(model, config.lora, model.dtype)).items()}
+    parent = run_dir / "vllm" if run_dir is not None else None
+    if parent is not None:
+        parent.mkdir(parents=True, exist_ok=True)
+    directory = Path(tempfile.mkdtemp(prefix=f"{TEMP_PREFIX}{os.getpid()}-adapters-", dir=parent))
+    return ServedAdapters(shapes, settings, directory, slots=config.sampler.max_lag + 2)
 
 
 def _started_server(
@@ -127,6 +154,8 @@ def _started_server(
         weight_transfer="file" if collective is None else "collective",
         remove_on_exit=(model_dir, weights_path, _partial(weights_path)),
         cpu=not gpu,
+        lora_rank=vllm_max_lora_rank(config.lora.rank) if config.lora.rank else 0,
+        lora_slots=config.sampler.max_lag + 2,
     )
     return server, weights_path, python
 
@@ -197,11 +226,53 @@ def collective_backend(weight_transfer: str, trainer_device: str) -> str | None:
     return "nccl" if gpu else "gloo"
 
 
+class ServedAdapters:
+    """A LoRA run's adapters on its server, one per recent weight version (docs/lora.md).
+
+    Each version is written in PEFT's format (``adapter_config.json``, ``adapter_model.safetensors``)
+    to a directory of its own and loaded under its own name, ``v<version>-<this client's tag>`` (two
+    runs may share a server), before any request names it; a request keeps its adapter to its last token, however many syncs come meanwhile.
+    The newest ``slots`` stay loaded (sampler.max_lag + 2: every version a request still in
+    bounds samples with, and the one being loaded); older ones are unloaded and their files
+    removed. The base goes to the server once, at its start. Version 0's adapter is zero (B starts
+    at zero), so until the first sync requests name none and run on the base."""
+
+    def __init__(self, shapes: Mapping[str, tuple[int, ...]], settings: LoraConfig, directory: Path, slots: int):
+        self.shapes = dict(shapes)
+        self.settings = settings
+        self.directory = directory
+        self.slots = slots
+        self.loaded: dict[int, Path] = {}  # version -> its directory, oldest first
+        self.tag = uuid.uuid4().hex[:8]
+
+    def name(self, version: int) -> str | None:
+        """What a request sampled with ``version`` names as its model; None: the base."""
+        return f"v{version}-{self.tag}" if version in self.loaded else None
+
+    def write(self, adapter: Mapping[str, Tensor], version: int) -> Path:
+        """The adapter's directory, written aside and renamed into place (float32, as ``_write_weights``)."""
+        target = self.directory / f"v{version}"
+        partial = _partial(target)
+        shutil.rmtree(partial, ignore_errors=True)
+        self.settings.save_pretrained(partial)
+        tensors = {name: tensor.to(device="cpu", dtype=torch.float32).contiguous() for name, tensor in adapter.items()}
+        save_file(tensors, str(partial / ADAPTER_WEIGHTS_FILE))
+        shutil.rmtree(target, ignore_errors=True)
+        partial.rename(target)
+        return target
+
+    def past_bound(self) -> list[int]:
+        """The loaded versions beyond the newest ``slots``, oldest first."""
+        return list(self.loaded)[: max(0, len(self.loaded) - self.slots)]
+
+
 class VLLMGenerator:
     """Drives one server: ``server`` (started here) or the one at ``url`` (someone else's).
 
     ``collective``: the group backend ("gloo", "nccl") of a collective weight transfer, whose
     server runs the asyncrl_collective engine; None: weights go through a file.
+    ``adapters``: a LoRA run's; a sync then loads a new adapter by name (``ServedAdapters``) and
+    ``shapes`` are the adapter's, not the model's.
     A response ends with one of ``stop_token_ids`` (kept, finish reason "stop") or at
     ``max_new_tokens`` ("length"); with no stop ids, only at ``max_new_tokens``.
     """
@@ -222,9 +293,12 @@ class VLLMGenerator:
         max_concurrency: int = 256,
         weights_path: Path | None = None,
         collective: str | None = None,
+        adapters: ServedAdapters | None = None,
     ) -> None:
         if (server is None) == (url is None):
             raise ValueError("VLLMGenerator: give exactly one of server (to start) and url (to use)")
+        self.adapters = adapters
+        shapes = adapters.shapes if adapters is not None else shapes
         self.shapes = {name: tuple(shape) for name, shape in shapes.items()}
         self.stop_token_ids = list(stop_token_ids)
         self.vocab_size = vocab_size
@@ -253,10 +327,11 @@ class VLLMGenerator:
         check_vocabulary(requests, self.vocab_size)
         self._revive()
         version = self.version
+        adapter = self.adapters.name(version) if self.adapters is not None else None
         batch = uuid.uuid4().hex
         request_ids = [f"{batch}-{index}" for index in range(len(requests))]
         futures = [
-            self._pool.submit(self._sample, request, params, version, request_id)
+            self._pool.submit(self._sample, request, params, version, request_id, adapter)
             for request, request_id in zip(requests, request_ids)
         ]
         try:
@@ -294,6 +369,9 @@ class VLLMGenerator:
                 )
         with self._lock:
             self._revive_locked()
+            if self.adapters is not None:
+                self._load_adapter(state_dict, version)
+                return
             if self.collective is None:
                 _write_weights(state_dict, self.weights_path)
             elif not self.joined:
@@ -306,6 +384,32 @@ class VLLMGenerator:
                     raise  # the server refused the update; it did not die
                 self._restart_locked()  # it died during the update: a new one gets this version
                 self._update(version, None if self.collective is None else state_dict)
+
+    def _load_adapter(self, adapter: Mapping[str, Tensor], version: int) -> None:
+        """Write and load ``version``'s adapter, make it the one new requests name, then unload those
+        past the bound. A server that died on the way is restarted with every adapter still held."""
+        self.adapters.loaded[version] = self.adapters.write(adapter, version)
+        try:
+            self._serve_adapter(version)
+        except ServerError:
+            if self.server is None or self.server.alive():
+                shutil.rmtree(self.adapters.loaded.pop(version), ignore_errors=True)
+                raise
+            self._restart_locked()
+            self._serve_adapters()
+        self.version = version
+        for old in self.adapters.past_bound():
+            self._call("/v1/unload_lora_adapter", {"lora_name": self.adapters.name(old)})
+            shutil.rmtree(self.adapters.loaded.pop(old), ignore_errors=True)
+
+    def _serve_adapter(self, version: int) -> None:
+        path = self.adapters.loaded[version]
+        self._call("/v1/load_lora_adapter", {"lora_name": self.adapters.name(version), "lora_path": str(path)})
+
+    def _serve_adapters(self) -> None:
+        """Every adapter held, into a restarted server."""
+        for version in self.adapters.loaded:
+            self._serve_adapter(version)
 
     def close(self) -> None:
         """Stop the server this generator started and remove its weights file; safe to call twice."""
@@ -322,8 +426,13 @@ class VLLMGenerator:
         _partial(self.weights_path).unlink(missing_ok=True)
         if self.model_dir is not None:
             shutil.rmtree(self.model_dir, ignore_errors=True)
+        if self.adapters is not None:
+            shutil.rmtree(self.adapters.directory, ignore_errors=True)
 
-    def _sample(self, request: SampleRequest, params: SamplingParams, version: int, request_id: str) -> Rollout:
+    def _sample(
+        self, request: SampleRequest, params: SamplingParams, version: int, request_id: str, adapter: str | None
+    ) -> Rollout:
+        """One sample; ``adapter``: the LoRA adapter it runs with, whose version is every token's."""
         sampling = {
             "max_tokens": params.max_new_tokens,
             "temperature": params.temperature,
@@ -337,7 +446,7 @@ class VLLMGenerator:
         body = {
             "token_ids": list(request.prompt_ids),
             "sampling_params": sampling,
-            "model": None,
+            "model": adapter,
             "request_id": request_id,
         }
         choice = self._call("/inference/v1/generate", body)["choices"][0]
@@ -348,7 +457,7 @@ class VLLMGenerator:
             response_ids=tokens,
             logprobs=logprobs,
             finish_reason="stop" if tokens and tokens[-1] in self.stop_token_ids else "length",
-            versions=_token_versions(choice.get("weight_versions"), len(tokens), version),
+            versions=_token_versions(None if self.adapters else choice.get("weight_versions"), len(tokens), version),
         )
 
     def _connect(self) -> None:
@@ -405,6 +514,10 @@ class VLLMGenerator:
     def _revive_locked(self) -> None:
         """Restart a started server that died and load the last weights sent into it (counted)."""
         if self.server is None or self.server.alive():
+            return
+        if self.adapters is not None:
+            self._restart_locked()
+            self._serve_adapters()
             return
         held = None if self.collective is None or self.sent_version is None else self.member.held(self.sent_version)
         self._restart_locked()

@@ -36,16 +36,19 @@ class ServerError(RuntimeError):
 
 
 def http_json(url: str, body: dict | None = None, *, timeout: float, method: str | None = None) -> dict:
-    """One JSON call; an HTTP error status raises ServerError with the server's message."""
+    """One JSON call; an HTTP error status raises ServerError with the server's message. A plain-text
+    answer (the adapter routes give one) comes back as ``{"message": text}``."""
     data = None if body is None else json.dumps(body).encode()
     request = urllib.request.Request(url, data=data, method=method or ("GET" if body is None else "POST"))
     request.add_header("Content-Type", "application/json")
     try:
         with urllib.request.urlopen(request, timeout=timeout) as response:
-            raw = response.read()
+            raw, content_type = response.read(), response.headers.get_content_type()
     except urllib.error.HTTPError as err:
         detail = err.read().decode(errors="replace")[:500]
         raise ServerError(f"{url}: HTTP {err.code}: {detail}") from None
+    if content_type != "application/json":
+        return {"message": raw.decode(errors="replace")}
     return json.loads(raw) if raw else {}
 
 
@@ -66,13 +69,17 @@ class VLLMServer:
         weight_transfer: str = "file",
         remove_on_exit: tuple[Path, ...] = (),
         cpu: bool = False,
+        lora_rank: int = 0,
+        lora_slots: int = 0,
     ) -> None:
         """``kv_cache_bytes``: the KV cache's size; None: what ``gpu_memory_utilization`` of the
         GPU leaves after weights and activations. ``weight_transfer``: file or collective
         (``WEIGHT_ENGINES``); ``remove_on_exit``: files the server removes if the process that
         started it dies first; ``cpu``: the server runs on vLLM's CPU build (always eager), where
         a seeded request whose prompt is split across scheduler steps kills the engine (a CPU
-        ``torch.Generator`` cannot be rewound), so every prompt is prefilled in one step."""
+        ``torch.Generator`` cannot be rewound), so every prompt is prefilled in one step.
+        ``lora_rank`` > 0: LoRA adapters of up to that rank (one vLLM accepts) are loaded and
+        unloaded at run time by name, ``lora_slots`` of them held at once."""
         self.python = Path(python)
         self.weight_engine = WEIGHT_ENGINES[weight_transfer]
         self.remove_on_exit = remove_on_exit
@@ -86,6 +93,8 @@ class VLLMServer:
         self.startup_timeout_s = startup_timeout_s
         self.extra_args = list(extra_args)
         self.cpu = cpu
+        self.lora_rank = lora_rank
+        self.lora_slots = lora_slots
         self.served_name = f"policy-{uuid.uuid4().hex}"  # which server answers on our port: ours
         self.process: subprocess.Popen | None = None
         self.port: int | None = None
@@ -108,8 +117,15 @@ class VLLMServer:
             "--logprobs-mode", "processed_logprobs",
             "--weight-transfer-config", json.dumps({"backend": self.weight_engine}),
             *(self.whole_prefill_args() if self.cpu else []),
+            *(self.lora_args() if self.lora_rank else []),
             *self.extra_args,
         ]  # fmt: skip
+
+    def lora_args(self) -> list[str]:
+        """Adapters in every batch slot and in the engine's cache alike: a request never waits for
+        one to be read back from disk."""
+        slots = str(self.lora_slots)
+        return ["--enable-lora", "--max-lora-rank", str(self.lora_rank), "--max-loras", slots, "--max-cpu-loras", slots]
 
     def whole_prefill_args(self) -> list[str]:
         """No chunked prefill, and a step budget that holds the longest sequence (vLLM requires it)."""
@@ -134,6 +150,8 @@ class VLLMServer:
         self.port = _free_port()
         env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", VLLM_CONFIGURE_LOGGING="1")
         env.pop("VLLM_CPU_KVCACHE_SPACE", None)  # it would override the KV cache size set here
+        if self.lora_rank:
+            env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "1"  # the /v1/load_lora_adapter and unload routes
         env["ASYNCRL_VLLM_REMOVE_ON_EXIT"] = os.pathsep.join(map(str, self.remove_on_exit))  # vllm_server.py
         with open(self.log_path, "ab") as log:
             log_start = log.tell()

@@ -55,8 +55,8 @@ def test_a_target_module_the_model_lacks_is_a_one_line_error_naming_the_field():
 
 
 def test_lora_with_a_backend_that_cannot_load_adapters_is_refused_at_load_time():
-    with pytest.raises(ConfigError, match="lora.rank: LoRA adapters are synced to generation.backend hf only"):
-        load_config(None, [*SMALL, *LORA, "generation.backend=vllm"])
+    with pytest.raises(ConfigError, match="lora.rank: LoRA adapters are synced to generation.backend hf or vllm, not"):
+        load_config(None, [*SMALL, *LORA, "generation.backend=mypackage.backend:build"])
 
 
 def test_the_adapter_alone_syncs_and_the_generator_then_samples_the_trainers_policy():
