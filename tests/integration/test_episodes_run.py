@@ -1,4 +1,4 @@
-"""Runs with multi-turn episodes (environment.name feedback): the step records carry the documented
+"""Runs with multi-turn episodes (environment.name feedback, and SkyRL-Gym's through skyrl_gym): the step records carry the documented
 episode metrics, and an in_order run resumed from a checkpoint matches the uninterrupted one."""
 
 import re
@@ -44,6 +44,23 @@ def test_a_resumed_multi_turn_in_order_run_matches_the_uninterrupted_one(tmp_pat
     assert deterministic(resumed) == deterministic(full)
     assert resumed_groups == full_groups
     assert max(record["episode/turns"] for record in full) > 1
+
+
+@pytest.mark.slow
+def test_a_skyrl_gym_environment_trains_whole_episodes_with_its_own_rewards(tmp_path):
+    pytest.importorskip("skyrl_gym")
+    skyrl = (
+        "environment.name=skyrl_gym",
+        "environment.options={env: gsm8k_multi_turn, extras: {max_turns: 3}}",
+        *EPISODES[3:],
+        "environment.max_turns=3",
+        "environment.max_tokens=400",  # its requests for another answer are about 130 tokens each
+    )
+    _, metrics, groups = run(tmp_path, "run", *skyrl, "grpo.max_steps=2")
+    assert [record["step"] for record in metrics] == [1, 2]
+    assert max(record["episode/turns"] for record in metrics) > 1  # its feedback asks for another answer
+    assert all(record["episode/masked_tokens"] > 0 for record in metrics)
+    assert all(0.0 <= group["reward_mean"] <= 1.0 for group in groups)  # its reward: 1 for the right answer
 
 
 @pytest.mark.parametrize(
