@@ -1,5 +1,6 @@
-"""Runs with multi-turn episodes (environment.name feedback, and SkyRL-Gym's through skyrl_gym): the step records carry the documented
-episode metrics, and an in_order run resumed from a checkpoint matches the uninterrupted one."""
+"""Runs with multi-turn episodes (environment.name feedback, and SkyRL-Gym's through skyrl_gym):
+the step records carry the documented episode metrics, and an in_order run resumed from a
+checkpoint matches the uninterrupted one."""
 
 import re
 from pathlib import Path
