@@ -7,8 +7,6 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from asyncrl.config.lora import VLLM_LORA_RANKS
-
 if TYPE_CHECKING:
     from asyncrl.config.root import RunConfig
 
@@ -89,16 +87,6 @@ def transport_needs_ray(config: RunConfig) -> None:
         )
 
 
-def lora_backend(config: RunConfig) -> None:
-    """An adapter-only weight sync needs a generator that holds the base and loads adapters: hf,
-    or vllm up to the largest rank its server takes."""
-    backend, rank = config.generation.backend, config.lora.rank
-    if rank > 0 and backend not in ("hf", "vllm"):
-        raise ValueError(f"lora.rank: LoRA adapters are synced to generation.backend hf or vllm, not '{backend}'")
-    if backend == "vllm" and rank > VLLM_LORA_RANKS[-1]:
-        raise ValueError(f"lora.rank: {rank} is above {VLLM_LORA_RANKS[-1]}, the largest adapter rank vLLM serves")
-
-
 def episodes_template_themselves(config: RunConfig) -> None:
     """An episode applies the chat template to its environment's messages; a prompt text that is
     templated already would be wrapped twice."""
@@ -116,6 +104,5 @@ CROSS_FIELD_CHECKS = (
     behaviour_clip_is_one_update,
     context_parallel_architecture,
     transport_needs_ray,
-    lora_backend,
     episodes_template_themselves,
 )

@@ -8,12 +8,6 @@ from asyncrl.config.base import Section
 
 # Qwen2 / Llama / Mistral / Gemma names of the attention and MLP projections.
 PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the --max-lora-rank values vLLM 0.32 accepts
-
-
-def vllm_max_lora_rank(rank: int) -> int:
-    """The smallest maximum rank a vLLM server accepts that holds adapters of ``rank``."""
-    return next(allowed for allowed in VLLM_LORA_RANKS if allowed >= rank)
 
 
 class LoraConfig(Section):

@@ -18,7 +18,9 @@ def build_generator(config: RunConfig, model: PreTrainedModel, tokenizer, run_di
     ``package.module:attr``): ``backend(config, model, tokenizer, stop_token_ids, **options)`` with
     ``generation.backend_options`` checked by its ``Options`` model, stopping on every end token the
     tokenizer and ``model.path`` declare (docs/plugins.md). A backend that declares
-    ``writes_to_run_dir`` also gets ``run_dir``, the run's directory (None outside a run).
+    ``writes_to_run_dir`` also gets ``run_dir``, the run's directory (None outside a run); with
+    ``lora.rank`` > 0 the backend must declare ``takes_lora_adapters`` (its generator loads the
+    adapter-only weights a LoRA trainer exports).
 
     The generator owns ``model``: pass a copy if the trainer keeps training its own. It runs in
     ``trainer.dtype``, the trainer's compute dtype, which is also the dtype of exported weights.
@@ -26,6 +28,11 @@ def build_generator(config: RunConfig, model: PreTrainedModel, tokenizer, run_di
     spec = config.generation.backend
     backend = resolve("backend", spec, "generation.backend")
     options = validate_options(backend, spec, config.generation.backend_options, "generation.backend_options")
+    if config.lora.rank > 0 and not getattr(backend, "takes_lora_adapters", False):
+        raise ValueError(
+            f"lora.rank: generation.backend '{spec}' does not declare takes_lora_adapters, so it cannot load "
+            "the adapters a LoRA trainer syncs (docs/plugins.md)"
+        )
     if tokenizer.eos_token_id is None:
         raise ValueError("tokenizer.path: the tokenizer has no eos token, so generation could never stop early")
     if getattr(backend, "writes_to_run_dir", False):

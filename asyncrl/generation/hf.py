@@ -65,6 +65,9 @@ def build_hf_generator(
     )
 
 
+build_hf_generator.takes_lora_adapters = True
+
+
 class HFGenerator:
     """Owns ``model`` (the caller passes its own copy) and runs on the model's device and dtype."""
 

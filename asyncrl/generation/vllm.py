@@ -46,7 +46,6 @@ from transformers import PreTrainedModel
 
 from asyncrl.checkpoint import ADAPTER_WEIGHTS_FILE
 from asyncrl.config import RunConfig
-from asyncrl.config.lora import vllm_max_lora_rank
 from asyncrl.data import build_task, longest_prompt
 from asyncrl.generation.base import SampleRequest, SamplingParams, check_vocabulary
 from asyncrl.generation.vllm_env import checked_python
@@ -64,6 +63,16 @@ SERVED_REQUEST_PREFIX = "generate-tokens-"  # vLLM's id of a generate request is
 TEMP_PREFIX = "asyncrl-vllm-"  # what a generator leaves for its server is named asyncrl-vllm-<pid>-...
 
 
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the --max-lora-rank values vLLM 0.32 accepts
+
+
+def max_lora_rank(rank: int) -> int:
+    """The smallest maximum rank a vLLM server accepts that holds adapters of ``rank``."""
+    if rank > LORA_RANKS[-1]:
+        raise ValueError(f"lora.rank: {rank} is above {LORA_RANKS[-1]}, the largest adapter rank vLLM serves")
+    return next(allowed for allowed in LORA_RANKS if allowed >= rank)
+
+
 def build_vllm_generator(
     config: RunConfig, model: PreTrainedModel, tokenizer, stop_token_ids: Sequence[int], run_dir: Path | None = None
 ) -> VLLMGenerator:
@@ -77,6 +86,8 @@ def build_vllm_generator(
     """
     cfg = config.vllm
     lora = config.lora.rank > 0
+    if lora:
+        max_lora_rank(config.lora.rank)  # before a server starts
     options = dict(
         shapes={name: tuple(tensor.shape) for name, tensor in model.state_dict().items()},
         stop_token_ids=stop_token_ids,
@@ -101,6 +112,7 @@ def build_vllm_generator(
 
 
 build_vllm_generator.writes_to_run_dir = True  # the server's log, and the adapters it loads
+build_vllm_generator.takes_lora_adapters = True
 
 
 def _adapters(config: RunConfig, model: PreTrainedModel, run_dir: Path | None) -> ServedAdapters | None:
@@ -154,7 +166,7 @@ def _started_server(
         weight_transfer="file" if collective is None else "collective",
         remove_on_exit=(model_dir, weights_path, _partial(weights_path)),
         cpu=not gpu,
-        lora_rank=vllm_max_lora_rank(config.lora.rank) if config.lora.rank else 0,
+        lora_rank=max_lora_rank(config.lora.rank) if config.lora.rank else 0,
         lora_slots=config.sampler.max_lag + 2,
     )
     return server, weights_path, python

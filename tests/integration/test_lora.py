@@ -6,7 +6,7 @@ import pytest
 import torch
 from helpers import SMALL
 
-from asyncrl.config import ConfigError, load_config
+from asyncrl.config import load_config
 from asyncrl.generation import SampleRequest, SamplingParams, build_generator
 from asyncrl.metrics import read_jsonl
 from asyncrl.models import build_model, build_tokenizer, token_logprobs
@@ -52,11 +52,6 @@ def test_the_base_stays_frozen_in_the_trainer_dtype_and_only_float32_adapters_tr
 def test_a_target_module_the_model_lacks_is_a_one_line_error_naming_the_field():
     with pytest.raises(ValueError, match=r"lora.target_modules: 'qkv' is not a linear layer of the model \(it has"):
         trainer_and_base("lora.target_modules=[q_proj,qkv]")
-
-
-def test_lora_with_a_backend_that_cannot_load_adapters_is_refused_at_load_time():
-    with pytest.raises(ConfigError, match="lora.rank: LoRA adapters are synced to generation.backend hf or vllm, not"):
-        load_config(None, [*SMALL, *LORA, "generation.backend=mypackage.backend:build"])
 
 
 def test_the_adapter_alone_syncs_and_the_generator_then_samples_the_trainers_policy():

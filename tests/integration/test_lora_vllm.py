@@ -9,9 +9,9 @@ import torch
 from helpers import SMALL, vllm_processes, wait_for_exit
 
 from asyncrl.cli import main
-from asyncrl.config import ConfigError, load_config
-from asyncrl.config.lora import vllm_max_lora_rank
+from asyncrl.config import load_config
 from asyncrl.generation import SampleRequest, SamplingParams, build_generator
+from asyncrl.generation.vllm import max_lora_rank
 from asyncrl.generation.vllm_process import ServerError, http_json
 from asyncrl.metrics import read_jsonl
 from asyncrl.models import build_model, build_tokenizer, token_logprobs
@@ -74,9 +74,11 @@ def served(generator, adapter: str | None, prompt_ids: list[int]) -> dict:
 
 
 def test_a_rank_above_what_vllm_serves_is_refused_and_the_server_gets_the_smallest_that_holds_it():
-    with pytest.raises(ConfigError, match="lora.rank: 1024 is above 512, the largest adapter rank vLLM serves"):
-        load_config(None, [*LORA_VLLM, "lora.rank=1024"])
-    assert [vllm_max_lora_rank(rank) for rank in (1, 4, 8, 9, 300, 512)] == [1, 8, 8, 16, 320, 512]
+    config = load_config(None, [*LORA_VLLM, "lora.rank=1024"])
+    tokenizer = build_tokenizer(config)
+    with pytest.raises(ValueError, match="lora.rank: 1024 is above 512, the largest adapter rank vLLM serves"):
+        build_generator(config, build_model(config, tokenizer), tokenizer)
+    assert [max_lora_rank(rank) for rank in (1, 4, 8, 9, 300, 512)] == [1, 8, 8, 16, 320, 512]
 
 
 @pytest.mark.slow

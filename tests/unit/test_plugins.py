@@ -155,6 +155,20 @@ def test_bad_backend_options_stop_the_run_in_one_line(my_parts, capsys, tmp_path
     assert message == "generation.backend_options.loads_while_generating: Field required"
 
 
+def test_lora_needs_a_backend_that_declares_it_takes_adapters(my_parts, capsys, tmp_path, monkeypatch):
+    lora = [*SMALL, *PARTS, "lora.rank=4", "trainer.device=cpu"]
+    message = error(capsys, "train", "--output-dir", str(tmp_path / "run"), *lora)
+    assert message == (
+        "lora.rank: generation.backend 'my_parts:hf_inflight' does not declare takes_lora_adapters, so it cannot "
+        "load the adapters a LoRA trainer syncs (docs/plugins.md)"
+    )
+    monkeypatch.setattr(my_parts.hf_inflight, "takes_lora_adapters", True, raising=False)
+    config = load_config(None, lora)
+    tokenizer = build_tokenizer(config)
+    generator = build_generator(config, build_model(config, tokenizer), tokenizer)
+    assert generator._targets and all(".lora_" in name for name in generator._targets)  # the adapter alone syncs
+
+
 @pytest.mark.parametrize("kind", list(BUILTINS))
 def test_every_builtin_is_found_the_way_a_users_part_is(kind):
     for name, path in BUILTINS[kind].items():
