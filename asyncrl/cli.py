@@ -391,6 +391,19 @@ def bench_memory(
     common.write_result("memory", settings, rows, output)
 
 
+@bench_app.command("lora")
+def bench_lora(
+    quick: bool = typer.Option(False, "--quick", help="a smoke run: a small model"),
+    output: Path | None = typer.Option(None, "--output", help=OUTPUT_HELP),
+) -> None:
+    """LoRA rank 16 against full fine-tuning on a Qwen2.5-0.5B-shaped model (float32, CPU): peak RSS,
+    step time (generation, training, sync), bytes and seconds of a sync, checkpoint size."""
+    from asyncrl.bench import common, lora
+
+    workload = lora.QUICK if quick else lora.FULL
+    common.write_result("lora", lora.settings(workload), lora.run(workload), output)
+
+
 @bench_app.command("e2e")
 def bench_e2e(
     quick: bool = typer.Option(False, "--quick", help="a smoke run: a tiny model, a few steps, one seed"),

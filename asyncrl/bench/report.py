@@ -220,11 +220,35 @@ def _backends(result: dict) -> str:
     )
 
 
+LORA_COLUMNS: dict[str, Callable[[dict], str]] = {  # header -> the cell of one setting's row
+    "setting": lambda r: r["setting"],
+    "trained": lambda r: f"{r['trainable_parameters'] / 1e6:.1f}M",
+    "peak RSS GiB": lambda r: f"{r['peak_rss_bytes'] / 2**30:.2f}",
+    "step s": lambda r: f"{r['step_s']:.2f}",
+    "generation s": lambda r: f"{r['generation_s']:.2f}",
+    "training s": lambda r: f"{r['training_s']:.2f}",
+    "sync s": lambda r: f"{r['sync_s']:.3f}",
+    "MB / sync": lambda r: f"{r['sync_bytes'] / 1e6:.1f}",
+    "checkpoint MB": lambda r: f"{r['checkpoint_bytes'] / 1e6:.1f}",
+    "base digest s": lambda r: _number(r["base_digest_s"], "{:.2f}"),
+}
+
+
+def _lora(result: dict) -> str:
+    rows = [[cell(r) for cell in LORA_COLUMNS.values()] for r in result["results"]["settings"]]
+    goals = [
+        f"{name}: {goal['value']:.2f} ({_goal(goal['met'], goal['goal'])})"
+        for name, goal in result["results"]["goals"].items()
+    ]
+    return f"{_table(list(LORA_COLUMNS), rows)}\n\n" + "; ".join(goals) + "."
+
+
 SECTIONS: dict[str, Callable[[dict], str]] = {
     "overlap": _overlap,
     "controller": _controller,
     "weight-sync": _weight_sync,
     "backends": _backends,
+    "lora": _lora,
     "e2e": _e2e,
     "e2e-trl": _e2e,
     "e2e-trl-reasoning-gym": _e2e,

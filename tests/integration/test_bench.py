@@ -432,3 +432,19 @@ def test_e2e_on_a_run_config_with_trl_on_its_tool_environment_targets_the_chosen
         assert [e["step"] for e in evals] == [0, 3, 6] and run["time_to_target_s"]["values"] == [0.0]
     assert runs["trl"]["reward_errors"] == [0] and "environment.max_turns" in runs["trl"]["unmatched"]
     assert set(result["results"]["trl_time_to_target_over_asyncrl"]) == {"max_lag=0"}
+
+
+def test_lora_against_full_fine_tuning_reports_memory_step_sync_and_checkpoint(capsys, tmp_path):
+    result = bench(capsys, tmp_path, "lora")
+    full, lora = result["results"]["settings"]
+    assert (full["setting"], lora["setting"]) == ("full", "lora r16") and result["settings"]["lora_rank"] == 16
+    assert lora["parameters"] > full["parameters"] == full["trainable_parameters"] > lora["trainable_parameters"]
+    assert lora["sync_bytes"] == 4 * lora["trainable_parameters"]  # float32, the adapter alone
+    assert full["sync_bytes"] >= 4 * full["parameters"]  # every tensor (the tied embedding under both names)
+    assert lora["checkpoint_bytes"] < full["checkpoint_bytes"] and lora["base_digest_s"] > 0
+    for row in (full, lora):
+        assert row["step_s"] == pytest.approx(row["generation_s"] + row["training_s"] + row["sync_s"])
+        assert row["peak_rss_bytes_with_checkpoint"] >= row["peak_rss_bytes"] > 0
+    goals = result["results"]["goals"]
+    assert goals["sync_bytes_full_over_lora"]["value"] == full["sync_bytes"] / lora["sync_bytes"]
+    assert "### `asyncrl bench lora`" in report.render(tmp_path)
