@@ -7,7 +7,6 @@ handles, so ``control/controller.py`` stays the algorithm and nothing else.
 from __future__ import annotations
 
 import asyncio
-import copy
 import os
 import time
 from collections.abc import Callable
@@ -41,7 +40,7 @@ from asyncrl.generation import SamplingParams, build_generator
 from asyncrl.metrics import MetricsWriter, ProgressDisplay, read_jsonl, write_json_atomic
 from asyncrl.models.factory import DTYPES, build_model, build_tokenizer
 from asyncrl.models.hf import stop_token_ids
-from asyncrl.models.lora import merged_model
+from asyncrl.models.lora import generator_copy, merged_model
 from asyncrl.plots import write_report
 from asyncrl.rewards import RewardRunner
 from asyncrl.rollout import RolloutWorker
@@ -164,12 +163,14 @@ def _start_workers(
     runtime: Any, config: RunConfig, context: RunContext, parts: _Parts
 ) -> tuple[TrainerHandle, list[RolloutHandle]]:
     """The trainer and rollout worker handles: actors that build their own workers on Ray,
-    in-process objects sharing the driver's model and rewards on the local runtime."""
+    in-process objects sharing the driver's model and rewards on the local runtime (with LoRA
+    the generator's base is the trainer's, in memory once)."""
     if runtime.name == "ray":
         return _start_actors(runtime, config, context)
     model, tokenizer = parts.model, parts.tokenizer
-    # the generator's copy first: a LoRA trainer turns ``model`` into its adapters' base in place
-    generator = _input(build_generator, config, copy.deepcopy(model), tokenizer, context.run_dir)
+    # the generator's model first: a LoRA trainer turns ``model`` into its adapters' base in place
+    generator_model = generator_copy(model, config.lora.rank, DTYPES[config.trainer.dtype])
+    generator = _input(build_generator, config, generator_model, tokenizer, context.run_dir)
     trainer_worker = TrainerWorker(
         _input(PolicyTrainer.from_config, config, model), config.grpo, tokenizer, seed=config.seed
     )

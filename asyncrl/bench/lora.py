@@ -1,10 +1,10 @@
 """``asyncrl bench lora``: LoRA adapters against full fine-tuning, same model and batch, on the CPU.
 
 Each setting runs in a fresh process, since peak resident memory is a per-process high-water
-mark: build a model of Qwen2.5-0.5B's shape with random weights (no download; float32), the
-trainer (``PolicyTrainer.from_config``: LoRA wraps it, or not) and a generator over its own copy
-of the model (``build_hf_generator``: a LoRA generator holds the base and one adapter slot), as
-the local runtime does. Then a few GRPO steps of the same parts a run's step has: generation of
+mark: build a model of Qwen2.5-0.5B's shape with random weights (no download; float32), a
+generator (``build_hf_generator``) over what the local runtime gives it (``generator_copy``: its
+own copy for full fine-tuning; for LoRA the trainer's frozen base, shared, and one adapter slot of
+its own) and the trainer (``PolicyTrainer.from_config``: LoRA wraps it, or not). Then a few GRPO steps of the same parts a run's step has: generation of
 the batch's responses, a split train step on full-length rows, and the weight sync a run makes
 (the trainer's export, loaded into the generator). The last step counts; the first pays for
 first touches and AdamW's moments. At the end one checkpoint (``TrainerWorker.save_checkpoint``,
@@ -38,13 +38,12 @@ GOALS = {"peak_rss_full_over_lora": 2.0, "sync_bytes_full_over_lora": 100.0, "st
 
 def measure(workload: Workload, rank: int) -> dict[str, Any]:
     """One setting (``rank`` 0: full fine-tuning) in this process: its step, sync, checkpoint and peak RSS."""
-    import copy
-
     from asyncrl.config import GRPOConfig, load_config
     from asyncrl.generation import SampleRequest, SamplingParams
     from asyncrl.generation.hf import build_hf_generator
     from asyncrl.models import build_tokenizer
-    from asyncrl.models.lora import base_sha256
+    from asyncrl.models.factory import DTYPES
+    from asyncrl.models.lora import base_sha256, generator_copy
     from asyncrl.trainer.policy import PolicyTrainer
     from asyncrl.trainer.worker import TrainerWorker
     from asyncrl.weights.sync import state_dict_bytes
@@ -62,7 +61,9 @@ def measure(workload: Workload, rank: int) -> dict[str, Any]:
     )
     tokenizer = build_tokenizer(config)  # the checkpoint saves one; the model's vocabulary is the workload's
     model = _model(workload, "cpu")
-    generator = build_hf_generator(config, copy.deepcopy(model), tokenizer, stop_token_ids=[0])
+    generator = build_hf_generator(
+        config, generator_copy(model, rank, DTYPES[config.trainer.dtype]), tokenizer, stop_token_ids=[0]
+    )
     trainer = PolicyTrainer.from_config(config, model)
     steps = []
     for step in range(workload.steps):

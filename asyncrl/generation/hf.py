@@ -32,7 +32,7 @@ from transformers import PreTrainedModel
 from asyncrl.generation.base import SampleRequest, SamplingParams, check_vocabulary
 from asyncrl.models.factory import DTYPES
 from asyncrl.models.logprobs import SampledDistribution, position_ids_from_mask, token_logprobs
-from asyncrl.models.lora import adapter_tensors, apply_lora
+from asyncrl.models.lora import adapter_seed, adapter_tensors, apply_lora
 from asyncrl.types import Rollout
 
 if TYPE_CHECKING:
@@ -44,15 +44,16 @@ def build_hf_generator(
 ) -> HFGenerator:
     """The ``hf`` backend: ``model`` in ``trainer.dtype``, in this process, ``generation.batch_size`` rows a chunk.
 
-    With ``lora.rank`` > 0 the generator holds the base with one adapter slot (models/lora.py) and a
-    sync copies the adapter alone into it. One slot is exact: this backend loads weights only
-    between batches (``loads_while_generating`` is False), so every token of a batch is sampled
-    with the adapter version the batch started with."""
+    With ``lora.rank`` > 0 the generator holds the base with one adapter slot (models/lora.py),
+    initialised as the trainer's, and a sync copies the adapter alone into it; the base may be
+    the trainer's own tensors (``generator_copy``), which nothing here writes to. One slot is
+    exact: this backend loads weights only between batches (``loads_while_generating`` is
+    False), so every token of a batch is sampled with the adapter version the batch started with."""
     pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     dtype = DTYPES[config.trainer.dtype]
     targets = None
     if config.lora.rank > 0:
-        peft_model = apply_lora(model, config.lora, dtype)
+        peft_model = apply_lora(model, config.lora, dtype, seed=adapter_seed(config.seed, config.model.init_seed))
         targets, model = adapter_tensors(peft_model), peft_model.get_base_model()
     else:
         model = model.to(dtype)

@@ -14,6 +14,7 @@ tensors: a generator copies a sync straight into them.
 from __future__ import annotations
 
 import contextlib
+import copy
 import hashlib
 import json
 import warnings
@@ -63,14 +64,54 @@ def check_targets(model: nn.Module, targets: list[str]) -> None:
             )
 
 
-def apply_lora(model: nn.Module, settings: LoraSettings, dtype: torch.dtype, *, random_b: bool = False) -> PeftModel:
+def apply_lora(
+    model: nn.Module, settings: LoraSettings, dtype: torch.dtype, *, seed: int | None = None, random_b: bool = False
+) -> PeftModel:
     """``model`` (changed in place) as a PeftModel: its base cast to ``dtype`` and frozen, adapters
-    trainable in float32, or float64 over a float64 base. Draws the A matrices from the torch RNG."""
+    trainable in float32, or float64 over a float64 base. The A matrices are drawn from ``seed``
+    on a forked RNG, so they do not depend on what used the global RNG before; without a seed,
+    from the global RNG."""
     check_targets(model, settings.target_modules)
     model.to(dtype)
-    with warnings.catch_warnings():  # peft reads a transformers attribute deprecated in 5.x
+    with warnings.catch_warnings(), _seeded_rng(seed, next(model.parameters()).device):
+        # peft reads a transformers attribute deprecated in 5.x
         warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing", category=FutureWarning)
         return get_peft_model(model, peft_config(settings, random_b=random_b), autocast_adapter_dtype=True)
+
+
+def adapter_seed(run_seed: int, init_seed: int) -> int:
+    """The seed of a run's initial adapters: the same on every runtime and in every process."""
+    digest = hashlib.sha256(f"lora-init:{int(run_seed)}:{int(init_seed)}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1
+
+
+@contextlib.contextmanager
+def _seeded_rng(seed: int | None, device: torch.device) -> Iterator[None]:
+    """The CPU RNG (and ``device``'s, on CUDA) seeded with ``seed`` inside the block and restored after."""
+    if seed is None:
+        yield
+        return
+    cuda = [device] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=cuda):
+        torch.default_generator.manual_seed(seed)
+        for gpu in cuda:
+            with torch.cuda.device(gpu):
+                torch.cuda.manual_seed(seed)
+        yield
+
+
+def generator_copy(model: nn.Module, lora_rank: int, dtype: torch.dtype) -> nn.Module:
+    """What an in-process generator gets of the trainer's ``model``, before the trainer wraps it.
+    Full fine-tuning (``lora_rank`` 0): a copy of its own. LoRA: its own modules and buffers (peft
+    wraps its layers, it gets its own adapter slot) over ``model``'s own parameter tensors, cast
+    to ``dtype`` (``trainer.dtype``, the base's) in place first: the base is frozen in the trainer
+    and the generator alike and a sync copies into the adapter alone, so one base in memory
+    serves both."""
+    if lora_rank == 0:
+        return copy.deepcopy(model)
+    model.to(dtype)
+    shared = {id(p): nn.Parameter(p.detach(), requires_grad=False) for p in model.parameters()}
+    return copy.deepcopy(model, memo=shared)
 
 
 def adapter_tensors(model: nn.Module, state: Mapping[str, Tensor] | None = None) -> dict[str, Tensor]:

@@ -29,7 +29,7 @@ from asyncrl.algorithms import Algorithm, build_algorithm, grpo
 from asyncrl.config import LossConfig, RunConfig, TrainerConfig
 from asyncrl.models import SampledDistribution, token_logprobs
 from asyncrl.models.factory import DTYPES
-from asyncrl.models.lora import adapter_dropout, adapter_tensors, apply_lora, is_lora
+from asyncrl.models.lora import adapter_dropout, adapter_seed, adapter_tensors, apply_lora, is_lora
 from asyncrl.trainer.optim import build_optimizer, build_scheduler
 from asyncrl.trainer.recompute import checkpoint_activations
 from asyncrl.trainer.snapshot import StepSnapshot
@@ -152,14 +152,16 @@ class PolicyTrainer:
     def from_config(cls, config: RunConfig, model: nn.Module, parallel: ParallelContext | None = None) -> PolicyTrainer:
         """The trainer a run config describes; a KL penalty gets a frozen copy of ``model``.
         With ``lora.rank`` > 0, ``model`` becomes the frozen base of LoRA adapters (in place,
-        models/lora.py), and the reference is that base.
+        models/lora.py), drawn from the run's ``seed`` and ``model.init_seed`` alone, so every
+        runtime starts from the same adapters; the reference is that base.
 
         ``parallel``: this rank's context from ``trainer.parallel.start_rank(config.parallel, ...)``."""
         reference = copy.deepcopy(model).requires_grad_(False) if config.loss.kl_coef > 0 else None
         if config.lora.rank > 0:
             if reference is not None:
                 reference.to(DTYPES[config.trainer.dtype])
-            model = apply_lora(model, config.lora, DTYPES[config.trainer.dtype])
+            seed = adapter_seed(config.seed, config.model.init_seed)
+            model = apply_lora(model, config.lora, DTYPES[config.trainer.dtype], seed=seed)
         return cls(
             model,
             config.trainer,

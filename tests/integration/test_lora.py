@@ -10,6 +10,7 @@ from asyncrl.config import load_config
 from asyncrl.generation import SampleRequest, SamplingParams, build_generator
 from asyncrl.metrics import read_jsonl
 from asyncrl.models import build_model, build_tokenizer, token_logprobs
+from asyncrl.models.lora import base_sha256
 from asyncrl.run import train
 from asyncrl.trainer import PolicyTrainer
 from asyncrl.verify import random_batch
@@ -100,3 +101,78 @@ def test_lora_dropout_acts_in_the_loss_forward_only():
     trainer.train_microbatch(batch)
     ratio_mean = trainer.finish_train_step().metrics["ratio_mean"]
     assert abs(ratio_mean - 1.0) > 1e-4  # the loss forward dropped adapter inputs
+
+
+def started_workers(tmp_path, monkeypatch, *overrides):
+    """The local runtime's workers for a SMALL run: (its generator, its trainer)."""
+    from asyncrl import run as run_module
+    from asyncrl.runtime.local import LocalRuntime
+
+    built = []
+    monkeypatch.setattr(run_module, "build_generator", lambda *args: built.append(build_generator(*args)) or built[-1])
+    config = load_config(None, [*SMALL, "trainer.device=cpu", *overrides])
+    runtime = LocalRuntime()
+    trainer, _ = run_module._start_workers(
+        runtime, config, run_module.RunContext(tmp_path), run_module._build_parts(config)
+    )
+    runtime.shutdown()
+    return config, built[0], trainer.worker.trainer
+
+
+def storage(model):
+    """Each parameter's data pointer, under its name in the plain model (peft's wrapping taken off)."""
+    return {
+        name.removeprefix("base_model.model.").replace(".base_layer.", "."): p.data_ptr()
+        for name, p in model.named_parameters()
+    }
+
+
+def test_the_in_process_generator_shares_the_frozen_base_and_keeps_its_own_adapter(tmp_path, monkeypatch):
+    config, generator, trainer = started_workers(tmp_path, monkeypatch, "lora.rank=4", "trainer.dtype=float64")
+    tokenizer = build_tokenizer(config)
+    ours, theirs = storage(generator.model), storage(trainer.model)
+    base = [name for name in theirs if "lora_" not in name]
+    assert set(ours) == set(theirs) and base
+    assert all(ours[name] == theirs[name] for name in base)
+    assert all(ours[name] != theirs[name] for name in theirs if "lora_" in name)
+    untouched = build_model(config, tokenizer).to(torch.float64).state_dict()
+    a_step(trainer, tokenizer)
+    version, weights = trainer.export_weights()
+    generator.load_weights(weights, version)
+    requests = [SampleRequest(prompt_ids=tokenizer.encode(p), seed=i) for i, p in enumerate(["1+2=", "13+4="])]
+    for rollout in generator.generate(requests, SamplingParams(max_new_tokens=4, temperature=1.0)):
+        ids = torch.tensor([rollout.prompt_ids + rollout.response_ids])
+        with torch.no_grad():
+            scored, _ = token_logprobs(trainer.model, ids, torch.ones_like(ids))
+        expected = scored[0, len(rollout.prompt_ids) :]
+        torch.testing.assert_close(torch.tensor(rollout.logprobs, dtype=torch.float64), expected, rtol=1e-9, atol=1e-9)
+    assert base_sha256(trainer.model.state_dict()) == base_sha256(untouched)
+
+
+def test_a_shared_bfloat16_base_stays_shared_and_unchanged_through_a_step_and_a_sync(tmp_path, monkeypatch):
+    config, generator, trainer = started_workers(tmp_path, monkeypatch, "lora.rank=4", "trainer.dtype=bfloat16")
+    tokenizer = build_tokenizer(config)
+    untouched = build_model(config, tokenizer).to(torch.bfloat16).state_dict()
+    a_step(trainer, tokenizer)
+    version, weights = trainer.export_weights()
+    generator.load_weights(weights, version)
+    ours, theirs = storage(generator.model), storage(trainer.model)
+    assert all(ours[name] == theirs[name] for name in theirs if "lora_" not in name)
+    assert base_sha256(trainer.model.state_dict()) == base_sha256(untouched)
+
+
+def test_full_fine_tuning_gives_the_in_process_generator_its_own_copy(tmp_path, monkeypatch):
+    _, generator, trainer = started_workers(tmp_path, monkeypatch)
+    ours, theirs = storage(generator.model), storage(trainer.model)
+    assert set(ours) == set(theirs) and not set(ours.values()) & set(theirs.values())
+
+
+def test_the_initial_adapters_depend_on_the_run_config_not_on_the_global_rng():
+    first = trainer_and_base()[3]
+    torch.rand(1000)
+    second = trainer_and_base()[3]
+    other_seed = trainer_and_base("seed=1")[3]
+    adapters = [dict(t.model.named_parameters()) for t in (first, second, other_seed)]
+    names = [n for n in adapters[0] if ".lora_A." in n]
+    assert names and all(torch.equal(adapters[0][n], adapters[1][n]) for n in names)
+    assert not any(torch.equal(adapters[0][n], adapters[2][n]) for n in names)
