@@ -6,8 +6,9 @@ warm start and its cache), the train prompts in the order asyncrl's PromptLoader
 reward functions (one RewardRunner, weights applied), and held-out accuracy and mean reward,
 measured by asyncrl's ``RolloutWorker.evaluate`` (greedy, on a generator that takes the TRL
 policy's weights at every evaluation). With an ``environment`` in the config, TRL runs the
-environment's tool episodes itself (asyncrl/bench/trl_environment.py). Torch uses as many threads per op as asyncrl's local runtime: ``runtime.torch_threads``,
-else half the cores. Evaluations are timed and subtracted from the training time, as for asyncrl.
+environment's tool episodes itself (asyncrl/bench/trl_environment.py). Torch uses as many
+threads per op as asyncrl's local runtime: ``runtime.torch_threads``, else half the cores.
+Evaluations are timed and subtracted from the training time, as for asyncrl.
 
 ``trl_settings`` maps every setting the two share. Not matched (a run lists those that apply to
 its config under "unmatched"):
