@@ -7,8 +7,8 @@ once. ``AlwaysCalls`` reads every turn as a call of ``echo``, so that even an un
 
 import sys
 
-from asyncrl.environments.tool_env import ToolEnvironment
 from asyncrl.environments.parsers import ParsedTurn
+from asyncrl.environments.tool_env import ToolEnvironment
 
 if sys.argv[0] == "-c":
     raise ImportError("a dependency of this tool is missing here")
