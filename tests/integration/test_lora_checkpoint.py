@@ -94,3 +94,24 @@ def test_an_adapter_over_another_base_is_refused_in_one_line(runs, capsys):
 
 def test_merge_names_a_bad_checkpoint_in_one_line(tmp_path, capsys):
     assert "no checkpoint found" in error(capsys, "merge", str(tmp_path / "none"), str(tmp_path / "out"))
+
+
+def test_the_frozen_base_is_hashed_once_until_a_base_tensor_changes(tmp_path, monkeypatch):
+    from asyncrl.models import lora
+
+    config = load_config(None, [*SMALL, *LORA])
+    model = lora.apply_lora(build_model(config, build_tokenizer(config)), config.lora, torch.float32)
+    real, hashed = lora.base_sha256, []
+    monkeypatch.setattr(lora, "base_sha256", lambda state: hashed.append(1) or real(state))
+
+    def saved_digest(name):
+        lora.save_adapter(model, tmp_path / name, model.state_dict())
+        return json.loads((tmp_path / name / "lora_base.json").read_text())["sha256"]
+
+    first = saved_digest("a")
+    assert saved_digest("b") == first and len(hashed) == 1  # the same frozen tensors: not hashed again
+    assert first == real(model.state_dict())
+    with torch.no_grad():
+        next(p for p in model.parameters() if not p.requires_grad).add_(1.0)
+    changed = saved_digest("c")
+    assert changed != first and len(hashed) == 2 and changed == real(model.state_dict())
