@@ -90,6 +90,19 @@ def test_a_lora_run_syncs_adapter_bytes_only(tmp_path):
     assert {m["sync_bytes"] for m in metrics} == {adapter}
 
 
+@pytest.mark.slow
+def test_lora_trains_multi_turn_episodes_in_mini_batches(tmp_path):
+    """Adapters with two mini-batch updates a step, on feedback episodes whose replies are masked."""
+    episodes = ["environment.name=feedback", "environment.max_turns=3", "environment.max_tokens=40"]
+    overrides = [*SMALL, *LORA, *episodes, "grpo.num_minibatches=2", "warm_start.steps=60", "warm_start.lr=0.01"]
+    summary = train(load_config(None, [*overrides, f"logging.output_dir={tmp_path / 'run'}", "grpo.max_steps=2"]))
+    metrics = read_jsonl(tmp_path / "run" / "metrics.jsonl")
+    assert summary["steps"] == 2
+    assert [m["num_updates"] for m in metrics] == [2, 2]
+    assert max(m["episode/turns"] for m in metrics) > 1 and all(m["episode/masked_tokens"] > 0 for m in metrics)
+    assert len({m["sync_bytes"] for m in metrics}) == 1 and metrics[0]["sync_bytes"] < 100_000  # the adapter alone
+
+
 def test_lora_dropout_acts_in_the_loss_forward_only():
     _, tokenizer, _, trainer = trainer_and_base("lora.dropout=0.5")
     torch.manual_seed(0)
