@@ -4,9 +4,10 @@ Each setting runs in a fresh process, since peak resident memory is a per-proces
 mark: build a model of Qwen2.5-0.5B's shape with random weights (no download; float32), a
 generator (``build_hf_generator``) over what the local runtime gives it (``generator_copy``: its
 own copy for full fine-tuning; for LoRA the trainer's frozen base, shared, and one adapter slot of
-its own) and the trainer (``PolicyTrainer.from_config``: LoRA wraps it, or not). Then a few GRPO steps of the same parts a run's step has: generation of
-the batch's responses, a split train step on full-length rows, and the weight sync a run makes
-(the trainer's export, loaded into the generator). The last step counts; the first pays for
+its own) and the trainer (``PolicyTrainer.from_config``: LoRA wraps it, or not). Then a few GRPO
+steps of the same parts a run's step has: generation of the batch's responses, a split train step
+on full-length rows, and the weight sync a run makes (the trainer's export, loaded into the
+generator). The last step counts; the first pays for
 first touches and AdamW's moments. At the end one checkpoint (``TrainerWorker.save_checkpoint``,
 the run's writer) gives its size on disk, and, for LoRA, the time the base's SHA-256 in
 ``lora_base.json`` takes.
