@@ -244,9 +244,9 @@ class ServedAdapters:
     Each version is written in PEFT's format (``adapter_config.json``, ``adapter_model.safetensors``)
     to a directory of its own and loaded under its own name, ``v<version>-<this client's tag>`` (two
     runs may share a server), before any request names it; a request keeps its adapter to its last
-    token, however many syncs come meanwhile. The newest ``slots`` stay loaded (sampler.max_lag + 2: every version a request still in
-    bounds samples with, and the one being loaded); older ones are unloaded and their files
-    removed. The base goes to the server once, at its start. Version 0's adapter is zero (B starts
+    token, however many syncs come meanwhile. The newest ``slots`` stay loaded (sampler.max_lag + 2:
+    every version a request still in bounds samples with, and the one being loaded); older ones are
+    unloaded and their files removed. The base goes to the server once, at its start. Version 0's adapter is zero (B starts
     at zero), so until the first sync requests name none and run on the base."""
 
     def __init__(self, shapes: Mapping[str, tuple[int, ...]], settings: LoraConfig, directory: Path, slots: int):

@@ -10,8 +10,9 @@ With ``parallel`` (trainer/parallel.py) the counts behind D are summed over rank
 and the wrapper's gradient averaging is undone there in the same multiplication as 1/D.
 
 Exception safety: nothing persistent changes before ``optimizer.step()`` at the very end of
-``finish_train_step`` (and a step whose loss or gradient is not finite never gets there). Until then the only step state is gradients, the accumulators below and
-the RNG, all of which ``abort_train_step`` resets, so a failed step can simply be rerun.
+``finish_train_step`` (and a step whose loss or gradient is not finite never gets there). Until
+then the only step state is gradients, the accumulators below and the RNG, all of which
+``abort_train_step`` resets, so a failed step can simply be rerun.
 """
 
 from __future__ import annotations
