@@ -47,6 +47,7 @@ from asyncrl.bench import trl_environment
 from asyncrl.config import ConfigError, RunConfig
 from asyncrl.data import PromptLoader, build_task
 from asyncrl.environments.episode import build_episodes
+from asyncrl.environments.tool_env import close_toolboxes
 from asyncrl.generation import SamplingParams, build_generator
 from asyncrl.models.factory import build_model, build_tokenizer, resolve_device
 from asyncrl.rewards import RewardRunner
@@ -206,6 +207,7 @@ def run_trl(config: RunConfig, *, seed: int, max_steps: int, eval_every_steps: i
     finally:
         evaluator.worker.close()
         rewards.close()
+        close_toolboxes()  # TRL calls tools on this thread, whose tool processes would outlive the run
     return {
         "evals": evaluator.evals,
         "wall_s": time.perf_counter() - start,

@@ -390,7 +390,16 @@ def test_bad_e2e_inputs_fail_in_one_line_before_any_run(capsys, tmp_path, monkey
     assert capsys.readouterr().err.splitlines() == [error]
 
 
-def test_trl_runs_the_tool_environments_episodes():
+@pytest.fixture
+def tool_processes_closed():
+    """Tools called on this thread start tool processes that live as long as it: stop them."""
+    from asyncrl.environments.tool_env import close_toolboxes
+
+    yield
+    close_toolboxes()
+
+
+def test_trl_runs_the_tool_environments_episodes(tool_processes_closed):
     """TRL sees asyncrl's prompt, reads its tool calls and calls the environment's own tool."""
     pytest.importorskip("trl")
     from transformers.utils import get_json_schema
