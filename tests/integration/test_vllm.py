@@ -511,13 +511,13 @@ def test_a_failed_request_aborts_the_rest_of_its_batch_before_the_failure_is_rai
     batch = requests(1)
     sample, returned = endless._sample, []
 
-    def first_fails(request, params, version, request_id):
+    def first_fails(request, params, version, request_id, adapter):
         if request is batch[0]:
             while running_requests(endless.url) < len(batch) - 1:
                 time.sleep(0.05)
             raise ServerError("injected failure")
         try:
-            return sample(request, params, version, request_id)
+            return sample(request, params, version, request_id, adapter)
         finally:
             returned.append(request_id)
 
