@@ -29,7 +29,7 @@ from safetensors.torch import load_model, save_model
 from torch import nn
 
 from asyncrl.config import ConfigError, RunConfig, WarmStartConfig
-from asyncrl.data import Prompt, encode_prompts
+from asyncrl.data import Prompt, build_task, encode_prompts
 from asyncrl.environments.episode import environment_class
 from asyncrl.models.logprobs import token_logprobs
 
@@ -71,6 +71,33 @@ def warm_start(
     save_model(model, str(tmp))
     os.replace(tmp, path)
     return path
+
+
+def warm_start_policy(
+    model: nn.Module,
+    tokenizer,
+    config: RunConfig,
+    *,
+    prompts: Sequence[Prompt] | None = None,
+    on_progress: Callable[[int, int, float], None] | None = None,
+) -> Path | None:
+    """The run's warm start of ``model``, just built from ``config``: its train split (or
+    ``prompts``, that split already built), its checkpoint and its environment's demonstrations.
+    Every process that needs the run's starting policy (the driver, each trainer rank on Ray,
+    ``eval``) calls this, so all of them compute one cache key and start from the same weights."""
+    if not config.warm_start.steps:
+        return None
+    if prompts is None:
+        prompts = build_task(config.data, tokenizer).train
+    return warm_start(
+        model,
+        tokenizer,
+        prompts,
+        config.warm_start,
+        model_path=config.model.path,
+        on_progress=on_progress,
+        **demonstrations(config),
+    )
 
 
 def _load_cached(model: nn.Module, path: Path) -> None:
