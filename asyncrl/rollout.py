@@ -120,7 +120,7 @@ class RolloutWorker:
         scored = self.rewards.score(
             [completions[i].text for i in todo],
             [answers[i] for i in todo],
-            [_sampled_tokens(completions[i].rollout) for i in todo],
+            [_length_against_limit(completions[i]) for i in todo],
         )
         if len(todo) == len(completions):
             return scored
@@ -164,6 +164,15 @@ class RolloutWorker:
 def _sampled_tokens(rollout: Rollout) -> int:
     """Response tokens the generator sampled (an episode's observations are not)."""
     return len(rollout.response_ids) if rollout.loss_mask is None else sum(rollout.loss_mask)
+
+
+def _length_against_limit(completion: Completion) -> int:
+    """The length a reward holds against ``generation.max_new_tokens`` (``num_tokens``): the
+    response's, or an episode's longest model turn, since that limit applies to each turn alone
+    and an episode must not be punished for its number of turns."""
+    if completion.longest_turn is not None:
+        return completion.longest_turn
+    return _sampled_tokens(completion.rollout)
 
 
 def _token_versions(rollouts: Sequence[Rollout]) -> list[int]:

@@ -45,6 +45,7 @@ class Completion:
     text: str  # what the run's rewards score: the response, or the episode's last model turn
     reward: float | None = None  # the environment's own reward, when it gave one
     metrics: dict[str, float] = field(default_factory=dict)  # an episode's counts (docs/metrics.md)
+    longest_turn: int | None = None  # the most tokens one model turn sampled; None: a single turn
 
 
 class Episodes(Protocol):
@@ -105,6 +106,7 @@ class _Episode:
     versions: list[int] = field(default_factory=list)
     mask: list[int] = field(default_factory=list)
     turns: int = 0
+    longest_turn: int = 0  # tokens of the longest model turn as sampled, before the token budget cut it
     text: str = ""
     env_s: float = 0.0
     metrics: dict[str, float] = field(default_factory=dict)
@@ -135,7 +137,7 @@ class _Episode:
             versions=self.versions,
             loss_mask=self.mask,
         )
-        return Completion(rollout, self.text, self.reward, metrics)
+        return Completion(rollout, self.text, self.reward, metrics, self.longest_turn)
 
 
 class MultiTurn:
@@ -221,6 +223,7 @@ class MultiTurn:
             versions = rollout.versions or [version] * len(rollout.response_ids)
             episode.extend(ids, rollout.logprobs[:room], versions[:room], trained=1)
             episode.turns += 1
+            episode.longest_turn = max(episode.longest_turn, len(rollout.response_ids))
             episode.text = self.tokenizer.decode(ids, skip_special_tokens=True)
             if rollout.finish_reason != "stop" or len(rollout.response_ids) > room:
                 episode.finish = "length"
