@@ -49,7 +49,7 @@ from asyncrl.runtime import build_runtime
 from asyncrl.trainer.group import TrainerGroup, build_trainer_rank
 from asyncrl.trainer.policy import PolicyTrainer
 from asyncrl.trainer.worker import TrainerWorker
-from asyncrl.warm_start import demonstrations, warm_start
+from asyncrl.warm_start import warm_start_policy
 
 T = TypeVar("T")
 
@@ -140,14 +140,12 @@ def _warm_start_then_run(
     """Warm-start the policy, start the workers and drive the run to the end, in this process or,
     with ``runtime.controller_actor``, in a Ray actor; returns the steps taken in total."""
     # Once, here: on Ray every trainer rank then finds the result in the warm start cache.
-    warm_start(
+    warm_start_policy(
         parts.model,
         parts.tokenizer,
-        parts.task.train,
-        config.warm_start,
-        model_path=config.model.path,
+        config,
+        prompts=parts.task.train,
         on_progress=lambda step, total, loss: progress.status(f"warm start {step}/{total}, loss {loss:.3f}"),
-        **demonstrations(config),
     )
     trainer, rollout_workers = _start_workers(runtime, config, context, parts)
     control = {"sampler": parts.sampler, "buffer": parts.buffer}
@@ -410,9 +408,7 @@ def evaluate(config: RunConfig, *, checkpoint: str | Path | None = None) -> dict
     elif checkpoint_dir is not None:
         _checkpoint_input(load_weights, model, checkpoint_dir)
     else:
-        warm_start(
-            model, tokenizer, task.train, config.warm_start, model_path=config.model.path, **demonstrations(config)
-        )
+        warm_start_policy(model, tokenizer, config, prompts=task.train)
     rewards = _input(RewardRunner.from_config, config.rewards, task, config.generation.max_new_tokens)
     worker = None
     try:

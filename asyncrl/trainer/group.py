@@ -21,14 +21,13 @@ from torch import nn
 
 from asyncrl.checkpoint import load_state
 from asyncrl.config import RunConfig
-from asyncrl.data import build_task
 from asyncrl.errors import RunStopped
 from asyncrl.faults import inject_trainer_faults
 from asyncrl.models.factory import build_model, build_tokenizer, resolve_device
 from asyncrl.trainer.parallel import init_parallel, start_rank
 from asyncrl.trainer.policy import PolicyTrainer
 from asyncrl.trainer.worker import TrainerWorker
-from asyncrl.warm_start import warm_start
+from asyncrl.warm_start import warm_start_policy
 
 
 def build_trainer_rank(
@@ -56,9 +55,7 @@ def build_trainer_rank(
     transformers.utils.logging.disable_progress_bar()
     tokenizer = build_tokenizer(config)
     model = build_model(config, tokenizer)
-    if config.warm_start.steps:
-        train_prompts = build_task(config.data, tokenizer).train
-        warm_start(model, tokenizer, train_prompts, config.warm_start, model_path=config.model.path)
+    warm_start_policy(model, tokenizer, config)
     if parallel is not None:
         _take_rank0_weights(model)
     trainer = PolicyTrainer.from_config(config, model, parallel=parallel)

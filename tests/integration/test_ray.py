@@ -217,6 +217,26 @@ def test_an_in_order_run_on_two_generator_actors_matches_the_local_runtime(ray_c
 
 
 @pytest.mark.slow
+def test_an_in_order_episode_run_warm_starts_the_ranks_on_the_environments_demonstrations(ray_cluster, tmp_path):
+    """The ranks must find the driver's warm start (demonstrations included) in the cache, not
+    train one of their own: a fresh cache, so a rank that computes another key trains another."""
+    episodes = (
+        "environment.name=feedback",
+        "environment.max_turns=3",
+        "environment.max_tokens=40",
+        "warm_start.steps=60",
+        "warm_start.lr=0.01",
+        "grpo.max_steps=3",
+        f"warm_start.cache_dir={tmp_path / 'cache'}",
+    )
+    _, local, local_groups = run(tmp_path, "local", *episodes)
+    _, remote, groups = run(tmp_path, "ray", *episodes, RAY)
+    assert deterministic(remote) == deterministic(local) and groups == local_groups
+    assert len(list((tmp_path / "cache").iterdir())) == 1
+    assert max(m["episode/turns"] for m in remote) > 1
+
+
+@pytest.mark.slow
 def test_the_controller_runs_in_an_actor_and_broadcasts_weights_to_two_generators(ray_cluster, tmp_path, local_run):
     """The broadcast channel travels into the controller actor with the handles it serves."""
     _, local_metrics, local_groups = local_run(DIGITS)
