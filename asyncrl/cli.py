@@ -436,35 +436,25 @@ def bench_e2e(
 
     if metric not in e2e.METRICS:
         raise typer.BadParameter(f"'{metric}' is not one of {', '.join(e2e.METRICS)}", param_hint="--metric")
-    settings = {
-        "config": str(config) if config is not None else None,
-        "metric": metric,
-        "overrides": (e2e.QUICK if quick else []) + list(overrides or ()),
-        "seeds": list(range(1 if quick else seeds)),
-        "max_steps": max_steps or (6 if quick else 400),
-        "eval_every": eval_every or (3 if quick else 25),
-        "target_accuracy": target,
-        "against": against,
-        "variants": e2e.VARIANTS if variants else {},
-        "lags": list(lag_values),
-    }
+    settings = e2e.settings(
+        config=config,
+        metric=metric,
+        overrides=list(overrides or ()),
+        quick=quick,
+        seeds=seeds,
+        max_steps=max_steps,
+        eval_every=eval_every,
+        target=target,
+        against=against,
+        variants=variants,
+        lags=lag_values,
+    )
     base = load_config(config, settings["overrides"])  # a bad file or override fails here, before any run
     if against == "trl" and base.environment.name is not None:
         from asyncrl.bench.trl_environment import require_tool_environment
 
         require_tool_environment(base)
-    result = e2e.run(
-        overrides=settings["overrides"],
-        seeds=tuple(settings["seeds"]),
-        max_steps=settings["max_steps"],
-        eval_every=settings["eval_every"],
-        target=target,
-        against_trl=against == "trl",
-        variants=settings["variants"],
-        lags=lag_values,
-        config_path=config,
-        metric=metric,
-    )
+    result = e2e.run_settings(settings, config)
     name = "-".join(["e2e", *(["trl"] if against else []), *([config.stem] if config is not None else [])])
     common.write_result(name, settings, result, output)
 

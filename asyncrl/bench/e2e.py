@@ -56,6 +56,52 @@ QUICK = [
 METRICS = ("accuracy", "reward_mean")  # eval.jsonl fields a target can be on
 
 
+def settings(
+    *,
+    config: Path | None,
+    metric: str,
+    overrides: list[str],
+    quick: bool,
+    seeds: int,
+    max_steps: int | None,
+    eval_every: int | None,
+    target: float,
+    against: str | None,
+    variants: bool,
+    lags: tuple[int, ...],
+) -> dict[str, Any]:
+    """What ``asyncrl bench e2e`` trains, as written into its result: ``--quick`` is a tiny model,
+    a few steps and one seed; unset step counts take the full benchmark's."""
+    return {
+        "config": str(config) if config is not None else None,
+        "metric": metric,
+        "overrides": (QUICK if quick else []) + overrides,
+        "seeds": list(range(1 if quick else seeds)),
+        "max_steps": max_steps or (6 if quick else 400),
+        "eval_every": eval_every or (3 if quick else 25),
+        "target_accuracy": target,
+        "against": against,
+        "variants": VARIANTS if variants else {},
+        "lags": list(lags),
+    }
+
+
+def run_settings(settings: dict[str, Any], config_path: Path | None) -> dict[str, Any]:
+    """``run`` over what ``settings`` describes."""
+    return run(
+        overrides=settings["overrides"],
+        seeds=tuple(settings["seeds"]),
+        max_steps=settings["max_steps"],
+        eval_every=settings["eval_every"],
+        target=settings["target_accuracy"],
+        against_trl=settings["against"] == "trl",
+        variants=settings["variants"],
+        lags=tuple(settings["lags"]),
+        config_path=config_path,
+        metric=settings["metric"],
+    )
+
+
 def bench_config(
     overrides: list[str], *, seed: int, max_lag: int, max_steps: int, eval_every: int, config_path: Path | None = None
 ) -> RunConfig:

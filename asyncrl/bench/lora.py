@@ -39,15 +39,36 @@ GOALS = {"peak_rss_full_over_lora": 2.0, "sync_bytes_full_over_lora": 100.0, "st
 
 def measure(workload: Workload, rank: int) -> dict[str, Any]:
     """One setting (``rank`` 0: full fine-tuning) in this process: its step, sync, checkpoint and peak RSS."""
-    from asyncrl.config import GRPOConfig, load_config
-    from asyncrl.generation import SampleRequest, SamplingParams
+    from asyncrl.weights.sync import state_dict_bytes
+
+    tokenizer, trainer, generator = _setting(workload, rank)
+    steps, weights = _timed_steps(workload, trainer, generator)
+    step_peak = _peak_rss_bytes()
+    checkpoint_bytes, checkpoint_s, base_digest_s = _checkpoint_costs(trainer, tokenizer, rank)
+    last = steps[-1]
+    return {
+        "setting": f"lora r{rank}" if rank else "full",
+        "parameters": sum(p.numel() for p in trainer.model.parameters()),
+        "trainable_parameters": sum(p.numel() for p in trainer.params),
+        "peak_rss_bytes": step_peak,
+        "peak_rss_bytes_with_checkpoint": _peak_rss_bytes(),
+        "step_s": sum(last.values()),
+        **last,
+        "sync_bytes": state_dict_bytes(weights),
+        "checkpoint_bytes": checkpoint_bytes,
+        "checkpoint_s": checkpoint_s,
+        "base_digest_s": base_digest_s,
+    }
+
+
+def _setting(workload: Workload, rank: int) -> tuple[Any, Any, Any]:
+    """The tokenizer, trainer and in-process generator of one setting, as a run builds them."""
+    from asyncrl.config import load_config
     from asyncrl.generation.hf import build_hf_generator
     from asyncrl.models import build_tokenizer
     from asyncrl.models.factory import DTYPES
-    from asyncrl.models.lora import base_sha256, generator_copy
+    from asyncrl.models.lora import generator_copy
     from asyncrl.trainer.policy import PolicyTrainer
-    from asyncrl.trainer.worker import TrainerWorker
-    from asyncrl.weights.sync import state_dict_bytes
 
     config = load_config(
         None,
@@ -65,7 +86,13 @@ def measure(workload: Workload, rank: int) -> dict[str, Any]:
     generator = build_hf_generator(
         config, generator_copy(model, rank, DTYPES[config.trainer.dtype]), tokenizer, stop_token_ids=[0]
     )
-    trainer = PolicyTrainer.from_config(config, model)
+    return tokenizer, PolicyTrainer.from_config(config, model), generator
+
+
+def _timed_steps(workload: Workload, trainer: Any, generator: Any) -> tuple[list[dict[str, float]], Any]:
+    """Each step's generation, training and sync seconds, and the weights the last sync moved."""
+    from asyncrl.generation import SampleRequest, SamplingParams
+
     steps = []
     for step in range(workload.steps):
         batch = _batch(workload, seed=step)
@@ -82,7 +109,15 @@ def measure(workload: Workload, rank: int) -> dict[str, Any]:
         generator.load_weights(weights, version)
         synced = time.perf_counter()
         steps.append({"generation_s": generated - start, "training_s": trained - generated, "sync_s": synced - trained})
-    step_peak = _peak_rss_bytes()
+    return steps, weights
+
+
+def _checkpoint_costs(trainer: Any, tokenizer: Any, rank: int) -> tuple[int, float, float | None]:
+    """A checkpoint's bytes and seconds, and (LoRA) the seconds of the frozen base's digest."""
+    from asyncrl.config import GRPOConfig
+    from asyncrl.models.lora import base_sha256
+    from asyncrl.trainer.worker import TrainerWorker
+
     with tempfile.TemporaryDirectory() as run_dir:
         start = time.perf_counter()
         saved = TrainerWorker(trainer, GRPOConfig(), tokenizer).save_checkpoint(run_dir, 1, {}, keep_last=1)
@@ -93,20 +128,7 @@ def measure(workload: Workload, rank: int) -> dict[str, Any]:
         start = time.perf_counter()
         base_sha256(trainer.model.state_dict())
         base_digest_s = time.perf_counter() - start
-    last = steps[-1]
-    return {
-        "setting": f"lora r{rank}" if rank else "full",
-        "parameters": sum(p.numel() for p in trainer.model.parameters()),
-        "trainable_parameters": sum(p.numel() for p in trainer.params),
-        "peak_rss_bytes": step_peak,
-        "peak_rss_bytes_with_checkpoint": _peak_rss_bytes(),
-        "step_s": sum(last.values()),
-        **last,
-        "sync_bytes": state_dict_bytes(weights),
-        "checkpoint_bytes": checkpoint_bytes,
-        "checkpoint_s": checkpoint_s,
-        "base_digest_s": base_digest_s,
-    }
+    return checkpoint_bytes, checkpoint_s, base_digest_s
 
 
 def _peak_rss_bytes() -> int:
