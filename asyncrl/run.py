@@ -393,7 +393,8 @@ def _summary(run_dir: Path, steps_done: int, wall_seconds: float) -> dict:
 
 
 def evaluate(config: RunConfig, *, checkpoint: str | Path | None = None) -> dict:
-    """Greedy held-out accuracy of the config's policy (warm start included) or of a checkpoint."""
+    """Greedy held-out accuracy of the config's policy (warm start included) or of a checkpoint
+    (a LoRA checkpoint's adapter over that warm-started base)."""
     transformers.utils.logging.disable_progress_bar()
     checkpoint_dir = (
         _checkpoint_input(resolve_checkpoint, checkpoint, "--checkpoint") if checkpoint is not None else None
@@ -402,13 +403,14 @@ def evaluate(config: RunConfig, *, checkpoint: str | Path | None = None) -> dict
     tokenizer = _input(build_tokenizer, config)
     model = _input(build_model, config, tokenizer)
     task = _checked_task(config, tokenizer, model)
-    if checkpoint_dir is not None and is_adapter_checkpoint(checkpoint_dir):  # LoRA: base + adapter, merged
+    adapter = checkpoint_dir is not None and is_adapter_checkpoint(checkpoint_dir)
+    if checkpoint_dir is not None and not adapter:
+        _checkpoint_input(load_weights, model, checkpoint_dir)
+    else:  # the run's warm-started policy: also the base a LoRA checkpoint's adapter was trained over
+        warm_start_policy(model, tokenizer, config, prompts=task.train)
+    if adapter:  # LoRA: base + adapter, merged
         model = _checkpoint_input(merged_model, model, checkpoint_dir, DTYPES[config.trainer.dtype])
         config = config.model_copy(update={"lora": LoraConfig()})
-    elif checkpoint_dir is not None:
-        _checkpoint_input(load_weights, model, checkpoint_dir)
-    else:
-        warm_start_policy(model, tokenizer, config, prompts=task.train)
     rewards = _input(RewardRunner.from_config, config.rewards, task, config.generation.max_new_tokens)
     worker = None
     try:

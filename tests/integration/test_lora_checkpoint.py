@@ -14,6 +14,7 @@ from asyncrl.checkpoint import resolve_checkpoint
 from asyncrl.cli import main
 from asyncrl.config import load_config
 from asyncrl.models import build_model, build_tokenizer
+from asyncrl.warm_start import warm_start_policy
 
 LORA = [
     "lora.rank=4",
@@ -33,8 +34,12 @@ def runs(tmp_path_factory):
 
 
 def base_model(*overrides):
+    """The run's base: built and warm-started from its config, as train, eval and merge build it."""
     config = load_config(None, [*SMALL, *LORA, *overrides])
-    return build_model(config, build_tokenizer(config))
+    tokenizer = build_tokenizer(config)
+    model = build_model(config, tokenizer)
+    warm_start_policy(model, tokenizer, config)
+    return model
 
 
 @pytest.mark.slow
@@ -61,19 +66,36 @@ def test_peft_loads_the_checkpoint_over_its_base(runs):
         assert torch.equal(state[name.replace(".weight", ".default.weight")], tensor)
 
 
-@pytest.mark.slow
-def test_merge_writes_an_hf_model_with_the_logits_of_base_and_adapter(runs, capsys):
-    checkpoint = resolve_checkpoint(runs[0] / "full")
-    out = runs[0] / "merged"
-    assert main(["merge", str(runs[0] / "full"), str(out)]) == 0
+def merged_matches_base_and_adapter(run_dir, out, *overrides):
+    """``asyncrl merge`` of the run's checkpoint gives the logits of base + adapter, not the base's."""
+    assert main(["merge", str(run_dir), str(out)]) == 0
     assert not (out / "adapter_config.json").exists()
     merged = AutoModelForCausalLM.from_pretrained(out)
-    adapted = PeftModel.from_pretrained(base_model(), checkpoint)
+    adapted = PeftModel.from_pretrained(base_model(*overrides), resolve_checkpoint(run_dir))
     ids = torch.tensor([[3, 5, 7, 9, 11, 2]])
     with torch.no_grad():
         torch.testing.assert_close(merged(ids).logits, adapted(ids).logits, rtol=1e-5, atol=1e-5)
-        assert not torch.allclose(merged(ids).logits, base_model()(ids).logits, atol=1e-4)
-    assert "already exists" in error(capsys, "merge", str(runs[0] / "full"), str(out))
+        assert not torch.allclose(merged(ids).logits, base_model(*overrides)(ids).logits, atol=1e-4)
+
+
+@pytest.mark.slow
+def test_merge_writes_an_hf_model_with_the_logits_of_base_and_adapter(runs, capsys):
+    merged_matches_base_and_adapter(runs[0] / "full", runs[0] / "merged")
+    assert "already exists" in error(capsys, "merge", str(runs[0] / "full"), str(runs[0] / "merged"))
+
+
+WARM = ["warm_start.steps=20"]
+
+
+@pytest.mark.slow
+def test_merge_and_eval_rebuild_the_warm_started_base_of_the_run(tmp_path, capsys):
+    run(tmp_path, "warm", *LORA, *WARM, "grpo.max_steps=2")
+    cold, warm = base_model().state_dict(), base_model(*WARM).state_dict()
+    assert any(not torch.equal(cold[name], warm[name]) for name in cold)  # the warm start moved the base
+    merged_matches_base_and_adapter(tmp_path / "warm", tmp_path / "merged", *WARM)
+    capsys.readouterr()
+    assert main(["eval", "--checkpoint", str(tmp_path / "warm"), *SMALL, *LORA, *WARM]) == 0
+    assert json.loads(capsys.readouterr().out)["num_prompts"] == 8
 
 
 @pytest.mark.slow
