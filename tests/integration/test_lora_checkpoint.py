@@ -84,11 +84,12 @@ def test_merge_writes_an_hf_model_with_the_logits_of_base_and_adapter(runs, caps
     assert "already exists" in error(capsys, "merge", str(runs[0] / "full"), str(runs[0] / "merged"))
 
 
-WARM = ["warm_start.steps=20"]
+WARM = ["warm_start.steps=20", "environment.name=feedback", "environment.max_turns=2", "environment.max_tokens=40"]
 
 
 @pytest.mark.slow
 def test_merge_and_eval_rebuild_the_warm_started_base_of_the_run(tmp_path, capsys):
+    """The run warm-starts on its environment's demonstrations; merge and eval must do the same."""
     run(tmp_path, "warm", *LORA, *WARM, "grpo.max_steps=2")
     cold, warm = base_model().state_dict(), base_model(*WARM).state_dict()
     assert any(not torch.equal(cold[name], warm[name]) for name in cold)  # the warm start moved the base
