@@ -262,13 +262,18 @@ class SingleController:
             self._schedule_retry(batch, err)
             return
         self.gate.add_running(-1)
-        for job, group in zip(batch, result.groups):
+        committed = [job for job in batch if job.slot_id not in result.failed]
+        for job, group in zip(committed, result.groups):
             self.buffer.commit(job.slot_id, group)
             del self.jobs[job.slot_id]
         self.watchdog.progressed()
         self.clock.generation_s += result.seconds
         self.clock.generated_tokens += result.num_tokens
-        self.gate.add_in_flight(-len(batch))
+        self.gate.add_in_flight(-len(committed))
+        for job in batch:  # the worker spent their retries already (an environment kept failing)
+            if job.slot_id in result.failed:
+                self._give_up(replace(job, retries=self.max_retries), result.failed[job.slot_id])
+                self.changes.notify()
 
     def _schedule_retry(self, batch: list[RolloutJob], err: Exception) -> None:
         """Retry the batch whole while the budget lasts (same slots and seeds), then each prompt on
@@ -420,13 +425,15 @@ class SingleController:
         if len(self.state.step_groups) >= wanted:
             return await self._refill_round(version)
         # Evict on every pass: a stale group committed mid-step would otherwise hold a slot.
-        if evicted := self.buffer.evict(self.sampler.evict(version, self.buffer)):
+        refills = set(self.refills.ready(version, self.buffer))
+        stale = [slot_id for slot_id in self.sampler.evict(version, self.buffer) if slot_id not in refills]
+        if evicted := self.buffer.evict(stale):
             self.state.num_evicted += evicted
             self.changes.notify()
         remaining = wanted - len(self.state.step_groups)
         exhausted = self.data_exhausted and self.gate.in_flight == 0
         min_k = 1 if exhausted else min(self.config.grpo.min_groups_per_chunk, remaining)
-        slot_ids = self._in_dispatch_order(self.sampler.select(version, self.buffer, min_k, remaining))
+        slot_ids = self._in_dispatch_order(self._select(version, min_k, remaining))
         if len(slot_ids) < min_k:
             if not exhausted:
                 await self._wait_for_groups(version)
@@ -440,6 +447,14 @@ class SingleController:
         self.clock.train_s += time.perf_counter() - busy_start
         self.watchdog.progressed()
         return True
+
+    def _select(self, version: int, min_k: int, max_k: int) -> list[int]:
+        """The sampler's choice, but for a step with refills out: it takes those, and only those,
+        so they are trained in the step they refill (``DynamicSampling``)."""
+        if not self.refills.step_refills:
+            return self.sampler.select(version, self.buffer, min_k, max_k)
+        ready = self.refills.ready(version, self.buffer)
+        return ready[:max_k] if len(ready) >= min_k else []
 
     async def _wait_for_groups(self, version: int) -> None:
         self.watchdog.waiting["train loop"] = (
@@ -462,10 +477,12 @@ class SingleController:
             self.watchdog.waiting["train loop"] = f"room under runtime.max_inflight_groups to refill step {version}"
             await self.changes.next()
             return True
-        target = self.state.step_groups[0].target_step
         prompts = self.refills.take(count)
         self._dispatch(
-            [RolloutJob(self.buffer.reserve(self.gate.version, target), p, self.gate.version, target) for p in prompts]
+            [
+                RolloutJob(self.buffer.reserve(self.gate.version, version), p, self.gate.version, version)
+                for p in prompts
+            ]
         )
         return bool(prompts)
 

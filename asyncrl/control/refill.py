@@ -3,9 +3,15 @@
 Replacements come from a prompt stream of their own (the train split reshuffled, uids prefixed
 ``refill:``), so which prompts refill a step never depends on how refills and admissions
 interleave. The controller asks for a round only once every group the step waits for has arrived;
-a round is stamped with the current weights and the step's target, and bounded by the step's
-budget (``grpo.max_refill_groups``), the buffer's free slots and the in-flight limit. Under
+a round is stamped with the current weights and the open step as its target, and bounded by the
+step's budget (``grpo.max_refill_groups``), the buffer's free slots and the in-flight limit. Under
 ``in_order`` what refills a step is then a function of the config alone.
+
+A refill is trained in the step it refills, at lag 0, whatever the sampler: the controller takes the
+open step's refills itself (``ready``) rather than asking the sampler, which would pick by its own
+order (oldest weights first under ``weight_fifo`` and ``windowed``) and fill the step with groups
+meant for later steps, leaving the refills to a later step or to eviction. For the same reason the
+controller never evicts them.
 
 The step's unused budget is also the number of buffer slots that admissions leave free: the buffer
 is sized for them (``run_sampler.build_run_sampler``), and a sampler that admits up to capacity would
@@ -15,8 +21,12 @@ otherwise take them.
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 from asyncrl.data import Prompt, PromptLoader
+
+if TYPE_CHECKING:
+    from asyncrl.control.buffer import ReplayBuffer
 
 REFILL_PREFIX = "refill:"
 
@@ -61,6 +71,14 @@ class DynamicSampling:
         prompt = None if self.exhausted else self.loader.next()
         self.exhausted = prompt is None
         return prompt
+
+    def ready(self, step: int, buffer: ReplayBuffer) -> list[int]:
+        """Slot ids of step ``step``'s committed refills, in dispatch order."""
+        return [
+            slot.slot_id
+            for slot in buffer.ready_slots()
+            if slot.target_step == step and slot.group.prompt_uid.startswith(REFILL_PREFIX)
+        ]
 
     def given_up(self) -> None:
         """A refill of the open step failed for good and nothing replaces it: the step stops waiting for it."""

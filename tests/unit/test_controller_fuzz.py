@@ -1,4 +1,5 @@
-"""Fuzzing the real SingleController: the buffer, every built-in sampler and the slot accounting.
+"""Fuzzing the real SingleController: the buffer, every built-in sampler, one through the protocol
+alone, and the slot accounting.
 
 Fake trainer and rollout workers hold each call the way a worker thread does (one at a time, in
 submission order per worker) until a seeded scheduler completes it. The scheduler decides which
@@ -7,7 +8,8 @@ on slots cancelled and reserved again, while other batches commit), whether a tr
 (it is aborted and rerun), and how many event-loop turns pass before the next decision. One such
 decision is one interleaving; the totals are asserted. Some runs hold prompts that always fail
 to generate, which the controller skips. Some filter zero-variance groups and refill the step with
-replacement prompts from their own stream, within a per-step budget.
+replacement prompts from their own stream, within a per-step budget; each refill must be trained
+in the step it refills, with that step's weights.
 
 After every run: each prompt the loader handed out was trained exactly once, evicted and counted,
 skipped and counted, or is still ready in the buffer; no trained group breaks its sampler's lag
@@ -38,7 +40,7 @@ from hypothesis import strategies as st
 from asyncrl.config import RunConfig
 from asyncrl.control.buffer import ReplayBuffer
 from asyncrl.control.controller import SingleController
-from asyncrl.control.sampler import InOrderSampler, WeightFifoSampler, WindowedSampler
+from asyncrl.control.sampler import Admission, InOrderSampler, WeightFifoSampler, WindowedSampler
 from asyncrl.data import Prompt, PromptLoader, Task
 from asyncrl.types import EvalResult, RolloutBatch, RolloutGroup, StepData, StepReport, StepResult
 
@@ -47,9 +49,42 @@ MAX_YIELDS = 4  # event-loop turns let pass after a decision: 0 .. MAX_YIELDS - 
 IDLE_TURNS = 1_000  # turns with no pending worker call before the run counts as deadlocked
 MAX_DECISIONS = 10_000  # a run is a few hundred at most; one that goes on and on never ends
 RUN_TIMEOUT_S = 60.0  # wall-clock bound on one run, in case the loops spin without deadlocking
-SAMPLERS = (InOrderSampler, WeightFifoSampler, WindowedSampler)
+
+
 TOKENS = torch.ones(2, 2, dtype=torch.long)  # every fake group shares these read-only tensors
 WEIGHTS = {"w": torch.zeros(1)}
+
+
+class DispatchOrderSampler:
+    """A sampler through the protocol alone, no built-in's code: admits up to capacity, trains any
+    group within ``max_lag`` in dispatch order, evicts the rest."""
+
+    name = "test_controller_fuzz:DispatchOrderSampler"
+    gated = False
+
+    def __init__(self, prompts_per_step: int, max_lag: int) -> None:
+        self.max_lag = max_lag
+
+    def admit(self, version: int, buffer: ReplayBuffer) -> Admission | None:
+        return Admission(start_version=version, target_step=None) if buffer.num_free else None
+
+    def select(self, version: int, buffer: ReplayBuffer, min_k: int, max_k: int) -> list[int]:
+        fresh = [slot.slot_id for slot in buffer.ready_slots() if version - slot.start_version <= self.max_lag]
+        return fresh[:max_k] if len(fresh) >= min_k else []
+
+    def evict(self, version: int, buffer: ReplayBuffer) -> list[int]:
+        return [slot.slot_id for slot in buffer.ready_slots() if version - slot.start_version > self.max_lag]
+
+    def required_capacity(self, prompts_per_step: int) -> int:
+        return prompts_per_step
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None: ...
+
+
+SAMPLERS = (InOrderSampler, WeightFifoSampler, WindowedSampler, DispatchOrderSampler)
 
 
 @dataclass(frozen=True)
@@ -240,6 +275,10 @@ def is_poisoned(uid: str, scenario: Scenario) -> bool:
 
 
 REFILL = "refill:"  # the uid prefix of the refill stream's prompts
+
+
+def is_refill(group: RolloutGroup) -> bool:
+    return group.prompt_uid.startswith(REFILL)
 
 
 def is_flat(uid: str) -> bool:
@@ -520,6 +559,16 @@ def check_run(controller: SingleController, ledger: Ledger, steps: int, scenario
             if buffer.num_cancelled_total == 0 and not group.prompt_uid.startswith(REFILL):
                 assert group.start_version == max(0, trained_at - sampler.max_lag), f"{group.prompt_uid}: weights"
 
+    # A refill is trained in the step it refills, with that step's weights, whatever the sampler:
+    # none is trained later, evicted or left in the buffer.
+    refills_trained = Counter(trained_at for group, trained_at in ledger.trained if is_refill(group))
+    for group, trained_at in ledger.trained:
+        if is_refill(group):
+            where = (group.target_step, group.start_version)
+            assert where == (trained_at, trained_at), f"refill: {group.prompt_uid} {where} trained at {trained_at}"
+    left = [group.prompt_uid for group in ledger.evicted + [slot.group for slot in buffer.ready_slots()]]
+    assert not [uid for uid in left if uid.startswith(REFILL)], f"refill: {left} evicted or never trained"
+
     # Each finished step trained a full step of groups, but for the last one when the data ran out;
     # with filtering, a step's refills keep it at prompts_per_step informative groups while its
     # budget lasts (admission leaves the budget's slots free, whatever the sampler).
@@ -530,6 +579,7 @@ def check_run(controller: SingleController, ledger: Ledger, steps: int, scenario
     assert sorted(per_step) == list(range(steps))
     for step, count in per_step.items():
         assert 1 <= count <= scenario.prompts_per_step + refills[step] and refills[step] <= budget
+        assert refills_trained[step] == refills[step], f"refill: step {step} trained {refills_trained[step]} refills"
         assert count >= scenario.prompts_per_step or controller.data_exhausted, f"step {step} trained {count} groups"
         if scenario.refill_budget is not None and not controller.data_exhausted:
             full = informative[step] >= scenario.prompts_per_step or refills[step] == budget
