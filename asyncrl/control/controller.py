@@ -208,10 +208,10 @@ class SingleController:
     def _admit(self) -> tuple[list[RolloutJob], bool]:
         """Admit and reserve until refused; True when the sampler or the data refused (settled).
 
-        The open step's unused refill budget stays free (``DynamicSampling.reserved_slots``)."""
+        The refill budget's slots stay free for refills (``DynamicSampling.reserved_slots``)."""
         jobs: list[RolloutJob] = []
         while self.gate.in_flight + len(jobs) < self.max_in_flight:
-            if self.data_exhausted or self.buffer.num_free <= self.refills.reserved_slots:
+            if self.data_exhausted or self.buffer.num_free <= self.refills.reserved_slots(self.state.step_groups):
                 return jobs, True
             admission = self.sampler.admit(self.gate.version, self.buffer)
             if admission is None:

@@ -13,9 +13,11 @@ order (oldest weights first under ``weight_fifo`` and ``windowed``) and fill the
 meant for later steps, leaving the refills to a later step or to eviction. For the same reason the
 controller never evicts them.
 
-The step's unused budget is also the number of buffer slots that admissions leave free: the buffer
-is sized for them (``run_sampler.build_run_sampler``), and a sampler that admits up to capacity would
-otherwise take them.
+Admissions leave the budget's slots to refills (``reserved_slots``): the buffer is sized for them
+(``run_sampler.build_run_sampler``), and a sampler that admits up to capacity would otherwise take
+them. A refill the step has trained keeps its slot from admissions until the step ends, so turning
+refill on never lets a sampler hold more groups: under ``windowed`` with ``max_lag: 0`` each such
+group, admitted while the step waits for its refills, could only have been evicted.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from asyncrl.data import Prompt, PromptLoader
 
 if TYPE_CHECKING:
     from asyncrl.control.buffer import ReplayBuffer
+    from asyncrl.types import RolloutGroup
 
 REFILL_PREFIX = "refill:"
 
@@ -47,10 +50,11 @@ class DynamicSampling:
     def is_refill(prompt: Prompt) -> bool:
         return prompt.uid.startswith(REFILL_PREFIX)
 
-    @property
-    def reserved_slots(self) -> int:
-        """Buffer slots that admissions leave free for the open step's refills."""
-        return self.budget - self.step_refills
+    def reserved_slots(self, step_groups: list[RolloutGroup]) -> int:
+        """Buffer slots that admissions leave free: the budget, less the open step's refills that
+        hold a slot now (those in ``step_groups`` gave theirs back to the buffer, not to admissions)."""
+        trained = sum(group.prompt_uid.startswith(REFILL_PREFIX) for group in step_groups)
+        return self.budget - self.step_refills + trained
 
     def wanted(self, missing: int, free_slots: int) -> int:
         """How many replacements the step may still take for ``missing`` informative groups."""
