@@ -222,17 +222,24 @@ def train(
 
 @app.command("eval")
 def evaluate(
-    config: Path | None = typer.Option(None, "--config", help="YAML run config (default: the embedded one)"),
+    config: Path | None = typer.Option(
+        None, "--config", help="YAML run config (default: the checkpoint's, else the embedded one)"
+    ),
     checkpoint: Path | None = typer.Option(
         None, "--checkpoint", help="a checkpoint or run directory; default: the config's (warm-started) model"
     ),
     overrides: list[str] | None = typer.Argument(None, help="dotted overrides, e.g. data.eval_size=200"),
 ) -> None:
-    """Greedy accuracy and mean reward on the held-out split, printed as JSON."""
+    """Greedy accuracy and mean reward on the held-out split, printed as JSON. A checkpoint is
+    evaluated under the config it was saved with unless --config names another: its task, and
+    the base a LoRA adapter was trained over, are the run's."""
     import json
 
     from asyncrl.run import evaluate as run_evaluate
+    from asyncrl.run import resumed_checkpoint, resumed_config_path
 
+    if config is None and checkpoint is not None:
+        config = resumed_config_path(resumed_checkpoint(checkpoint, "--checkpoint"))
     result = run_evaluate(load_config(config, overrides or ()), checkpoint=checkpoint)
     typer.echo(json.dumps(result, indent=2))
 
