@@ -53,7 +53,7 @@ from asyncrl.models.factory import build_model, build_tokenizer, resolve_device
 from asyncrl.rewards import RewardRunner
 from asyncrl.rollout import RolloutWorker
 from asyncrl.run import local_torch_threads
-from asyncrl.warm_start import demonstrations, warm_start
+from asyncrl.warm_start import warm_start_policy
 
 # token-mean is DAPO's global token mean. TRL's "luspo" sums each sequence's token losses and
 # averages over sequences, which is seq-mean-token-sum as long as ratios stay per token.
@@ -177,7 +177,7 @@ def run_trl(config: RunConfig, *, seed: int, max_steps: int, eval_every_steps: i
     tokenizer = build_tokenizer(config)
     model = build_model(config, tokenizer)
     task = build_task(config.data, tokenizer)
-    warm_start(model, tokenizer, task.train, config.warm_start, **demonstrations(config))
+    warm_start_policy(model, tokenizer, config, prompts=task.train)  # the weights asyncrl's runs start from
 
     loader = PromptLoader(task.train, shuffle_seed=config.data.shuffle_seed, epochs=config.data.epochs)
     prompts = list(itertools.islice(iter(loader.next, None), max_steps * config.grpo.prompts_per_step))
