@@ -34,6 +34,7 @@ from asyncrl.control.buffer import ReplayBuffer
 from asyncrl.control.controller import SingleController
 from asyncrl.control.handles import RolloutHandle, TrainerHandle
 from asyncrl.data import PromptLoader, build_task, check_encodable, check_prompt_lengths
+from asyncrl.environments.context import first_requests
 from asyncrl.environments.episode import build_episodes, environment_class
 from asyncrl.faults import inject_rollout_faults, inject_trainer_faults
 from asyncrl.generation import SamplingParams, build_generator
@@ -210,7 +211,8 @@ def _checked_task(config: RunConfig, tokenizer: Any, model: Any) -> Any:
     _input(stop_token_ids, tokenizer, config.model.path)
     task = _input(build_task, config.data, tokenizer)
     _input(check_encodable, task, config.data, tokenizer)
-    _input(check_prompt_lengths, task, config, tokenizer, getattr(model.config, "max_position_embeddings", None))
+    max_positions = getattr(model.config, "max_position_embeddings", None)
+    _input(check_prompt_lengths, first_requests(task, config, tokenizer), config, max_positions)
     return task
 
 

@@ -6,9 +6,10 @@ loads too. A parquet file is read with pyarrow. Nothing is downloaded, imported 
 
 Every row is checked before training starts, and a bad one is reported by field, row number
 (1-based, counting records: blank lines of a jsonl file do not count) and file. A row's uid is
-``split/row``. Once the model is built, ``check_prompt_lengths`` rejects, by row, a prompt that
-leaves no room for ``generation.max_new_tokens`` in the model's context, and ``check_encodable``
-rejects, by row and character, text the tokenizer cannot reproduce.
+``split/row``. Once the model is built, ``check_prompt_lengths`` rejects, by row, a prompt whose
+longest request (with an environment: its templated opening and the whole episode) does not fit
+the model's context, and ``check_encodable`` rejects, by row and character, text the tokenizer
+cannot reproduce.
 
 The held-out split comes from ``data.eval_path`` when it is set; otherwise the last
 ``data.eval_size`` rows of ``data.path`` are held out and the rows before them are trained on.
@@ -25,7 +26,8 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -261,32 +263,53 @@ def _fields_hint(rows: list[dict[str, Any]], row: dict[str, Any], name: str) -> 
     return f" (its fields: {', '.join(map(str, row))})"
 
 
-def check_prompt_lengths(task: Task, config: RunConfig, tokenizer, max_positions: int | None) -> None:
-    """Reject, naming its row, a prompt that leaves no room for its response in the model's
-    ``max_positions`` (None: the model sets no limit). Tokenized as the rollout worker does. The
-    response is ``generation.max_new_tokens``, or with an environment the episode's
-    ``environment.max_tokens`` (every turn and observation after the opening)."""
+@dataclass(frozen=True)
+class Budget:
+    """What a request may add to the ids of its prompt's first request."""
+
+    tokens: int
+    terms: str  # the settings it sums, with their values: what an error shows
+    field: str  # the setting to lower when a request does not fit
+    value: int  # that setting's value; the other terms sum to ``tokens - value``
+    opening: str  # what the first request is: "prompt", or "templated opening"
+
+
+def request_budget(config: RunConfig) -> Budget:
+    """``generation.max_new_tokens``; with an environment, the whole episode
+    (``environment.max_tokens``) and then a turn's sampled tokens (asyncrl/environments/context.py)."""
+    new = config.generation.max_new_tokens
+    if config.environment.name is None:
+        return Budget(new, f"generation.max_new_tokens {new}", "generation.max_new_tokens", new, "prompt")
+    episode = config.environment.max_tokens
+    terms = f"environment.max_tokens {episode} + generation.max_new_tokens {new}"
+    return Budget(episode + new, terms, "environment.max_tokens", episode, "templated opening")
+
+
+def check_prompt_lengths(
+    first_requests: Iterable[tuple[Prompt, list[int]]], config: RunConfig, max_positions: int | None
+) -> None:
+    """Reject, naming its row, a prompt whose longest request does not fit the model's
+    ``max_positions`` (None: the model sets no limit): its first request's ids (the prompt as the
+    rollout worker encodes it, or an episode's templated opening: ``first_requests`` of
+    asyncrl/environments/context.py) and all a request may add to them (``request_budget``)."""
     if max_positions is None:
         return
-    data = config.data
-    budget, name = (
-        (config.environment.max_tokens, "environment.max_tokens")
-        if config.environment.name is not None
-        else (config.generation.max_new_tokens, "generation.max_new_tokens")
-    )
-    room = max_positions - budget
-    if room < 1:
+    data, room = config.data, request_budget(config)
+    if max_positions - room.tokens < 1:
+        others = room.tokens - room.value
+        with_others = f" (with generation.max_new_tokens {others})" if others else ""
         raise ValueError(
-            f"{name}: {budget} leaves no room for a prompt in the model's {max_positions} positions; "
-            f"set it below {max_positions}"
+            f"{room.field}: {room.value}{with_others} leaves no room for a prompt in the model's {max_positions} "
+            f"positions; set it below {max_positions - others}"
         )
-    for prompt, prompt_ids in encoded_prompts(task, tokenizer):
+    for prompt, prompt_ids in first_requests:
         if not prompt_ids:
             raise ValueError(f"{_where(prompt, data)}: the prompt tokenizes to no tokens")
-        if len(prompt_ids) > room:
+        if len(prompt_ids) + room.tokens > max_positions:
             raise ValueError(
-                f"{_where(prompt, data)}: the prompt is {len(prompt_ids)} tokens, and with {name} {budget} needs "
-                f"{len(prompt_ids) + budget} positions, but the model has {max_positions}; shorten it or lower {name}"
+                f"{_where(prompt, data)}: the {room.opening} is {len(prompt_ids)} tokens, and with {room.terms} "
+                f"needs {len(prompt_ids) + room.tokens} positions, but the model has {max_positions}; shorten "
+                f"it or lower {room.field}"
             )
 
 

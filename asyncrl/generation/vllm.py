@@ -32,10 +32,11 @@ import shutil
 import socket
 import tempfile
 import threading
+import time
 import urllib.parse
 import uuid
 from collections.abc import Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from pathlib import Path
 
 import torch
@@ -46,7 +47,8 @@ from transformers import PreTrainedModel
 
 from asyncrl.checkpoint import ADAPTER_WEIGHTS_FILE
 from asyncrl.config import RunConfig
-from asyncrl.data import build_task, longest_prompt
+from asyncrl.data import build_task
+from asyncrl.environments.context import request_bound
 from asyncrl.generation.base import SampleRequest, SamplingParams, check_vocabulary
 from asyncrl.generation.vllm_env import checked_python
 from asyncrl.generation.vllm_process import ServerError, VLLMServer, http_json
@@ -80,8 +82,8 @@ def build_vllm_generator(
 
     The model is saved (in the server's dtype) to a temporary directory the server loads at
     start; the server's log goes to ``<run_dir>/vllm/`` (beside the saved model outside a run).
-    Its context holds the task's longest prompt and a full response, and its KV cache at least
-    one such sequence (``server_memory``). A server that does not start (an incompatible
+    Its context holds the run's longest request (``served_context``), and its KV cache at least
+    one such sequence (``server_kv_cache``). A server that does not start (an incompatible
     environment) is a ValueError naming ``vllm.python`` and the log's last line.
     """
     cfg = config.vllm
@@ -182,17 +184,19 @@ def server_dtype(setting: str, trainer_dtype: str, gpu: bool) -> str:
 
 
 def served_context(config: RunConfig, tokenizer, max_positions: int) -> int:
-    """``vllm.max_model_len``, else the task's longest prompt plus ``generation.max_new_tokens``:
-    a server sized to the model's whole context would need its KV cache for one such sequence."""
-    max_new_tokens = config.generation.max_new_tokens
-    longest = longest_prompt(build_task(config.data, tokenizer), tokenizer)
-    length = config.vllm.max_model_len or longest + max_new_tokens
+    """``vllm.max_model_len``, else the run's longest request: the task's longest prompt, or with an
+    environment its longest templated opening plus the whole episode, then a turn's
+    ``generation.max_new_tokens`` (``asyncrl.environments.context``). A server sized to the
+    model's whole context would need its KV cache for one such sequence."""
+    opening, room = request_bound(build_task(config.data, tokenizer), config, tokenizer)
+    needed = opening + room.tokens
+    length = config.vllm.max_model_len or needed
     if length > max_positions:
         raise ValueError(f"vllm.max_model_len: {length} tokens exceed the model's {max_positions} positions")
-    if length < longest + max_new_tokens:
+    if length < needed:
         raise ValueError(
-            f"vllm.max_model_len: {length} tokens do not hold the task's longest prompt ({longest} tokens) and "
-            f"generation.max_new_tokens {max_new_tokens}; raise it to {longest + max_new_tokens} or leave it null"
+            f"vllm.max_model_len: {length} tokens do not hold the task's longest {room.opening} ({opening} tokens) "
+            f"and {room.terms}; raise it to {needed} or leave it null"
         )
     return length
 
@@ -326,7 +330,10 @@ class VLLMGenerator:
         self.member: BroadcastMember | None = None  # this process's end of the group with the server
         self.joined = False  # whether the server's worker is in ``member``'s group
         self.sent_version: int | None = None  # of the weights last sent: what a restarted server gets
+        self.max_concurrency = max_concurrency
         self._pool = ThreadPoolExecutor(max_workers=max_concurrency, thread_name_prefix="vllm-request")
+        self._counting = threading.Lock()
+        self._open_calls = 0  # submitted to the pool and not yet returned: what a new batch queues behind
         self._lock = threading.Lock()  # one weight update at a time; a restart waits for it
         atexit.register(self._remove_files)
         if server is not None:
@@ -335,34 +342,68 @@ class VLLMGenerator:
         self._connect()
 
     def generate(self, requests: Sequence[SampleRequest], params: SamplingParams) -> list[Rollout]:
-        """One Rollout per request, in request order; every response token carries its version."""
+        """One Rollout per request, in request order; every response token carries its version.
+        A call that fails, or a batch past its deadline (``_deadline``), raises a ServerError once
+        the batch's other calls are ended (``_abort``)."""
         check_vocabulary(requests, self.vocab_size)
         self._revive()
         version = self.version
         adapter = self.adapters.name(version) if self.adapters is not None else None
         batch = uuid.uuid4().hex
         request_ids = [f"{batch}-{index}" for index in range(len(requests))]
+        deadline = self._deadline(len(requests))
         futures = [
             self._pool.submit(self._sample, request, params, version, request_id, adapter)
             for request, request_id in zip(requests, request_ids)
         ]
+        for future in futures:
+            future.add_done_callback(self._returned)
         try:
+            wait(futures, timeout=max(0.0, deadline - time.monotonic()), return_when=FIRST_EXCEPTION)
+            failed = next((f.exception() for f in futures if f.done() and f.exception() is not None), None)
+            if failed is not None:
+                raise failed
+            if not all(future.done() for future in futures):
+                raise ServerError(
+                    f"{self.url}: a batch of {len(requests)} requests did not return within its deadline "
+                    f"({self._waves(len(requests))} x vllm.request_timeout_s {self.timeout:g}s)"
+                )
             return [future.result() for future in futures]
         except BaseException:
             self._abort(request_ids, futures)
             raise
 
+    def _deadline(self, calls: int) -> float:
+        """When a batch of ``calls`` must have returned. Each call is bounded by the request timeout
+        and the pool runs ``max_concurrency`` at once, so a request timeout for each wave of the
+        calls queued ahead of it and in it, and one more for the slack of connecting."""
+        with self._counting:
+            waves = self._waves(self._open_calls + calls)
+            self._open_calls += calls
+        return time.monotonic() + waves * self.timeout
+
+    def _waves(self, calls: int) -> int:
+        return -(-calls // self.max_concurrency) + 1
+
+    def _returned(self, future: Future) -> None:
+        with self._counting:
+            self._open_calls -= 1
+
     def _abort(self, request_ids: list[str], futures: list[Future]) -> None:
         """End the batch's other requests before its failure is raised, so a retry of the batch
         never runs beside them: those not sent are cancelled, the server aborts those it runs
-        (their calls then return), and this waits for every call."""
+        (their calls then return), and this waits for every call, for a request timeout at most."""
         running = [rid for rid, future in zip(request_ids, futures) if not future.cancel() and not future.done()]
         if running:
             try:
                 self._call("/abort_requests", {"request_ids": [f"{SERVED_REQUEST_PREFIX}{rid}" for rid in running]})
             except ServerError:
                 pass  # a server that does not answer runs nothing to abort; its calls fail on their own
-        wait(futures)
+        if wait(futures, timeout=self.timeout).not_done:
+            raise ServerError(
+                f"{self.url}: {len(running)} aborted requests of a failed batch still ran "
+                f"vllm.request_timeout_s {self.timeout:g}s later"
+            )
 
     def load_weights(self, state_dict: Mapping[str, Tensor], version: int) -> None:
         """Strict names and shapes (checked before anything is sent), then one update on the server."""
@@ -488,7 +529,13 @@ class VLLMGenerator:
         member = self._pool.submit(BroadcastMember, Rendezvous(host, port, 2, self.collective, self.timeout), 0)
         init_info = {"host": host, "port": port, "backend": self.collective, "timeout_s": self.timeout}
         self._call("/init_weight_transfer_engine", {"init_info": init_info})
-        self.member, self.joined = member.result(), True
+        try:  # the store gives up after the timeout itself; this bounds the wait should it not
+            self.member, self.joined = member.result(timeout=2 * self.timeout), True
+        except TimeoutError:
+            raise ServerError(
+                f"{self.url}: the server's worker did not join the weight-transfer group within "
+                f"2 x vllm.request_timeout_s {self.timeout:g}s"
+            ) from None
 
     def _update(self, version: int, weights: Mapping[str, Tensor] | None) -> None:
         """Load ``version`` into the server: ``weights`` through the group, or the weights file."""

@@ -307,25 +307,28 @@ def test_a_prompt_too_long_for_the_context_is_rejected_by_row(tmp_path, capsys):
     )
     episodes = ["environment.name=feedback", "generation.max_new_tokens=8"]
     assert train_error(capsys, tmp_path, *episodes, "environment.max_tokens=1024") == (
-        "environment.max_tokens: 1024 leaves no room for a prompt in the model's 1024 positions; set it below 1024"
+        "environment.max_tokens: 1024 (with generation.max_new_tokens 8) leaves no room for a prompt in the model's "
+        "1024 positions; set it below 1016"
     )
-    assert "with environment.max_tokens 1019 needs" in train_error(
-        capsys, tmp_path, *episodes, "environment.max_tokens=1019"
+    assert (
+        "the templated opening is 11 tokens, and with environment.max_tokens 1006 + generation.max_new_tokens 8 "
+        "needs 1025 positions" in train_error(capsys, tmp_path, *episodes, "environment.max_tokens=1006")
     )
 
 
 def test_a_prompt_that_just_fits_is_accepted():
     from asyncrl.config import load_config
     from asyncrl.data import Prompt, Task, check_prompt_lengths
+    from asyncrl.environments.context import first_requests
     from asyncrl.models.tokenizer import build_char_tokenizer
 
-    config = load_config(None, ["generation.max_new_tokens=4"])
+    config, tokenizer = load_config(None, ["generation.max_new_tokens=4"]), build_char_tokenizer()
     fits = Task("t", train=[Prompt("train/1", "x" * 1020, "1")], heldout=[Prompt("heldout/2", "y", "1")])
-    check_prompt_lengths(fits, config, build_char_tokenizer(), 1024)
-    check_prompt_lengths(fits, config, build_char_tokenizer(), None)  # a model without a position limit
+    check_prompt_lengths(first_requests(fits, config, tokenizer), config, 1024)
+    check_prompt_lengths(first_requests(fits, config, tokenizer), config, None)  # a model without a position limit
     too_long = Task("t", train=fits.train, heldout=[Prompt("heldout/2", "y" * 1021, "1")])
     with pytest.raises(ValueError, match=r"^data.task: prompt 'heldout/2' of running_sum: the prompt is 1021 tokens"):
-        check_prompt_lengths(too_long, config, build_char_tokenizer(), 1024)
+        check_prompt_lengths(first_requests(too_long, config, tokenizer), config, 1024)
 
 
 # --- custom module:attr rewards and samplers

@@ -4,10 +4,12 @@ carries the weight version the server reports."""
 
 import pytest
 
+from asyncrl.cli import main
 from asyncrl.data import Prompt
 from asyncrl.environments.episode import OBSERVATION_VERSION, EpisodeLimits, MultiTurn
 from asyncrl.environments.feedback import FeedbackEnvironment
 from asyncrl.generation import SamplingParams
+from asyncrl.metrics import read_jsonl
 from asyncrl.models.tokenizer import build_char_tokenizer
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
@@ -37,6 +39,21 @@ def test_episodes_run_on_the_vllm_server_with_masked_template_deltas(vllm_genera
         assert {rollout.versions[i] for i in observed} <= {OBSERVATION_VERSION}
         for span in _masked_spans(rollout.response_ids, rollout.loss_mask):
             assert tokenizer.decode(span) in {"U:too high\nA:", "U:too low\nA:", "U:a number?\nA:"}
+
+
+def test_a_multi_turn_run_sizes_its_server_for_the_templated_opening_and_the_whole_episode(tmp_path, vllm_python):
+    """configs/multi-turn.yaml on a server of its own with the default context (no
+    vllm.max_model_len): the opening templates to 11 tokens where the raw prompt has 6, and a
+    later turn sends the transcript, so the server holds 11 + environment.max_tokens 48 +
+    generation.max_new_tokens 6. Every turn is served: no generation fails."""
+    run_dir = tmp_path / "run"
+    overrides = ["generation.backend=vllm", "grpo.max_steps=2", "grpo.prompts_per_step=4", "warm_start.steps=60",
+                 "data.eval_size=8", "checkpoint.every_steps=null", "logging.progress=false",
+                 "runtime.max_rollout_retries=0"]  # fmt: skip
+    assert main(["train", "--config", "configs/multi-turn.yaml", "--output-dir", str(run_dir), *overrides]) == 0
+    [log] = (run_dir / "vllm").glob("server-*.log")
+    assert "'max_model_len': 65," in log.read_text()  # the server's arguments, as it logs them
+    assert max(row["episode/turns"] for row in read_jsonl(run_dir / "metrics.jsonl")) > 1
 
 
 def _masked_spans(ids: list[int], mask: list[int]) -> list[list[int]]:
