@@ -6,7 +6,7 @@ submitted after a generation batch runs after it. The controller is identical on
 """
 
 from asyncrl.config import RunConfig
-from asyncrl.runtime.local import LocalHandle, LocalRuntime
+from asyncrl.runtime.local import SHUTDOWN_TIMEOUT_S, LocalHandle, LocalRuntime
 
 __all__ = ["LocalHandle", "LocalRuntime", "build_runtime"]
 
@@ -22,4 +22,5 @@ def build_runtime(config: RunConfig):
             num_cpus=ranks * cfg.trainer_cpus + generators * cfg.generator_cpus,
             num_gpus=ranks * cfg.trainer_gpus + generators * cfg.generator_gpus,
         )
-    return LocalRuntime()
+    # a stop waits for a hung call no longer than for progress, and never more than a minute
+    return LocalRuntime(min(SHUTDOWN_TIMEOUT_S, config.runtime.watchdog_s or SHUTDOWN_TIMEOUT_S))

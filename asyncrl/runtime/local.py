@@ -3,14 +3,21 @@
 Each worker gets a single-thread executor, so its calls run one at a time in submission order
 while different workers (the trainer and the rollout workers) run concurrently: generation and
 training overlap. Torch releases the GIL inside its kernels, which is where the time goes.
+
+The threads are daemons and shutdown waits for a running call only up to a deadline: a call that
+never returns (a hung worker) cannot keep a stopped run's process alive.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
+
+from asyncrl.threads import DaemonPool
+
+SHUTDOWN_TIMEOUT_S = 60.0  # how long shutdown waits for a worker's running call, by default
 
 
 class LocalHandle:
@@ -23,8 +30,8 @@ class LocalHandle:
     def __init__(self, worker: Any, name: str) -> None:
         self.worker = worker
         self.name = name
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
-        self._unordered = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{name}-unordered")
+        self._executor = DaemonPool(1, name)
+        self._unordered = DaemonPool(1, f"{name}-unordered")
 
     def __getattr__(self, method: str) -> Callable[..., asyncio.Future]:
         target = getattr(self.worker, method)
@@ -41,11 +48,13 @@ class LocalHandle:
     def loads_while_generating(self) -> bool:
         return "load_weights" in getattr(self.worker, "unordered_methods", ())
 
-    def shutdown(self) -> None:
-        """Drop queued calls and wait for the running ones, then ``close()`` the worker if it has
-        one (a generator's server); later calls raise RuntimeError."""
-        self._executor.shutdown(wait=True, cancel_futures=True)
-        self._unordered.shutdown(wait=True, cancel_futures=True)
+    def shutdown(self, timeout_s: float = SHUTDOWN_TIMEOUT_S) -> None:
+        """Drop queued calls and wait up to ``timeout_s`` for the running ones (a call still running
+        then is left to its daemon thread), then ``close()`` the worker if it has one (a
+        generator's server); later calls raise RuntimeError."""
+        deadline = time.monotonic() + timeout_s
+        self._executor.shutdown(timeout_s)
+        self._unordered.shutdown(max(0.0, deadline - time.monotonic()))
         close = getattr(self.worker, "close", None)
         if callable(close):
             close()
@@ -56,8 +65,9 @@ class LocalRuntime:
 
     name = "local"
 
-    def __init__(self) -> None:
+    def __init__(self, shutdown_timeout_s: float = SHUTDOWN_TIMEOUT_S) -> None:
         self.handles: list[LocalHandle] = []
+        self.shutdown_timeout_s = shutdown_timeout_s  # how long shutdown waits for the workers' running calls
 
     def spawn(self, worker_factory: Callable[[], Any], name: str) -> LocalHandle:
         handle = LocalHandle(worker_factory(), name)
@@ -65,6 +75,8 @@ class LocalRuntime:
         return handle
 
     def shutdown(self) -> None:
+        """Shut every handle down, all of them within ``shutdown_timeout_s``."""
+        deadline = time.monotonic() + self.shutdown_timeout_s
         for handle in self.handles:
-            handle.shutdown()
+            handle.shutdown(max(0.0, deadline - time.monotonic()))
         self.handles.clear()
