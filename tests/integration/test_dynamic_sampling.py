@@ -79,3 +79,26 @@ def test_refills_given_up_after_their_stream_runs_out_do_not_hold_up_the_step(tm
     assert summary["steps"] == 2
     assert metrics[-1]["skipped_prompts"] == len(train_prompts)
     assert [m["refill_groups"] for m in metrics] == [0, 0] and [m["num_groups"] for m in metrics] == [4, 4]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("max_lag", [0, 1, 2])
+@pytest.mark.parametrize("sampler", ["weight_fifo", "windowed"])
+def test_refills_are_trained_in_the_step_they_refill_under_every_sampler(tmp_path, sampler, max_lag):
+    """Not a later step's regular groups: a refill is trained in its own step, with its weights,
+    and none is evicted; admissions hold no more groups than without refill, so a step's end
+    evicts at most prompts_per_step groups (windowed, max_lag 0)."""
+    settings = [
+        f"sampler.name={sampler}",
+        f"sampler.max_lag={max_lag}",
+        "grpo.filter_zero_variance=true",
+        "grpo.max_refill_groups=32",
+        "rewards.functions=[reward_functions:even_answers_score_even_lengths]",
+    ]
+    _, metrics, groups = run(tmp_path, "run", *settings)
+    refills = [g for g in groups if g["prompt_uid"].startswith("refill:")]
+    assert [sum(g["step"] == m["step"] for g in refills) for m in metrics] == [m["refill_groups"] for m in metrics]
+    assert all(g["lag"] == 0 and g["target_step"] == g["trained_at"] for g in refills)
+    assert len(refills) == metrics[-1]["refill_groups_total"] > 0
+    assert all(m["num_informative_groups"] == 4 or m["refill_groups"] == 32 for m in metrics)
+    assert metrics[-1]["evicted_groups"] <= 4 * len(metrics)
