@@ -26,6 +26,10 @@ regenerated group to it (it keeps its place in dispatch order), or ``buffer.canc
 ``buffer.reserve`` again with the slot's own ``start_version`` and ``target_step``, without calling
 ``admit``. Samplers keep no per-slot state, so both are safe. The same holds for prompts that were
 in flight when a checkpoint was taken: resume them with their recorded values.
+
+Dynamic sampling's refills are not the sampler's to choose: while a step has refills out, the
+controller trains those without calling ``select``, and it never evicts them (``control/refill.py``),
+so a refill is trained in the step it refills under any sampler.
 """
 
 from __future__ import annotations
