@@ -343,15 +343,16 @@ class VLLMGenerator:
 
     def generate(self, requests: Sequence[SampleRequest], params: SamplingParams) -> list[Rollout]:
         """One Rollout per request, in request order; every response token carries its version.
-        A call that fails, or a batch past its deadline (``_deadline``), raises a ServerError once
-        the batch's other calls are ended (``_abort``)."""
+        A call that fails, or a batch past its deadline (``_limit_s``), raises once the batch's
+        other calls are ended (``_abort``)."""
         check_vocabulary(requests, self.vocab_size)
         self._revive()
         version = self.version
         adapter = self.adapters.name(version) if self.adapters is not None else None
         batch = uuid.uuid4().hex
         request_ids = [f"{batch}-{index}" for index in range(len(requests))]
-        deadline = self._deadline(len(requests))
+        limit_s = self._limit_s(len(requests))
+        deadline = time.monotonic() + limit_s
         futures = [
             self._pool.submit(self._sample, request, params, version, request_id, adapter)
             for request, request_id in zip(requests, request_ids)
@@ -365,25 +366,22 @@ class VLLMGenerator:
                 raise failed
             if not all(future.done() for future in futures):
                 raise ServerError(
-                    f"{self.url}: a batch of {len(requests)} requests did not return within its deadline "
-                    f"({self._waves(len(requests))} x vllm.request_timeout_s {self.timeout:g}s)"
+                    f"{self.url}: a batch of {len(requests)} requests did not return within its deadline, "
+                    f"{limit_s:g}s ({limit_s / self.timeout:g} x vllm.request_timeout_s)"
                 )
             return [future.result() for future in futures]
         except BaseException:
             self._abort(request_ids, futures)
             raise
 
-    def _deadline(self, calls: int) -> float:
-        """When a batch of ``calls`` must have returned. Each call is bounded by the request timeout
-        and the pool runs ``max_concurrency`` at once, so a request timeout for each wave of the
-        calls queued ahead of it and in it, and one more for the slack of connecting."""
+    def _limit_s(self, calls: int) -> float:
+        """How long a batch of ``calls`` may take. Each call is bounded by the request timeout and
+        the pool runs ``max_concurrency`` at once, so a request timeout for each wave of the calls
+        queued ahead of the batch and in it, and one more for the slack of connecting."""
         with self._counting:
-            waves = self._waves(self._open_calls + calls)
             self._open_calls += calls
-        return time.monotonic() + waves * self.timeout
-
-    def _waves(self, calls: int) -> int:
-        return -(-calls // self.max_concurrency) + 1
+            waves = -(-self._open_calls // self.max_concurrency) + 1
+        return waves * self.timeout
 
     def _returned(self, future: Future) -> None:
         with self._counting:

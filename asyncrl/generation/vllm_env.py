@@ -25,6 +25,8 @@ from pathlib import Path
 VLLM_VERSION = "0.32.0"
 MARKER = "asyncrl-vllm-env.json"
 UNNEEDED = ("torchvision", "torchaudio", "torchcodec")
+INSTALL_TIMEOUT_S = 3600  # one pip command (the install downloads about 3.5 GB)
+PROBE_TIMEOUT_S = 600  # importing vllm and transformers, slow on a loaded machine
 SETUP_HINT = "run `asyncrl vllm-env` (or `python -m asyncrl.generation.vllm_env`) to create it"
 
 
@@ -75,7 +77,10 @@ def ensure_env(path: Path | None = None, *, device: str = "cpu", log=print) -> P
 def check_env(python: Path) -> str:
     """vLLM's version in the environment of ``python``; raises if vLLM or transformers do not import."""
     probe = "import transformers, vllm; print(vllm.__version__)"
-    result = subprocess.run([str(python), "-c", probe], capture_output=True, text=True)
+    try:
+        result = subprocess.run([str(python), "-c", probe], capture_output=True, text=True, timeout=PROBE_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        raise VLLMEnvError(f"the vLLM environment of {python} did not import vllm within {PROBE_TIMEOUT_S}s") from None
     if result.returncode != 0:
         last = (result.stderr.strip().splitlines() or ["no output"])[-1]
         raise VLLMEnvError(f"the vLLM environment of {python} does not import vllm ({last}); {SETUP_HINT}")
@@ -83,7 +88,12 @@ def check_env(python: Path) -> str:
 
 
 def _run(command: list, path: Path) -> None:
-    result = subprocess.run([str(c) for c in command], capture_output=True, text=True)
+    try:
+        result = subprocess.run([str(c) for c in command], capture_output=True, text=True, timeout=INSTALL_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        raise VLLMEnvError(
+            f"setting up the vLLM environment at {path}: pip {command[3]} took over {INSTALL_TIMEOUT_S}s"
+        ) from None
     if result.returncode != 0:
         last = (result.stderr.strip().splitlines() or ["no output"])[-1]
         raise VLLMEnvError(f"setting up the vLLM environment at {path} failed: {last}")

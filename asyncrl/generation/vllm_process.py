@@ -28,6 +28,7 @@ WEIGHT_ENGINES = {"file": "asyncrl_file", "collective": "asyncrl_collective"}  #
 PORT_ATTEMPTS = 5  # fresh ports tried when another process takes the one picked
 ERROR_LINE = re.compile(r"(\(.+?\) ERROR .+?\] )?\w*(Error|Exception): ")  # an exception's message, logged or raw
 ADDRESS_IN_USE = b"Address already in use"  # in the log of a server whose port was taken
+STOP_TIMEOUT_S = 15  # how long a stop waits for the server to exit after SIGTERM, then after SIGKILL
 WHOLE_PREFILL_MIN_BATCHED_TOKENS = 8192  # tokens per scheduler step on CPU, at least max_model_len
 
 
@@ -205,10 +206,13 @@ class VLLMServer:
             return
         _signal_group(process.pid, signal.SIGTERM)
         try:
-            process.wait(timeout=15)
+            process.wait(timeout=STOP_TIMEOUT_S)
         except subprocess.TimeoutExpired:
             _signal_group(process.pid, signal.SIGKILL)
-            process.wait()
+            try:
+                process.wait(timeout=STOP_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                raise ServerError(f"the vLLM server (pid {process.pid}) did not exit after SIGKILL") from None
         _signal_group(process.pid, signal.SIGKILL)  # an engine-core child that outlived its parent
 
     def _failure(self, log_start: int) -> str:

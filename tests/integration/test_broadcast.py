@@ -32,7 +32,8 @@ def in_threads(function, *args_per_thread):
     for thread in threads:
         thread.start()
     for thread in threads:
-        thread.join()
+        thread.join(timeout=300)
+        assert not thread.is_alive(), "a rank's call did not return within 300 s"
     return results
 
 

@@ -323,7 +323,9 @@ def test_a_reward_process_that_died_while_idle_is_replaced():
         dead = reward_processes(os.getpid()) - before
         (pid,) = dead
         os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 30
         while Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":  # not yet reaped
+            assert time.monotonic() < deadline, "the killed reward process was not a zombie within 30 s"
             time.sleep(0.01)
         result = runner.score(["a", "b"] * 4, ["a"] * 8)
         assert result.rewards == [1.0, 0.0] * 4 and result.errors == result.timeouts == 0

@@ -123,6 +123,14 @@ def running_requests(url: str) -> float:
     return sum(float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith("vllm:num_requests_running{"))
 
 
+def wait_until(condition, seconds: float, what: str) -> None:
+    """Poll ``condition``; a wait that would otherwise never end fails at ``seconds``, naming ``what``."""
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, f"{what} did not happen within {seconds:g}s"
+        time.sleep(0.05)
+
+
 def endless_client(model, url: str) -> VLLMGenerator:
     """A second client of the server at ``url`` whose responses run to max_new_tokens (no stop token)."""
     shapes = {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}
@@ -230,11 +238,12 @@ def test_an_inflight_update_gives_responses_spanning_two_versions(vllm_generator
     result = {}
     worker = threading.Thread(target=lambda: result.update(r=endless.generate(requests(), SamplingParams(600))))
     worker.start()
-    while running_requests(vllm_generator.url) == 0:  # 600 decoding steps take seconds; a load 0.1 s
-        assert worker.is_alive()
-        time.sleep(0.05)
+    # 600 decoding steps take seconds; a load 0.1 s
+    wait_until(lambda: running_requests(vllm_generator.url) or not worker.is_alive(), 300, "the batch running")
+    assert worker.is_alive()
     vllm_generator.load_weights(new.state_dict(), 5)
-    worker.join()
+    worker.join(timeout=600)
+    assert not worker.is_alive(), "the batch did not return within 600 s"
     rollouts = result["r"]
     assert all(r.finish_reason == "length" and len(r.response_ids) == 600 for r in rollouts)
     spanning = [r for r in rollouts if r.versions[0] == 4 and r.versions[-1] == 5]
@@ -350,10 +359,12 @@ def test_a_ray_rollout_worker_loads_weights_while_it_generates(ray_cluster, vllm
         await handle.load_weights(old, 9)
         http_json(f"{vllm_generator.url}/pause?mode=keep", {}, timeout=30)
         batch = handle.generate([RolloutJob(0, Prompt("u0", "12+30=", "42"), 9, None)])
+        deadline = time.monotonic() + 300
         while not started.exists():
+            assert time.monotonic() < deadline, "the generation batch did not reach the generator within 300 s"
             await asyncio.sleep(0.05)
         await asyncio.wait_for(handle.load_weights(new, 10), 60)  # a load queued behind the batch: never
-        return await batch
+        return await asyncio.wait_for(batch, 600)
 
     try:
         [handle] = runtime.spawn_generators(partial(endless_rollout_worker, config, started), 1)
@@ -502,9 +513,10 @@ def test_a_server_whose_port_another_run_took_starts_on_another_and_answers_as_i
 
 @pytest.mark.slow
 def test_a_failed_request_aborts_the_rest_of_its_batch_before_the_failure_is_raised(vllm_generator):
-    """One request of a batch of endless responses fails once the others run: before generate
-    raises, the others are aborted on the server and their calls have returned, so a retry of
-    the batch never runs beside them."""
+    """One request of a batch of long responses fails once the others run on the server, or once
+    one of them returned (on a loaded machine they may all finish first): before generate raises,
+    every other call has returned (aborted or finished), and the server runs none of them, so a
+    retry of the batch never runs beside them."""
     old = tiny(81)
     vllm_generator.load_weights(old.state_dict(), 11)
     endless = endless_client(old, vllm_generator.url)
@@ -513,8 +525,8 @@ def test_a_failed_request_aborts_the_rest_of_its_batch_before_the_failure_is_rai
 
     def first_fails(request, params, version, request_id, adapter):
         if request is batch[0]:
-            while running_requests(endless.url) < len(batch) - 1:
-                time.sleep(0.05)
+            others = len(batch) - 1
+            wait_until(lambda: returned or running_requests(endless.url) >= others, 300, "the batch running")
             raise ServerError("injected failure")
         try:
             return sample(request, params, version, request_id, adapter)
@@ -525,8 +537,40 @@ def test_a_failed_request_aborts_the_rest_of_its_batch_before_the_failure_is_rai
     with pytest.raises(ServerError, match="injected failure"):
         endless.generate(batch, SamplingParams(max_new_tokens=1000))
     assert len(returned) == len(batch) - 1
-    # the server's gauge follows its scheduler's next step; an endless request would still run after it
-    deadline = time.monotonic() + 2
-    while running_requests(endless.url) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert running_requests(endless.url) == 0
+    # the server's gauge follows its scheduler's next step; a request left running would keep it up
+    wait_until(lambda: running_requests(endless.url) == 0, 60, "the server running no request")
+
+
+def test_a_batch_past_its_deadline_raises_after_its_calls_are_aborted(monkeypatch):
+    """Calls that never return (a hung server) fail the batch at its deadline, a request timeout
+    for each wave of calls and one more; its calls are aborted, and it raises once they returned."""
+    monkeypatch.setattr(VLLMGenerator, "_connect", lambda self: None)
+    model = tiny(0)
+    shapes = {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}
+    generator = VLLMGenerator(
+        shapes=shapes, stop_token_ids=(), vocab_size=len(TOKENIZER), url="http://127.0.0.1:9", request_timeout_s=0.5
+    )
+    aborted = threading.Event()
+    routes = []
+
+    def server(route, body=None):
+        routes.append((route, len(body["request_ids"])))
+        aborted.set()
+        return {}
+
+    def hung(request, params, version, request_id, adapter):
+        if not aborted.wait(timeout=60):
+            raise AssertionError("the batch's calls were never aborted")
+        raise ServerError("aborted")
+
+    generator._call, generator._sample = server, hung
+    try:
+        with pytest.raises(
+            ServerError,
+            match=r"a batch of 10 requests did not return within its deadline, 1s \(2 x vllm.request_timeout_s\)",
+        ):
+            generator.generate(requests(), SamplingParams(max_new_tokens=8))
+    finally:
+        aborted.set()
+        generator.close()
+    assert routes == [("/abort_requests", 10)]
