@@ -11,6 +11,7 @@ reward is the environment's, when it gave one, or else the run's rewards' score 
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
@@ -20,7 +21,7 @@ from torch import Tensor
 
 from asyncrl.algorithms import Algorithm
 from asyncrl.data import Prompt
-from asyncrl.environments.episode import Completion, Episodes, SingleTurn
+from asyncrl.environments.episode import Completion, EpisodeError, Episodes, SingleTurn
 from asyncrl.generation import Generator, SamplingParams, sample_seed
 from asyncrl.rewards import RewardResult, RewardRunner
 from asyncrl.types import EvalResult, Rollout, RolloutBatch, RolloutGroup, RolloutJob
@@ -78,16 +79,21 @@ class RolloutWorker:
         n = self.group_size
         prompts = [job.prompt for job in jobs for _ in range(n)]
         seeds = [sample_seed(self.run_seed, job.prompt.uid, i) for job in jobs for i in range(n)]
-        completions = self.episodes.run(prompts, seeds, self.sampling)
+        results = self.episodes.run(prompts, seeds, self.sampling)
+        failed = {jobs[i // n].slot_id: r for i, r in enumerate(results) if isinstance(r, EpisodeError)}
+        kept = [job for job in jobs if job.slot_id not in failed]  # the others keep their completions
+        completions = [
+            r for j, job in enumerate(jobs) if job.slot_id not in failed for r in results[j * n : (j + 1) * n]
+        ]
         rollouts = [c.rollout for c in completions]
-        end_version = self.generator.version if not self.inflight else max(version, *_token_versions(rollouts))
-        scores = self._score(completions, [p.answer for p in prompts])
+        end_version = self.generator.version if not self.inflight else max([version, *_token_versions(rollouts)])
+        scores = self._score(completions, [job.prompt.answer for job in kept for _ in range(n)])
         groups = [
             self._group(job, completions[j * n : (j + 1) * n], scores, slice(j * n, (j + 1) * n), end_version)
-            for j, job in enumerate(jobs)
+            for j, job in enumerate(kept)
         ]
         num_tokens = sum(_sampled_tokens(r) for r in rollouts)
-        return RolloutBatch(groups=groups, num_tokens=num_tokens, seconds=time.perf_counter() - start)
+        return RolloutBatch(groups, num_tokens, time.perf_counter() - start, failed=failed)
 
     def close(self) -> None:
         """Release what the generator and the episodes hold (a server it started, environment threads)."""
@@ -101,6 +107,9 @@ class RolloutWorker:
         start = time.perf_counter()
         seeds = [sample_seed(self.run_seed, p.uid, 0) for p in prompts]
         completions = self.episodes.run(prompts, seeds, self.sampling.greedy())
+        failed = [c for c in completions if isinstance(c, EpisodeError)]
+        if failed:
+            raise failed[0]
         rollouts = [c.rollout for c in completions]
         scores = self._score(completions, [p.answer for p in prompts])
         count = max(len(prompts), 1)
@@ -124,9 +133,9 @@ class RolloutWorker:
         )
         if len(todo) == len(completions):
             return scored
-        rewards = [float(c.reward) if c.reward is not None else 0.0 for c in completions]
+        rewards, errors = map(list, zip(*(_environment_reward(c.reward) for c in completions)))
         correct = [reward >= 1.0 for reward in rewards]  # the runner's rule: a score of 1 is a correct answer
-        errors, timeouts = [0] * len(completions), [0] * len(completions)
+        timeouts = [0] * len(completions)
         for k, i in enumerate(todo):
             rewards[i], correct[i] = scored.rewards[k], scored.correct[k]
             errors[i], timeouts[i] = scored.item_errors[k], scored.item_timeouts[k]
@@ -156,9 +165,20 @@ class RolloutWorker:
             correct=torch.tensor(scores.correct[rows], dtype=torch.float32),
             reward_errors=sum(scores.item_errors[rows]),
             reward_timeouts=sum(scores.item_timeouts[rows]),
-            retries=job.retries,
+            retries=job.retries + sum(c.retries for c in samples),
             episode_metrics=episode_metrics,
         )
+
+
+def _environment_reward(reward: float | None) -> tuple[float, int]:
+    """(score, error) of an environment's reward: one that is not a finite number scores 0 and
+    counts as an error, as a reward function's does, so it cannot poison its group's advantages.
+    None (the run's rewards score it) is a placeholder 0."""
+    try:
+        value = 0.0 if reward is None else float(reward)
+    except (TypeError, ValueError):
+        return 0.0, 1
+    return (value, 0) if math.isfinite(value) else (0.0, 1)
 
 
 def _sampled_tokens(rollout: Rollout) -> int:

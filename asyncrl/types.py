@@ -315,11 +315,13 @@ class TokenLossInputs:
 
 @dataclass
 class RolloutBatch:
-    """The groups of one generation call, in job order, and what it cost."""
+    """The groups of one generation call, in job order, and what it cost. ``failed``: the jobs
+    (by slot) whose environment kept failing past the retries, with the error; they have no group."""
 
     groups: list[RolloutGroup]
     num_tokens: int
     seconds: float
+    failed: dict[int, Exception] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

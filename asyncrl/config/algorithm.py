@@ -37,7 +37,9 @@ class GRPOConfig(Section):
     scale_by_std: bool = Field(True, description="divide advantages by the group std; false is Dr. GRPO")
     filter_zero_variance: bool = Field(False, description="drop groups whose rewards are all equal")
     mask_truncated: bool = Field(
-        False, description="leave responses cut off by generation.max_new_tokens (finish reason length) out of the loss"
+        False,
+        description="leave responses cut off (finish reason length: at generation.max_new_tokens, or an episode "
+        "at environment.max_tokens) out of the loss; an episode ended by environment.max_turns or max_seconds stays in",
     )
     max_refill_groups: int = Field(
         0,

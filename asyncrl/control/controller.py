@@ -262,13 +262,18 @@ class SingleController:
             self._schedule_retry(batch, err)
             return
         self.gate.add_running(-1)
-        for job, group in zip(batch, result.groups):
+        committed = [job for job in batch if job.slot_id not in result.failed]
+        for job, group in zip(committed, result.groups):
             self.buffer.commit(job.slot_id, group)
             del self.jobs[job.slot_id]
         self.watchdog.progressed()
         self.clock.generation_s += result.seconds
         self.clock.generated_tokens += result.num_tokens
-        self.gate.add_in_flight(-len(batch))
+        self.gate.add_in_flight(-len(committed))
+        for job in batch:  # the worker spent their retries already (an environment kept failing)
+            if job.slot_id in result.failed:
+                self._give_up(replace(job, retries=self.max_retries), result.failed[job.slot_id])
+                self.changes.notify()
 
     def _schedule_retry(self, batch: list[RolloutJob], err: Exception) -> None:
         """Retry the batch whole while the budget lasts (same slots and seeds), then each prompt on

@@ -11,6 +11,12 @@ each environment step runs on a thread of its own, so an episode waiting on its 
 holds up the others. A turn's seed comes from the sample's seed and the turn's index alone, so with
 a backend whose rows do not depend on their neighbours (HF) an episode samples the same tokens
 however the turns of a batch happen to line up.
+
+An environment is code the run does not control. A call into it that runs past the episode's
+``max_seconds`` is abandoned (its daemon thread left to finish, or not) and the episode truncated;
+an environment that raises costs only its own episode, which is rerun from the start with the same
+seeds (so, on a backend whose rows do not depend on their neighbours, it samples what it would have
+sampled), up to ``max_retries`` times; past that its place in the batch holds the error.
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ from __future__ import annotations
 import hashlib
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, field
 from functools import partial
 from typing import TYPE_CHECKING, Any, Protocol
@@ -29,12 +35,19 @@ from asyncrl.generation import Generator, SampleRequest, SamplingParams
 from asyncrl.generation.base import SEED_BITS
 from asyncrl.models.hf import stop_token_ids
 from asyncrl.plugins import resolve, validate_options
+from asyncrl.threads import DaemonPool
 from asyncrl.types import Rollout
 
 if TYPE_CHECKING:
     from asyncrl.config import RunConfig
+    from asyncrl.environments.base import Turn
 
 OBSERVATION_VERSION = -1  # the "version" of a token the environment appended: no weights sampled it
+
+
+class EpisodeError(RuntimeError):
+    """The environment raised (or its ``reset`` overran ``max_seconds``) on every attempt of an
+    episode: the episode has no rollout, and the prompt fails as a generation would."""
 
 
 @dataclass
@@ -46,12 +59,16 @@ class Completion:
     reward: float | None = None  # the environment's own reward, when it gave one
     metrics: dict[str, float] = field(default_factory=dict)  # an episode's counts (docs/metrics.md)
     longest_turn: int | None = None  # the most tokens one model turn sampled; None: a single turn
+    retries: int = 0  # attempts of the episode that its environment failed before this one
 
 
 class Episodes(Protocol):
-    """How prompts become completions: ``seeds[i]`` alone decides the randomness of prompt i."""
+    """How prompts become completions: ``seeds[i]`` alone decides the randomness of prompt i. An
+    episode whose environment failed on every attempt is its ``EpisodeError`` instead."""
 
-    def run(self, prompts: Sequence[Prompt], seeds: Sequence[int], params: SamplingParams) -> list[Completion]: ...
+    def run(
+        self, prompts: Sequence[Prompt], seeds: Sequence[int], params: SamplingParams
+    ) -> list[Completion | EpisodeError]: ...
 
 
 class SingleTurn:
@@ -72,6 +89,14 @@ def _encode(tokenizer, prompt: Prompt) -> list[int]:
     if not ids:
         raise ValueError(f"prompt {prompt.uid}: tokenizes to no tokens")
     return ids
+
+
+FINISH_REASONS = {  # why an episode ended: its rollout's finish reason
+    "stop": "the environment ended it (done)",
+    "length": "a turn was cut: at generation.max_new_tokens, or at the episode's max_tokens",
+    "max_turns": "the environment had not ended it after max_turns model turns",
+    "time_limit": "max_seconds of wall time (an environment call past it is abandoned)",
+}
 
 
 @dataclass(frozen=True)
@@ -95,12 +120,14 @@ def turn_seed(seed: int, turn: int) -> int:
 class _Episode:
     """One episode in flight: the token record so far and the transcript the environment sees."""
 
+    index: int  # its place among the episodes of the call
     prompt: Prompt
     seed: int
-    env: Environment
-    messages: list[Message]
-    prompt_ids: list[int]
-    started: float
+    retries: int = 0  # earlier attempts that the environment failed
+    started: float = field(default_factory=time.perf_counter)
+    env: Environment | None = None  # None until ``reset`` returned
+    messages: list[Message] = field(default_factory=list)
+    prompt_ids: list[int] = field(default_factory=list)
     response: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
@@ -111,7 +138,9 @@ class _Episode:
     env_s: float = 0.0
     metrics: dict[str, float] = field(default_factory=dict)
     reward: float | None = None
-    finish: str | None = None  # "stop": the environment ended it; "length": a limit did (truncated)
+    finish: str | None = None  # FINISH_REASONS
+    error: EpisodeError | None = None  # the environment failed its last attempt too
+    call_started: float = 0.0  # when its running environment call was made
 
     def extend(self, ids: list[int], logprobs: list[float], versions: list[int], trained: int) -> None:
         self.response += ids
@@ -126,7 +155,8 @@ class _Episode:
             "env_s": self.env_s,
             "trained_tokens": float(trained),
             "masked_tokens": float(len(self.mask) - trained),
-            "truncated": float(self.finish == "length"),
+            "truncated": float(self.finish != "stop"),
+            "timed_out": float(self.finish == "time_limit"),
             **self.metrics,
         }
         rollout = Rollout(
@@ -137,7 +167,30 @@ class _Episode:
             versions=self.versions,
             loss_mask=self.mask,
         )
-        return Completion(rollout, self.text, self.reward, metrics, self.longest_turn)
+        return Completion(rollout, self.text, self.reward, metrics, self.longest_turn, self.retries)
+
+    def deadline(self, limits: EpisodeLimits) -> float:
+        return float("inf") if limits.max_seconds is None else self.started + limits.max_seconds
+
+
+@dataclass
+class _Opened:
+    """What ``reset`` gave, made on an environment thread and applied by the loop."""
+
+    env: Environment
+    messages: list[Message]
+    prompt_ids: list[int]
+    seconds: float
+
+
+@dataclass
+class _Answered:
+    """The environment's answer to a turn and its template delta (None when the episode ends)."""
+
+    assistant: Message
+    turn: Turn
+    delta: list[int] | None
+    seconds: float
 
 
 class MultiTurn:
@@ -152,6 +205,7 @@ class MultiTurn:
         stop_token_ids: Sequence[int],
         limits: EpisodeLimits,
         env_threads: int = 32,
+        max_retries: int = 0,
     ) -> None:
         if not getattr(tokenizer, "chat_template", None):
             raise ValueError(f"tokenizer {_name(tokenizer)}: has no chat template, which multi-turn episodes need")
@@ -160,36 +214,97 @@ class MultiTurn:
         self.make_env = make_env
         self.stop_token_ids = set(stop_token_ids)
         self.limits = limits
-        self._pool = ThreadPoolExecutor(max_workers=env_threads, thread_name_prefix="environment")
+        self.max_retries = max_retries  # reruns of an episode whose environment failed
+        self._pool = DaemonPool(env_threads, "environment")
 
-    def run(self, prompts: Sequence[Prompt], seeds: Sequence[int], params: SamplingParams) -> list[Completion]:
+    def run(
+        self, prompts: Sequence[Prompt], seeds: Sequence[int], params: SamplingParams
+    ) -> list[Completion | EpisodeError]:
         """Generate the turns that are ready in one call while the other episodes' environments
         answer. A backend that takes concurrent calls (``concurrent_calls``: vLLM) gets each batch
-        on a thread, so turns that become ready meanwhile need not wait for it; the rest run here."""
-        episodes = list(self._pool.map(self._open, prompts, seeds))
-        order = {id(e): i for i, e in enumerate(episodes)}
+        on a thread, so turns that become ready meanwhile need not wait for it; the rest run here.
+        No environment call is waited on past its episode's deadline."""
+        episodes = [_Episode(i, prompt, seed) for i, (prompt, seed) in enumerate(zip(prompts, seeds))]
+        calls: dict[Future, _Episode | None] = {}  # running calls: an episode's environment, or None: generation
+        for episode in episodes:
+            calls[self._pool.submit(self._open, episode)] = episode
         concurrent = getattr(self.generator, "concurrent_calls", False)
-        ready, pending = list(episodes), set[Future]()
-        while ready or pending:
-            done, pending = wait(pending, timeout=0 if ready else None, return_when=FIRST_COMPLETED)
-            for result in (f.result() for f in done):
-                if isinstance(result, list):  # a generation call: its turns go to their environments
-                    pending |= {self._pool.submit(self._step, e) for e in result if e.finish is None}
-                elif result.finish is None:
-                    ready.append(result)
+        ready: list[_Episode] = []
+        while ready or calls:
+            done, _ = wait(calls, timeout=0 if ready else self._until_deadline(calls), return_when=FIRST_COMPLETED)
+            for future in done:
+                ready += self._collect(future, calls.pop(future), episodes, calls)
+            self._time_out(episodes, calls)
             if ready:
-                batch, ready = sorted(ready, key=lambda e: order[id(e)]), []
+                batch, ready = sorted(ready, key=lambda e: e.index), []
                 if concurrent:
-                    pending.add(self._pool.submit(self._generate, batch, params))
+                    calls[self._pool.submit(self._generate, batch, params)] = None
                 else:
-                    pending |= {
-                        self._pool.submit(self._step, e) for e in self._generate(batch, params) if e.finish is None
-                    }
-        self._rescore(episodes, params)
-        return [e.completion() for e in episodes]
+                    self._answer_all(self._generate(batch, params), calls)
+        self._rescore([e for e in episodes if e.error is None], params)
+        return [e.error or e.completion() for e in episodes]
 
     def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._pool.shutdown()
+
+    def _collect(
+        self, future: Future, episode: _Episode | None, episodes: list[_Episode], calls: dict[Future, _Episode | None]
+    ) -> list[_Episode]:
+        """A finished call: a generation call's turns go to their environments; an environment's
+        answer is applied, and its episode is ready for the next turn unless that ended it."""
+        if episode is None:
+            self._answer_all(future.result(), calls)
+            return []
+        if isinstance(future.exception(), EpisodeError):
+            self._failed(episode, future.exception(), episodes, calls)
+            return []
+        result = future.result()  # anything else raised is not the environment's doing: it propagates
+        if isinstance(result, _Opened):
+            episode.env, episode.messages, episode.prompt_ids = result.env, result.messages, result.prompt_ids
+            episode.env_s += result.seconds
+        else:
+            self._answered(episode, result)
+        return [episode] if episode.finish is None else []
+
+    def _answer_all(self, episodes: list[_Episode], calls: dict[Future, _Episode | None]) -> None:
+        for episode in episodes:
+            if episode.finish is None:
+                episode.call_started = time.perf_counter()
+                calls[self._pool.submit(self._answer, episode)] = episode
+
+    def _failed(
+        self, episode: _Episode, error: EpisodeError, episodes: list[_Episode], calls: dict[Future, _Episode | None]
+    ) -> None:
+        """Rerun the episode from the start on a fresh environment, same seed, while retries last."""
+        if episode.retries >= self.max_retries:
+            episode.error = error
+            return
+        rerun = _Episode(episode.index, episode.prompt, episode.seed, retries=episode.retries + 1)
+        episodes[episode.index] = rerun
+        calls[self._pool.submit(self._open, rerun)] = rerun
+
+    def _until_deadline(self, calls: dict[Future, _Episode | None]) -> float | None:
+        """Seconds until the first deadline of an episode waiting on its environment; None: none."""
+        first = min((e.deadline(self.limits) for e in calls.values() if e is not None), default=float("inf"))
+        return None if first == float("inf") else max(0.0, first - time.perf_counter())
+
+    def _time_out(self, episodes: list[_Episode], calls: dict[Future, _Episode | None]) -> None:
+        """Abandon the environment calls past their episode's deadline: a step's episode ends there
+        (``time_limit``); a reset that never gave the opening messages fails the attempt."""
+        now = time.perf_counter()
+        for future, episode in list(calls.items()):
+            if episode is None or episode.deadline(self.limits) > now:
+                continue
+            self._pool.abandon(future)
+            del calls[future]
+            if episode.env is None:
+                late = EpisodeError(
+                    f"the environment's reset ran past environment.max_seconds={self.limits.max_seconds}"
+                )
+                self._failed(episode, late, episodes, calls)
+            else:
+                episode.env_s += now - episode.call_started
+                episode.finish = "time_limit"
 
     def _rescore(self, episodes: list[_Episode], params: SamplingParams) -> None:
         """Logprobs from one batch of the episodes in order, where the backend offers ``score``:
@@ -204,14 +319,15 @@ class MultiTurn:
             sampled = logprobs[len(episode.prompt_ids) :]
             episode.logprobs = [lp if trained else 0.0 for lp, trained in zip(sampled, episode.mask)]
 
-    def _open(self, prompt: Prompt, seed: int) -> _Episode:
-        started = time.perf_counter()
-        env = self.make_env()
-        messages = list(env.reset(prompt))
+    def _open(self, episode: _Episode) -> _Opened:
+        """On an environment thread: a fresh environment's opening messages, templated."""
+        start = time.perf_counter()
+        env = _environment("construction", self.make_env)
+        messages = list(_environment("reset", env.reset, episode.prompt))
         ids = self._template(messages, env, generation_prompt=True)
         if not ids:
-            raise ValueError(f"prompt {prompt.uid}: the environment's opening messages template to no tokens")
-        return _Episode(prompt, seed, env, messages, ids, started, env_s=time.perf_counter() - started)
+            raise ValueError(f"prompt {episode.prompt.uid}: the environment's opening messages template to no tokens")
+        return _Opened(env, messages, ids, time.perf_counter() - start)
 
     def _generate(self, episodes: list[_Episode], params: SamplingParams) -> list[_Episode]:
         """One generation call for every ready turn; each keeps the tokens that fit its budget."""
@@ -229,29 +345,38 @@ class MultiTurn:
                 episode.finish = "length"
         return episodes
 
-    def _step(self, episode: _Episode) -> _Episode:
-        """The environment's answer to the last turn, appended as the template's delta (masked)."""
-        env, limits = episode.env, self.limits
-        assistant = env.parse(episode.text)
+    def _answer(self, episode: _Episode) -> _Answered:
+        """On an environment thread: the environment's answer to the last turn and, when the
+        episode goes on, its template delta. The episode itself is changed only by the loop, so a
+        call abandoned past the deadline that returns later changes nothing."""
+        env = episode.env
         start = time.perf_counter()
-        turn = env.step(assistant)
-        episode.env_s += time.perf_counter() - start
+        assistant = _environment("parse", env.parse, episode.text)
+        turn = _environment("step", env.step, assistant)
+        seconds = time.perf_counter() - start
+        going_on = not turn.done and episode.turns < self.limits.max_turns
+        delta = self._delta(episode.messages + [assistant], turn.messages, env) if going_on else None
+        return _Answered(assistant, turn, delta, seconds)
+
+    def _answered(self, episode: _Episode, answer: _Answered) -> None:
+        """The answer applied: the episode ends (done, or a limit), or its observation is appended
+        as the template's delta (masked)."""
+        limits, turn = self.limits, answer.turn
+        episode.env_s += answer.seconds
         for key, value in turn.metrics.items():
             episode.metrics[key] = episode.metrics.get(key, 0.0) + float(value)
-        previous, episode.messages = episode.messages + [assistant], episode.messages + [assistant] + turn.messages
+        episode.messages = episode.messages + [answer.assistant] + turn.messages
         if turn.done:
             episode.reward, episode.finish = turn.reward, "stop"
-            return episode
-        elapsed = time.perf_counter() - episode.started
-        if episode.turns >= limits.max_turns or (limits.max_seconds is not None and elapsed > limits.max_seconds):
+        elif answer.delta is None:
+            episode.finish = "max_turns"
+        elif time.perf_counter() > episode.deadline(limits):
+            episode.finish = "time_limit"
+        elif len(episode.response) + len(answer.delta) >= limits.max_tokens:
             episode.finish = "length"
-            return episode
-        delta = self._delta(previous, turn.messages, env)
-        if len(episode.response) + len(delta) >= limits.max_tokens:
-            episode.finish = "length"
-            return episode
-        episode.extend(delta, [0.0] * len(delta), [OBSERVATION_VERSION] * len(delta), trained=0)
-        return episode
+        else:
+            delta = answer.delta
+            episode.extend(delta, [0.0] * len(delta), [OBSERVATION_VERSION] * len(delta), trained=0)
 
     def _delta(self, messages: list[Message], new: list[Message], env: Environment) -> list[int]:
         """The tokens ``new`` adds after the model's turn: what the template puts after the turn's
@@ -272,6 +397,14 @@ class MultiTurn:
             messages, tools=env.tools or None, add_generation_prompt=generation_prompt, tokenize=False
         )
         return encode_prompts([text], self.tokenizer)[0]
+
+
+def _environment(what: str, call: Callable[..., Any], *args: Any) -> Any:
+    """A call into environment code: whatever it raises fails the episode's attempt, not the batch."""
+    try:
+        return call(*args)
+    except Exception as err:
+        raise EpisodeError(f"{type(err).__name__} in the environment's {what}: {err}") from err
 
 
 def _name(tokenizer) -> str:
@@ -304,4 +437,5 @@ def build_episodes(config: RunConfig, generator: Generator, tokenizer) -> Episod
         stop_token_ids=stop_token_ids(tokenizer, config.model.path),
         limits=EpisodeLimits(env.max_turns, env.max_tokens, env.max_seconds),
         env_threads=env.threads,
+        max_retries=config.runtime.max_rollout_retries,
     )

@@ -5,10 +5,13 @@ on its environment never holds up the others."""
 import re
 import threading
 import time
+from dataclasses import replace
 
 import pytest
 import torch
 
+from asyncrl.algorithms.grpo import GRPO
+from asyncrl.config import GRPOConfig, LossConfig, TrainerConfig
 from asyncrl.data import Prompt
 from asyncrl.environments import Environment, Turn
 from asyncrl.environments.episode import EpisodeLimits, MultiTurn, turn_seed
@@ -19,6 +22,8 @@ from asyncrl.models.tiny import build_tiny_model
 from asyncrl.models.tokenizer import build_char_tokenizer
 from asyncrl.rewards import RewardResult
 from asyncrl.rollout import RolloutWorker
+from asyncrl.trainer import PolicyTrainer
+from asyncrl.trainer.worker import TrainerWorker
 from asyncrl.types import Rollout, RolloutGroup, RolloutJob
 
 TOKENIZER = build_char_tokenizer(chat=True)
@@ -113,9 +118,10 @@ def test_limits_truncate_an_episode_by_turns_and_by_tokens():
     wrong = [ids("9") + [EOS]] * 5
     [by_turns], _ = run({1: wrong}, [Prompt("p", "2+2=", "4")], EpisodeLimits(max_turns=2, max_tokens=200))
     assert by_turns.metrics["turns"] == 2 and by_turns.metrics["truncated"] == 1
-    assert by_turns.rollout.finish_reason == "length" and by_turns.reward is None  # the run's rewards score it
+    assert by_turns.rollout.finish_reason == "max_turns" and by_turns.reward is None  # the run's rewards score it
     [by_tokens], _ = run({1: wrong}, [Prompt("p", "2+2=", "4")], EpisodeLimits(max_turns=5, max_tokens=15))
     assert len(by_tokens.rollout.response_ids) <= 15 and by_tokens.metrics["truncated"] == 1
+    assert by_tokens.rollout.finish_reason == "length"
     [cut], _ = run({1: [ids("123456") + [EOS]]}, [Prompt("p", "2+2=", "4")], EpisodeLimits(max_turns=5, max_tokens=3))
     assert cut.rollout.response_ids == ids("123") and cut.rollout.finish_reason == "length"
 
@@ -273,7 +279,8 @@ def test_an_episode_past_its_wall_time_is_truncated_after_the_step_that_crossed_
     limits = EpisodeLimits(max_turns=4, max_tokens=200, max_seconds=0.1)
     [completion], _ = run({1: wrong}, [Prompt("p", "2+2=", "4")], limits, make_env=_Slow)
     assert completion.metrics["turns"] == 1 and completion.metrics["truncated"] == 1
-    assert completion.rollout.finish_reason == "length" and completion.reward is None
+    assert completion.metrics["timed_out"] == 1
+    assert completion.rollout.finish_reason == "time_limit" and completion.reward is None
 
 
 class _ConcurrentScripted(ScriptedGenerator):
@@ -306,3 +313,136 @@ def test_a_backend_taking_concurrent_calls_gets_turns_that_become_ready_while_a_
     episodes.close()
     assert [c.reward for c in completions] == [0.5, 0.5]
     assert [turn_seed(2, 1)] in generator.calls and [turn_seed(1, 1)] in generator.calls
+
+
+def _trainer(**grpo) -> TrainerWorker:
+    model = build_tiny_model(len(TOKENIZER), seed=0, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2)
+    trainer = PolicyTrainer(model, TrainerConfig(lr=1e-2, micro_batch_size=4), GRPO(LossConfig(), "tis"), total_steps=2)
+    return TrainerWorker(trainer, GRPOConfig(generations_per_prompt=2, **grpo), TOKENIZER)
+
+
+def test_mask_truncated_leaves_out_a_cut_turn_but_trains_an_episode_ended_by_its_turn_limit():
+    """An unsolved episode at max_turns is a failure GRPO must learn from; only a turn cut at
+    generation.max_new_tokens (or the token budget) is what grpo.mask_truncated leaves out."""
+    unsolved, cut = [ids("9") + [EOS]] * 3, [ids("123456789")]  # no end token within max_new_tokens 8
+    completions, _ = run({1: unsolved, 2: cut}, [Prompt("p", "2+2=", "4")] * 2, EpisodeLimits(2, 200))
+    assert [c.rollout.finish_reason for c in completions] == ["max_turns", "length"]
+    assert [c.metrics["truncated"] for c in completions] == [1, 1]
+    rollouts = [c.rollout for c in completions]
+    for rollout, reward in zip(rollouts, (0.0, 1.0)):
+        rollout.reward = reward
+    group = RolloutGroup.from_rollouts("p", rollouts, pad_id=0, start_version=7, end_version=7, target_step=0)
+    group = replace(group, correct=group.rewards.clone())
+    trainer = _trainer(mask_truncated=True)
+    trainer.begin_step(trainer.version)
+    trainer.train_groups([group])
+    assert trainer.finish_step().result.num_sequences == 1  # the episode ended by max_turns
+
+
+class _NanReward(FeedbackEnvironment):
+    def step(self, assistant):
+        return Turn([], done=True, reward=float("nan"))
+
+
+def test_a_non_finite_environment_reward_scores_zero_and_is_counted_as_a_reward_error():
+    seeds = [sample_seed(0, "p", i) for i in range(2)]
+    generator = ScriptedGenerator({seed: [ids("4") + [EOS]] for seed in seeds})
+    episodes = MultiTurn(generator, TOKENIZER, _NanReward, stop_token_ids=[EOS], limits=EpisodeLimits(4, 99))
+    worker = RolloutWorker(
+        generator, _NoRewards(), TOKENIZER, run_seed=0, group_size=2, sampling=PARAMS, episodes=episodes
+    )
+    [group] = worker.generate(
+        [RolloutJob(slot_id=0, prompt=Prompt("p", "2+2=", "4"), start_version=7, target_step=0)]
+    ).groups
+    episodes.close()
+    assert group.rewards.tolist() == [0.0, 0.0] and group.reward_errors == 2
+    assert torch.isfinite(GRPO(LossConfig(), "tis").advantages(group.rewards)).all()
+
+
+class _Hangs(FeedbackEnvironment):
+    """The feedback environment, whose step never returns for prompt "hangs"."""
+
+    never = threading.Event()
+
+    def reset(self, prompt):
+        self.uid = prompt.uid
+        return super().reset(prompt)
+
+    def step(self, assistant):
+        if self.uid == "hangs":
+            type(self).never.wait()
+        return super().step(assistant)
+
+
+def test_an_environment_step_that_never_returns_is_abandoned_at_max_seconds():
+    answer = [ids("4") + [EOS]]
+    limits = EpisodeLimits(max_turns=4, max_tokens=200, max_seconds=0.5)
+    prompts = [Prompt("hangs", "2+2=", "4"), Prompt("answers", "2+2=", "4")]
+    done = []
+    thread = threading.Thread(
+        target=lambda: done.append(run({1: answer, 2: answer}, prompts, limits, _Hangs)), daemon=True
+    )
+    thread.start()
+    thread.join(timeout=120)
+    assert done, "the episodes never returned: an environment call that hangs was waited on"
+    hung, answered = done[0][0]
+    assert hung.rollout.finish_reason == "time_limit" and hung.metrics["timed_out"] == 1 and hung.reward is None
+    assert answered.rollout.finish_reason == "stop" and answered.metrics["timed_out"] == 0
+
+
+class _Raises(FeedbackEnvironment):
+    """The feedback environment, whose step raises ``failures[uid]`` times for a prompt's episodes."""
+
+    failures: dict[str, int] = {}
+    lock = threading.Lock()
+
+    def reset(self, prompt):
+        self.uid = prompt.uid
+        return super().reset(prompt)
+
+    def step(self, assistant):
+        with type(self).lock:
+            left = type(self).failures.get(self.uid, 0)
+            type(self).failures[self.uid] = left - 1
+        if left > 0:
+            raise ConnectionError("the sandbox went away")
+        return super().step(assistant)
+
+
+def _generate_with_failures(failures: dict[str, int], max_retries: int = 2):
+    """Prompts "a" and "b", two samples each, answered 9 then 4; (batch, generator)."""
+    _Raises.failures = dict(failures)
+    seeds = {uid: [sample_seed(0, uid, i) for i in range(2)] for uid in "ab"}
+    generator = ScriptedGenerator({s: [ids("9") + [EOS], ids("4") + [EOS]] for uid in "ab" for s in seeds[uid]})
+    episodes = MultiTurn(
+        generator, TOKENIZER, _Raises, stop_token_ids=[EOS], limits=EpisodeLimits(4, 99), max_retries=max_retries
+    )
+    worker = RolloutWorker(
+        generator, _NoRewards(), TOKENIZER, run_seed=0, group_size=2, sampling=PARAMS, episodes=episodes
+    )
+    jobs = [
+        RolloutJob(slot_id=i, prompt=Prompt(uid, "2+2=", "4"), start_version=7, target_step=0)
+        for i, uid in enumerate("ab")
+    ]
+    try:
+        return worker.generate(jobs), generator
+    finally:
+        episodes.close()
+
+
+def test_an_environment_that_raises_reruns_only_its_episode_and_gives_the_clean_result():
+    clean, _ = _generate_with_failures({})
+    flaky, generator = _generate_with_failures({"b": 1})
+    assert not flaky.failed and [g.retries for g in flaky.groups] == [0, 1]
+    for ours, theirs in zip(flaky.groups, clean.groups):
+        assert torch.equal(ours.input_ids, theirs.input_ids) and torch.equal(ours.rewards, theirs.rewards)
+    sampled = [seed for call in generator.calls for seed in call]
+    a_seeds = [sample_seed(0, "a", i) for i in range(2)]
+    assert [sampled.count(seed) for seed in a_seeds] == [1, 1]  # the other prompt's episodes ran once
+
+
+def test_an_environment_that_keeps_raising_fails_its_prompt_alone_after_the_retries():
+    batch, _ = _generate_with_failures({"b": 100}, max_retries=2)
+    assert [g.prompt_uid for g in batch.groups] == ["a"] and list(batch.failed) == [1]
+    assert "ConnectionError in the environment's step: the sandbox went away" in str(batch.failed[1])
+    assert _Raises.failures["b"] == 100 - 2 * 3  # each of its two episodes: the attempt and two reruns
