@@ -65,3 +65,10 @@ class StallError(RunStopped):
     """No loop made progress for ``runtime.watchdog_s``; the message says what each waited on."""
 
     saves_checkpoint = False  # whatever hangs may be the trainer: the last checkpoint stands
+
+
+class ProcessGroupError(RunStopped):
+    """Workers could not form a process group (the trainer ranks', or the weight broadcast's): one
+    could not reach another at the address it was given. Nothing was trained yet."""
+
+    saves_checkpoint = False

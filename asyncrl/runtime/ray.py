@@ -40,13 +40,14 @@ import torch
 from torch import Tensor
 
 from asyncrl.config import RuntimeConfig
-from asyncrl.errors import RunStopped
+from asyncrl.errors import ProcessGroupError, RunStopped
 from asyncrl.types import RolloutGroup
 from asyncrl.weights.broadcast import BroadcastError, BroadcastMember, Layout, Rendezvous, signal_stop
 
 logger = logging.getLogger(__name__)
 
 UNORDERED = "unordered"  # a rollout-worker actor's concurrency group for its worker's unordered methods
+SOCKET_INTERFACES = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")  # where gloo and NCCL's bootstrap bind
 
 
 class WorkerDiedError(RuntimeError):
@@ -161,6 +162,40 @@ class _SentWeights:
     source: Any = None
 
 
+def interface_of(address: str) -> str | None:
+    """The name of this machine's network interface that holds ``address``, or None."""
+    import psutil  # installed with peft
+
+    for name, addresses in psutil.net_if_addrs().items():
+        for entry in addresses:
+            if entry.family in (socket.AF_INET, socket.AF_INET6) and entry.address.split("%")[0] == address:
+                return name
+    return None
+
+
+def bind_collectives(address: str) -> None:
+    """Bind this process's gloo and NCCL sockets to the interface that holds ``address`` (its Ray
+    node's), unless the user set them.
+
+    Left alone, both bind to the address the hostname resolves to, which is loopback on many
+    machines (Debian's 127.0.1.1 convention), and then tell peers on other nodes to connect to
+    127.0.0.1: a multi-node group cannot form."""
+    interface = interface_of(address)
+    if interface is not None:
+        for variable in SOCKET_INTERFACES:
+            os.environ.setdefault(variable, interface)
+
+
+def _group_error(err: Exception, addresses: Sequence[str]) -> ProcessGroupError:
+    """``err`` in one line naming the group's node addresses, with what to check."""
+    error = ProcessGroupError(f"{_first_line(err)} (node addresses, in rank order: {', '.join(addresses)})")
+    error.add_note(
+        "each member binds gloo and NCCL to the interface holding its node's Ray address unless "
+        "GLOO_SOCKET_IFNAME or NCCL_SOCKET_IFNAME is set on its node; check that the nodes reach each other there"
+    )
+    return error
+
+
 class WorkerActor:
     """Hosts one worker object. Decorated with ``ray.remote`` when a runtime starts.
 
@@ -169,7 +204,10 @@ class WorkerActor:
     """
 
     def __init__(self, torch_threads: int, factory: Callable[[], Any] | None = None) -> None:
+        import ray
+
         torch.set_num_threads(torch_threads)
+        bind_collectives(ray.util.get_node_ip_address())
         self.factory = factory
         self.worker: Any = None
         self.weights_version: int | None = None
@@ -435,6 +473,7 @@ class RayRuntime:
         self.cfg = cfg
         self.actors: list[Any] = []
         self.builds: list[tuple[RayHandle | None, Any]] = []  # (a generator's handle, its build): ``ready``
+        self.trainer_nodes: list[str] = []  # the node address of each trainer rank, when they form a group
         self.connected = not ray.is_initialized()
         if self.connected:
             options: dict[str, Any] = {}
@@ -488,8 +527,9 @@ class RayRuntime:
         self.actors += actors
         init_method = None
         if world_size > 1:
-            ip, port = resolve([actors[0].node_address.remote()])[0]
-            init_method = f"tcp://{ip}:{port}"
+            addresses = resolve([actor.node_address.remote() for actor in actors])
+            self.trainer_nodes = [ip for ip, _ in addresses]
+            init_method = "tcp://{}:{}".format(*addresses[0])
         self.builds += [
             (None, actor.build.remote(build_rank(rank, init_method), rank)) for rank, actor in enumerate(actors)
         ]
@@ -501,7 +541,11 @@ class RayRuntime:
         """Wait until every spawned worker is built; a factory that raised raises here. A generator's
         handle learns its worker's unordered methods (a trainer rank's calls all stay in order)."""
         builds, self.builds = self.builds, []
-        for (handle, _), unordered in zip(builds, resolve([build for _, build in builds])):
+        try:
+            built = resolve([build for _, build in builds])
+        except ProcessGroupError as err:  # the trainer ranks' group did not form
+            raise _group_error(err, self.trainer_nodes) from None
+        for (handle, _), unordered in zip(builds, built):
             if handle is not None:
                 handle.unordered = unordered
 
@@ -511,9 +555,15 @@ class RayRuntime:
         """Form the weight broadcast group of trainer rank 0 (``source``) and the generators; from
         now on their handles sync weights through it (``WeightBroadcast``)."""
         members = [source, *generators]
-        host, port = resolve([source.actor.node_address.remote()])[0]
-        rendezvous = Rendezvous(host, port, len(members), backend, timeout_s)
-        resolve([handle.actor.join_broadcast.remote(rendezvous, rank) for rank, handle in enumerate(members)])
+        addresses = resolve([handle.actor.node_address.remote() for handle in members])
+        rendezvous = Rendezvous(*addresses[0], len(members), backend, timeout_s)
+        try:
+            resolve([handle.actor.join_broadcast.remote(rendezvous, rank) for rank, handle in enumerate(members)])
+        except RuntimeError as err:  # torch's DistError and gloo's connect failures
+            message = (
+                f"the weight broadcast group ({backend}) of trainer rank 0 and the rollout workers did not form: {err}"
+            )
+            raise _group_error(RuntimeError(message), [ip for ip, _ in addresses]) from None
         channel = WeightBroadcast(source.actor, rendezvous)
         for handle in members:
             handle.broadcast = channel

@@ -38,6 +38,7 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from asyncrl.config import ParallelConfig
+from asyncrl.errors import ProcessGroupError
 from asyncrl.trainer.context_parallel import ContextParallel, enable_context_parallel_attention
 from asyncrl.trainer.recompute import transformer_blocks
 
@@ -150,15 +151,21 @@ def init_parallel(cfg: ParallelConfig, device: torch.device | str = "cpu") -> Pa
 def start_rank(
     cfg: ParallelConfig, *, rank: int, init_method: str, device: torch.device | str = "cpu", timeout_s: float = 600.0
 ) -> ParallelContext:
-    """Join the trainer's process group as ``rank`` of dp·cp, then build the mesh."""
-    dist.init_process_group(
-        resolve_backend(cfg, device),
-        init_method=init_method,
-        rank=rank,
-        world_size=cfg.world_size,
-        timeout=timedelta(seconds=timeout_s),
-    )
-    return init_parallel(cfg, device)
+    """Join the trainer's process group as ``rank`` of dp·cp, then build the mesh.
+
+    A group that cannot form (a rank unreachable at the address it gave) is a ``ProcessGroupError``
+    in one line, naming the rendezvous and the collective's own first line."""
+    backend = resolve_backend(cfg, device)
+    try:
+        dist.init_process_group(
+            backend, init_method=init_method, rank=rank, world_size=cfg.world_size, timeout=timedelta(seconds=timeout_s)
+        )
+        return init_parallel(cfg, device)
+    except RuntimeError as err:  # torch's DistError and gloo's connect failures
+        cause = next((line.strip() for line in str(err).splitlines() if line.strip()), type(err).__name__)
+        raise ProcessGroupError(
+            f"trainer rank {rank} could not form the trainer ranks' {backend} group at {init_method}: {cause}"
+        ) from None
 
 
 # ---- local ranks --------------------------------------------------------------------------------
