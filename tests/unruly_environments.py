@@ -46,15 +46,19 @@ class Hangs(_Unruly):
 
 
 class RaisesOnce(_Unruly):
-    """The first step taken for each chosen prompt raises, as a sandbox that went away would."""
+    """The first step taken for each chosen prompt raises, as a sandbox that went away would.
+    ``raised``: the uids it raised for, in this process."""
 
-    failed: set[str] = set()
+    stepped: set[str] = set()
+    raised: list[str] = []
     lock = threading.Lock()
 
     def step(self, assistant):
         with self.lock:
-            first = self.misbehaves and self.uid not in self.failed
-            self.failed.add(self.uid)
+            first = self.misbehaves and self.uid not in self.stepped
+            self.stepped.add(self.uid)
+            if first:
+                self.raised.append(self.uid)
         if first:
             raise ConnectionError(f"the sandbox of {self.uid} went away")
         return super().step(assistant)

@@ -12,7 +12,7 @@ import sys
 
 import pytest
 from helpers import SMALL, TESTS, deterministic, run
-from unruly_environments import chosen
+from unruly_environments import RaisesOnce, chosen
 
 from asyncrl.cli import main
 from asyncrl.metrics import read_jsonl
@@ -66,10 +66,14 @@ def test_a_stop_exits_with_its_one_line_error_while_a_thread_never_returns(tmp_p
 
 def test_an_environment_that_raises_once_reruns_its_episode_and_the_run_equals_the_clean_one(tmp_path):
     _, clean, clean_groups = run(tmp_path, "clean", *EPISODES, "environment.name=feedback", "sampler.max_lag=0")
+    RaisesOnce.stepped.clear()
+    RaisesOnce.raised.clear()
     summary, flaky, flaky_groups = run(
         tmp_path, "flaky", *EPISODES, "environment.name=unruly_environments:RaisesOnce", "sampler.max_lag=0"
     )
-    assert summary["rollout_retries"] > 0
+    trained = {g["prompt_uid"] for g in flaky_groups}
+    raised = [uid for uid in RaisesOnce.raised if uid in trained]
+    assert raised and summary["rollout_retries"] == len(raised)  # one episode rerun per failure, nothing else
     assert deterministic(without_retries(flaky)) == deterministic(without_retries(clean))
     assert without_retries(flaky_groups) == without_retries(clean_groups)
 
