@@ -31,8 +31,9 @@ class VLLMConfig(Section):
     max_model_len: int | None = Field(
         None,
         ge=1,
-        description="context of a started server, prompt plus response; null: the task's longest prompt "
-        "plus generation.max_new_tokens",
+        description="context of a started server, the longest request; null: the task's longest prompt plus "
+        "generation.max_new_tokens, with an environment its longest templated opening plus "
+        "environment.max_tokens plus generation.max_new_tokens",
     )
     kv_cache_mib: int | None = Field(
         None,
