@@ -9,14 +9,20 @@ code is loaded (docs/security.md).
 
 A part declares its settings as a pydantic model in its ``Options`` attribute; ``validate_options``
 checks the config's ``options`` mapping against it and returns the keywords the part is built with.
-A part without ``Options`` takes none. What a part can do beyond its kind's contract, it declares
+A part without ``Options`` takes none. An ``Options`` field that names another part (a tool
+environment's parser) is typed ``Annotated[str, PartRef(kind, options=...)]``: ``validate_options``
+resolves it and checks its options too, so a nested part is checked with the part that names it.
+A part with a ``check_options`` classmethod is given its checked options to check what its model
+cannot (a tool environment's tool schemas). What a part can do beyond its kind's contract, it declares
 as an attribute too (docs/plugins.md), so no caller compares names.
 """
 
 from __future__ import annotations
 
 import importlib
+import sys
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from pydantic import BaseModel, ValidationError
@@ -58,6 +64,14 @@ BUILTINS: dict[str, dict[str, str]] = {
 }
 
 
+@dataclass(frozen=True)
+class PartRef:
+    """Marks an ``Options`` field as naming a part of ``kind``, whose options are the field ``options``."""
+
+    kind: str
+    options: str
+
+
 def import_attribute(name: str, field: str) -> Any:
     """The attribute ``name`` points at; any failure is one ValueError naming ``field``."""
     module_name, _, attribute = name.partition(":")
@@ -73,6 +87,12 @@ def check_spec(kind: str, spec: str, field: str) -> None:
     if spec not in BUILTINS[kind] and ":" not in spec:
         builtins = ", ".join(BUILTINS[kind])
         raise ValueError(f"{field}: unknown {kind} '{spec}'; built-ins are {builtins}, or give package.module:attr")
+
+
+def loads_at_once(kind: str, spec: str) -> bool:
+    """Whether resolving ``spec`` here cannot block: asyncrl's own code, or a module this process
+    has imported already. Any other user module is loaded elsewhere first (``check_loads``)."""
+    return spec in BUILTINS[kind] or spec.partition(":")[0] in sys.modules
 
 
 def resolve(kind: str, spec: str, field: str) -> Any:
@@ -101,4 +121,21 @@ def validate_options(part: Any, spec: str, options: Mapping[str, Any], field: st
         first = err.errors()[0]
         where = ".".join(str(p) for p in (field, *first["loc"]))
         raise ValueError(f"{where}: {first['msg'].removeprefix('Value error, ')}") from None
-    return dict(validated)
+    keywords = _nested_parts(model, dict(validated), field)
+    check = getattr(part, "check_options", None)
+    if check is not None:
+        try:
+            check(**keywords)
+        except ValueError as err:
+            raise ValueError(f"{field}: '{spec}': {err}") from None
+    return keywords
+
+
+def _nested_parts(model: type[BaseModel], keywords: dict[str, Any], field: str) -> dict[str, Any]:
+    """``keywords`` with each part a ``PartRef`` field names resolved and its options checked."""
+    for key, info in model.model_fields.items():
+        for ref in (m for m in info.metadata if isinstance(m, PartRef)):
+            nested = resolve(ref.kind, keywords[key], f"{field}.{key}")
+            options = keywords.get(ref.options) or {}
+            keywords[ref.options] = validate_options(nested, keywords[key], options, f"{field}.{ref.options}")
+    return keywords

@@ -15,7 +15,7 @@ class EnvironmentConfig(Section):
     name: str | None = Field(
         None,
         description="a built-in environment (docs/environments.md lists them) or package.module:Class; null: "
-        "single-turn, the prompt's text and one response; resolved when the rollout worker is built",
+        "single-turn, the prompt's text and one response",
     )
     options: dict[str, Any] = Field(
         default_factory=dict, description="settings of the environment (its Options model), built once per episode"
@@ -33,13 +33,27 @@ class EnvironmentConfig(Section):
         "limit makes a run depend on timing)",
     )
     threads: int = Field(32, ge=1, description="environment steps that run at once in a rollout worker")
+    startup_timeout_s: float = Field(
+        60.0,
+        gt=0.0,
+        allow_inf_nan=False,
+        description="a process loading the environment's code must be done within this: the config check, "
+        "which resolves the environment and the parts its options name in a fresh process, and each tool "
+        "process (a module that blocks at import); past it, exit code 2",
+    )
 
     @model_validator(mode="after")
     def _environment_named(self) -> EnvironmentConfig:
+        """The environment and every part its options name, resolved; a user's module in a fresh
+        process under ``startup_timeout_s``, since it may block or crash at import."""
         from asyncrl.plugins import check_spec
+        from asyncrl.rewards.processes import check_loads
 
         if self.name is not None:
             check_spec("environment", self.name, "environment.name")
+            check = (self.name, "asyncrl.environments.base:environment_part", (self.name, self.options))
+            setting, process = "environment.startup_timeout_s", "a process loading the environment"
+            check_loads("environment", [check], "environment.name", setting, self.startup_timeout_s, process)
         elif self.options:
             raise ValueError("environment.options: set, but environment.name is null (single-turn)")
         return self

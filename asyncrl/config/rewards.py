@@ -43,14 +43,14 @@ class RewardConfig(Section):
     startup_timeout_s: float = Field(
         60.0,
         gt=0.0,
-        description="a reward process must load the functions within this (a module that blocks at import); "
-        "past it the run stops with exit code 2",
+        allow_inf_nan=False,
+        description="a reward process must load the functions within this (a module that blocks at import), "
+        "and so must the config check, which loads a package.module:attr reward in a fresh process; past it, "
+        "exit code 2",
     )
 
     @model_validator(mode="after")
     def _functions_valid(self) -> RewardConfig:
-        from asyncrl.rewards.functions import reward_part
-
         if not self.functions:
             raise ValueError("rewards.functions: at least one reward function is needed")
         for name in self.options:
@@ -59,7 +59,7 @@ class RewardConfig(Section):
         for name in self.functions:
             if self.functions.count(name) > 1:
                 raise ValueError(f"rewards.functions: '{name}' is listed twice")
-            reward_part(name, self.options.get(name))
+        self._check_parts()
         if "overlong" in self.functions and self.overlong_cache is None:
             raise ValueError("rewards.overlong_cache: the overlong reward needs a cache length L_cache")
         if self.weights is not None and len(self.weights) != len(self.functions):
@@ -72,3 +72,17 @@ class RewardConfig(Section):
             except re.error as err:
                 raise ValueError(f"rewards.format_pattern: invalid regex ({err})") from None
         return self
+
+    def _check_parts(self) -> None:
+        """Each reward resolved and its options checked; a user's module in a fresh process under
+        ``startup_timeout_s``, since it may block or crash at import."""
+        from asyncrl.plugins import check_spec
+        from asyncrl.rewards.processes import check_loads
+
+        for name in self.functions:
+            check_spec("reward", name, "rewards.functions")
+        checks = [
+            (name, "asyncrl.rewards.functions:reward_part", (name, self.options.get(name))) for name in self.functions
+        ]
+        timeout = self.startup_timeout_s
+        check_loads("reward", checks, "rewards.functions", "rewards.startup_timeout_s", timeout, "a reward process")

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from asyncrl.data.prompts import Prompt
+from asyncrl.plugins import resolve, validate_options
 
 Message = dict[str, Any]  # a chat message: {"role": ..., "content": ..., "tool_calls": [...]}
 
@@ -49,3 +50,12 @@ class Environment(ABC):
     def parse(self, text: str) -> Message:
         """The generated text of one turn as an assistant message (a tool environment parses calls)."""
         return {"role": "assistant", "content": text}
+
+
+def environment_part(spec: str, options: dict[str, Any]) -> tuple[type[Environment], dict[str, Any]]:
+    """The class ``environment.name`` names and its checked options, nested parts included: what
+    the config check runs in a fresh process (asyncrl/config/environment.py)."""
+    part = resolve("environment", spec, "environment.name")
+    if not (isinstance(part, type) and issubclass(part, Environment)):
+        raise ValueError(f"environment.name: '{spec}' is not a subclass of asyncrl.environments.Environment")
+    return part, validate_options(part, spec, options, "environment.options")

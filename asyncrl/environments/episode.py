@@ -30,11 +30,11 @@ from functools import partial
 from typing import TYPE_CHECKING, Any, Protocol
 
 from asyncrl.data import Prompt, encode_prompts
-from asyncrl.environments.base import Environment, Message
+from asyncrl.environments.base import Environment, Message, environment_part
+from asyncrl.errors import RunStopped
 from asyncrl.generation import Generator, SampleRequest, SamplingParams
 from asyncrl.generation.base import SEED_BITS
 from asyncrl.models.hf import stop_token_ids
-from asyncrl.plugins import resolve, validate_options
 from asyncrl.threads import DaemonPool
 from asyncrl.types import Rollout
 
@@ -400,9 +400,12 @@ class MultiTurn:
 
 
 def _environment(what: str, call: Callable[..., Any], *args: Any) -> Any:
-    """A call into environment code: whatever it raises fails the episode's attempt, not the batch."""
+    """A call into environment code: whatever it raises fails the episode's attempt, not the batch;
+    a ``RunStopped`` (a tool process that cannot start: the environment's fault) stops the run."""
     try:
         return call(*args)
+    except RunStopped:
+        raise
     except Exception as err:
         raise EpisodeError(f"{type(err).__name__} in the environment's {what}: {err}") from err
 
@@ -416,10 +419,10 @@ def environment_class(config: RunConfig) -> tuple[type[Environment], dict[str, A
     spec = config.environment.name
     if spec is None:
         return None
-    part = resolve("environment", spec, "environment.name")
-    if not (isinstance(part, type) and issubclass(part, Environment)):
-        raise ValueError(f"environment.name: '{spec}' is not a subclass of asyncrl.environments.Environment")
-    return part, validate_options(part, spec, config.environment.options, "environment.options")
+    part, options = environment_part(spec, config.environment.options)
+    if getattr(part, "takes_startup_timeout", False):
+        options["startup_timeout_s"] = config.environment.startup_timeout_s
+    return part, options
 
 
 def build_episodes(config: RunConfig, generator: Generator, tokenizer) -> Episodes:

@@ -17,25 +17,31 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, ClassVar
+from typing import Annotated, Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from asyncrl.environments.base import Environment, Message, Turn
 from asyncrl.environments.parsers import build_parser
 from asyncrl.environments.tools import ERROR_KINDS, Tool, ToolBox, ToolResult
+from asyncrl.plugins import PartRef
+from asyncrl.rewards.runner import STARTUP_TIMEOUT_S
 
 METRICS = ("tool_calls", "tool_s", *(f"tool_errors_{kind}" for kind in ERROR_KINDS))
 _BOXES: dict[tuple, ToolBox] = {}
 _BOXES_LOCK = threading.Lock()
 
 
-def shared_toolbox(functions: Sequence[Callable[..., Any]], timeout_s: float, processes: int) -> ToolBox:
+def shared_toolbox(
+    functions: Sequence[Callable[..., Any]], timeout_s: float, processes: int, startup_timeout_s: float
+) -> ToolBox:
     """The run's tool box for these functions and settings, built on first use."""
-    key = (tuple(functions), timeout_s, processes)
+    key = (tuple(functions), timeout_s, processes, startup_timeout_s)
     with _BOXES_LOCK:
         if key not in _BOXES:
-            _BOXES[key] = ToolBox(functions, timeout_s=timeout_s, processes=processes)
+            _BOXES[key] = ToolBox(
+                functions, timeout_s=timeout_s, processes=processes, startup_timeout_s=startup_timeout_s
+            )
         return _BOXES[key]
 
 
@@ -47,9 +53,11 @@ def close_toolboxes() -> None:
 
 
 class ToolEnvironment(Environment):
-    """Tool calls until an answer; a subclass gives ``functions`` and ``reset``."""
+    """Tool calls until an answer; a subclass gives ``functions`` and ``reset``. Built with
+    ``environment.startup_timeout_s`` too (``takes_startup_timeout``): its tool processes' deadline."""
 
     functions: ClassVar[Sequence[Callable[..., Any]]] = ()
+    takes_startup_timeout: ClassVar[bool] = True
 
     class Options(BaseModel):
         model_config = ConfigDict(extra="forbid")
@@ -57,13 +65,22 @@ class ToolEnvironment(Environment):
         max_tool_calls: int = Field(4, ge=0, description="tool calls per episode; one more ends the episode")
         tool_timeout_s: float = Field(5.0, gt=0.0, description="wall-clock limit of one tool call")
         tool_processes: int = Field(4, ge=1, description="tool processes: calls that run at once")
-        parser: str = Field("hermes", description="tool-call parser: a built-in name or package.module:attr")
+        parser: Annotated[str, PartRef("tool_parser", options="parser_options")] = Field(
+            "hermes", description="tool-call parser: a built-in name or package.module:attr"
+        )
         parser_options: dict[str, Any] = Field(default_factory=dict, description="options of the parser")
 
     @classmethod
     def schemas(cls) -> list[dict]:
         """The JSON schemas of ``functions``, what the chat template's ``tools=`` shows the model."""
         return [Tool(fn).schema for fn in cls.functions]
+
+    @classmethod
+    def check_options(cls, **options: Any) -> None:
+        """The tools, checked with the config: each one's schema, and their names unique."""
+        names = [schema["function"]["name"] for schema in cls.schemas()]
+        if len(set(names)) != len(names):
+            raise ValueError(f"tools: names must be unique, got {names}")
 
     def __init__(
         self,
@@ -72,9 +89,10 @@ class ToolEnvironment(Environment):
         tool_processes: int = 4,
         parser: str = "hermes",
         parser_options: dict[str, Any] | None = None,
+        startup_timeout_s: float = STARTUP_TIMEOUT_S,
     ) -> None:
         self.max_tool_calls = max_tool_calls
-        self.toolbox = shared_toolbox(self.functions, tool_timeout_s, tool_processes)
+        self.toolbox = shared_toolbox(self.functions, tool_timeout_s, tool_processes, startup_timeout_s)
         self.tools = self.toolbox.schemas
         self.parser = build_parser(parser, parser_options or {}, "environment.options.parser")
         self.calls_made = 0

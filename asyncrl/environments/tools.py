@@ -18,7 +18,6 @@ from __future__ import annotations
 import inspect
 import pickle
 import threading
-import time
 import typing
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -27,7 +26,8 @@ from typing import Any
 from pydantic import TypeAdapter, ValidationError
 
 from asyncrl.errors import RunStopped
-from asyncrl.rewards.runner import STARTUP_TIMEOUT_S, _Worker
+from asyncrl.rewards.processes import StartFailed, Worker, not_started, start_loaded
+from asyncrl.rewards.runner import STARTUP_TIMEOUT_S
 
 _START_TOOL_PROCESS = "from asyncrl.rewards.worker import call_tool, main; main(call_tool)"
 
@@ -83,7 +83,14 @@ class Tool:
 class ToolBox:
     """The tools of an environment, shared by the episodes of a run; thread-safe."""
 
-    def __init__(self, functions: Sequence[Callable[..., Any]], *, timeout_s: float = 5.0, processes: int = 4) -> None:
+    def __init__(
+        self,
+        functions: Sequence[Callable[..., Any]],
+        *,
+        timeout_s: float = 5.0,
+        processes: int = 4,
+        startup_timeout_s: float = STARTUP_TIMEOUT_S,
+    ) -> None:
         self.tools = {tool.name: tool for tool in map(Tool, functions)}
         if len(self.tools) != len(functions):
             raise ValueError(f"tools: names must be unique, got {[Tool(fn).name for fn in functions]}")
@@ -92,10 +99,10 @@ class ToolBox:
         if processes < 1:
             raise ValueError(f"tool_processes: must be at least 1, got {processes}")
         self.schemas = [tool.schema for tool in self.tools.values()]
-        self.timeout_s, self.processes = timeout_s, processes
+        self.timeout_s, self.processes, self.startup_timeout_s = timeout_s, processes, startup_timeout_s
         self._index = {name: i for i, name in enumerate(self.tools)}
         self._payload = pickle.dumps([pickle.dumps(tool.fn) for tool in self.tools.values()])
-        self._idle: list[_Worker] = []
+        self._idle: list[Worker] = []
         self._started = 0  # processes alive: idle or running a call
         self._free = threading.Condition()
         self._closed = False
@@ -142,7 +149,7 @@ class ToolBox:
             if process is not None:  # timed out or died: a fresh one takes its place
                 self._discard(process)
 
-    def _acquire(self) -> _Worker:
+    def _acquire(self) -> Worker:
         """An idle process, or a new one while fewer than ``processes`` are alive; else wait for one.
 
         An idle process can be dead: it dies with the thread that started it (``_die_with``), an
@@ -165,40 +172,27 @@ class ToolBox:
             self._discard(None)
             raise
 
-    def _start(self) -> _Worker:
-        """A fresh tool process with the tools loaded, within the reward processes' start deadline."""
-        process = _Worker(_START_TOOL_PROCESS)
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    def _start(self) -> Worker:
+        """A fresh tool process with the tools loaded, within ``environment.startup_timeout_s``."""
         try:
-            while process.conn.poll(max(0.0, deadline - time.monotonic())):
-                kind, body = process.conn.recv()
-                if kind == "started":
-                    process.conn.send_bytes(self._payload)
-                elif kind == "failed":
-                    raise ToolStartError(
-                        f"environment: the tools {self._origin()} do not load in a tool process ({body})"
-                    )
-                elif kind == "ready":
-                    process.ready = True
-                    return process
-            raise ToolStartError(
-                f"environment: a tool process loading the tools {self._origin()} did not start within "
-                f"{STARTUP_TIMEOUT_S:g}s (does a tool's module block at import?)"
-            )
-        except EOFError:
-            raise ToolStartError(
-                f"environment: a tool process loading the tools {self._origin()} exited while starting "
-                f"(exit code {process.process.wait()})"
-            ) from None
-        finally:
-            if not process.ready:
-                process.kill()
+            return start_loaded(_START_TOOL_PROCESS, self._payload, self.startup_timeout_s)
+        except StartFailed as failed:
+            if failed.exit_code is not None:
+                problem = f"a tool process loading the tools {self._origin()} exited while starting (exit code {failed.exit_code})"
+            elif failed.problem is not None:
+                problem = f"the tools {self._origin()} do not load in a tool process ({failed.problem})"
+            else:
+                loading = None if failed.loading is None else f"the tools {self._origin()}"
+                problem = not_started(
+                    "a tool process", "environment.startup_timeout_s", self.startup_timeout_s, loading
+                )
+            raise ToolStartError(f"environment: {problem}") from None
 
     def _origin(self) -> str:
         """The tools as ``module:name``, for an error that must say which one would not load."""
         return ", ".join(f"{tool.fn.__module__}:{tool.fn.__qualname__}" for tool in self.tools.values())
 
-    def _release(self, process: _Worker) -> None:
+    def _release(self, process: Worker) -> None:
         with self._free:
             if self._closed:
                 process.kill()
@@ -207,7 +201,7 @@ class ToolBox:
                 self._idle.append(process)
             self._free.notify()
 
-    def _discard(self, process: _Worker | None) -> None:
+    def _discard(self, process: Worker | None) -> None:
         if process is not None:
             process.kill()
         with self._free:

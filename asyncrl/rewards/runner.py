@@ -17,7 +17,9 @@ call returns its value or scores 0, and the next ``score`` runs normally.
 A process that does not start (its interpreter does not come up, a reward does not load there, or
 not within ``startup_timeout_s``: a module that blocks at import) is killed and stops the run with a
 ``RewardStartError`` naming the reward it was loading: that is the config's or the reward's fault,
-and no retry would fix it. ``close`` wakes a ``score`` waiting on its processes, so it never waits
+and no retry would fix it. The config check loads user rewards the same way, in a process of
+its own under the same deadline (``check_loads``, asyncrl/rewards/processes.py), so the run's process never imports a module
+that would block there. ``close`` wakes a ``score`` waiting on its processes, so it never waits
 for a process to start or a call to end.
 """
 
@@ -26,10 +28,7 @@ from __future__ import annotations
 import logging
 import math
 import multiprocessing
-import os
 import pickle
-import subprocess
-import sys
 import threading
 import time
 from collections import deque
@@ -40,6 +39,7 @@ from typing import TYPE_CHECKING
 
 from asyncrl.errors import RunStopped
 from asyncrl.rewards.functions import RewardFn, resolve_reward
+from asyncrl.rewards.processes import Worker, not_started
 from asyncrl.rewards.worker import Outcome
 
 if TYPE_CHECKING:
@@ -48,7 +48,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-_START_WORKER = "from asyncrl.rewards.worker import main; main()"
 STARTUP_TIMEOUT_S = 60.0  # launch to functions loaded (rewards.startup_timeout_s): ample for importing torch
 
 
@@ -125,7 +124,7 @@ class RewardRunner:
         self._functions = [fn for _, fn in functions]
         # One pickle per function: a process loads them one by one and says which it is loading.
         self._payload = pickle.dumps([_pickled(name, fn) for name, fn in functions])
-        self._pool: list[_Worker] = []
+        self._pool: list[Worker] = []
         self._lock = threading.Lock()  # one score at a time owns the pool
         self._wake, self._wake_sender = multiprocessing.Pipe(duplex=False)  # close() ends a score's wait
         self._warned: set[tuple[str, str]] = set()
@@ -227,7 +226,7 @@ class RewardRunner:
                 for worker in [w for w in self._pool if not w.calls and w.process.poll() is not None]:
                     self._retire(worker, waiting)  # it died while idle
                 while len(self._pool) < min(self.processes, len(waiting) + self._running()):
-                    self._pool.append(_Worker())
+                    self._pool.append(Worker())
                 self._hand_out(waiting, calls)
                 self._wait()
                 for worker in list(self._pool):
@@ -254,12 +253,10 @@ class RewardRunner:
         if self._closed:
             raise RuntimeError("RewardRunner.score: the runner was closed while scoring")
 
-    def _start_problem(self, worker: _Worker) -> str:
+    def _start_problem(self, worker: Worker) -> str:
         """What a process that did not start within ``startup_timeout_s`` was doing."""
-        within = f"a reward process did not start within rewards.startup_timeout_s={self.startup_timeout_s:g}s"
-        if worker.loading is None:
-            return f"{within}: its interpreter never came up; it was killed"
-        return f"{within}: loading {self._loading(worker)} never finished (does its module block at import?); it was killed"
+        loading = None if worker.loading is None else self._loading(worker)
+        return not_started("a reward process", "rewards.startup_timeout_s", self.startup_timeout_s, loading)
 
     def _running(self) -> int:
         return sum(len(worker.calls) for worker in self._pool)
@@ -272,7 +269,7 @@ class RewardRunner:
                 worker.conn.send([calls[i] for i in worker.calls])
                 worker.since = time.monotonic()
 
-    def _receive(self, worker: _Worker, outcomes: list[Outcome | None], waiting: deque[int]) -> None:
+    def _receive(self, worker: Worker, outcomes: list[Outcome | None], waiting: deque[int]) -> None:
         """Every message the process has sent; one that died is retired, its running call an error."""
         try:
             while worker.conn.poll():
@@ -301,10 +298,10 @@ class RewardRunner:
                     f"rewards.functions: a reward process exited while loading {self._loading(worker)} (exit code {code})"
                 ) from None
 
-    def _loading(self, worker: _Worker) -> str:
+    def _loading(self, worker: Worker) -> str:
         return "the reward functions" if worker.loading is None else f"'{self.names[worker.loading]}'"
 
-    def _retire(self, worker: _Worker, waiting: deque[int]) -> None:
+    def _retire(self, worker: Worker, waiting: deque[int]) -> None:
         """Kill the process; the calls it had not finished wait for another."""
         waiting.extendleft(reversed(worker.calls))
         worker.calls.clear()
@@ -336,34 +333,6 @@ class RewardRunner:
         if (name, kind) not in self._warned:
             self._warned.add((name, kind))
             logger.warning("reward %s: %s; it scores 0 (later ones are only counted)", name, detail)
-
-
-class _Worker:
-    """One reward process and the calls handed to it, in order: the first is the one running."""
-
-    def __init__(self, start: str = _START_WORKER) -> None:
-        """``start``: the Python code the process runs (a tool process's calls ``main(call_tool)``)."""
-        self.conn, child = multiprocessing.Pipe()
-        command = [sys.executable, "-c", start, str(child.fileno()), str(os.getpid())]
-        path = {"PYTHONPATH": os.pathsep.join(sys.path)}  # the run's imports resolve the same way there
-        self.process = subprocess.Popen(
-            command, pass_fds=[child.fileno()], stdin=subprocess.DEVNULL, env={**os.environ, **path}
-        )
-        child.close()
-        self.started = time.monotonic()
-        self.loading: int | None = None  # the function it loads; None until its interpreter is up
-        self.ready = False
-        self.calls: deque[int] = deque()
-        self.since = 0.0  # when the running call started: the hand-over, or the last message
-
-    @property
-    def running(self) -> bool:
-        return self.ready and bool(self.calls)
-
-    def kill(self) -> None:
-        self.process.kill()
-        self.process.wait()
-        self.conn.close()
 
 
 def _pickled(name: str, fn: RewardFn) -> bytes:

@@ -5,7 +5,8 @@ It is never forked from the run's process (whose threads a fork would copy mid-o
 never imports the run's main module. It says it has started, loads the reward functions the runner
 then sends it, one pickle each (saying which it is loading, so a module that blocks at import can
 be named), then scores the chunks of calls it is handed, sending each call's outcome as soon as it
-has one.
+has one. Run as ``check()``, it is where the config check loads user code instead (``check_loads``
+in processes.py), so a module that blocks or crashes at import never does so in the run's process.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
 
+from asyncrl.plugins import import_attribute
 from asyncrl.rewards.functions import RewardFn
 
 Outcome = tuple[float, str | None]  # a call's score, and what went wrong or None
@@ -35,10 +37,7 @@ def main(caller: Callable[..., Any] | None = None) -> None:
     ``caller`` runs one call, ``caller(function, *arguments)``: ``call`` (a reward's score) by
     default, ``call_tool`` in a tool process (asyncrl/environments/tools.py)."""
     caller = call if caller is None else caller
-    conn, parent = Connection(int(sys.argv[1])), int(sys.argv[2])
-    _die_with(parent)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the run's to handle; it then closes the pool
-    conn.send(("started", None))
+    conn = _connect()
     try:
         functions = []
         for pickled in pickle.loads(conn.recv_bytes()):
@@ -54,6 +53,34 @@ def main(caller: Callable[..., Any] | None = None) -> None:
                 conn.send(("scored", caller(functions[f], *arguments)))
     except (EOFError, BrokenPipeError):  # the runner is gone
         return
+
+
+def check() -> None:
+    """``python -c 'from asyncrl.rewards.worker import check; check()' FD PARENT_PID``.
+
+    Runs the checks the runner sends, ``[("module:function", arguments)]``, one by one, saying
+    which; a ValueError, a config error naming its field, goes back as ("invalid", its message)."""
+    conn = _connect()
+    try:
+        for index, (target, arguments) in enumerate(pickle.loads(conn.recv_bytes())):
+            conn.send(("loading", index))
+            import_attribute(target, "check")(*arguments)
+    except ValueError as err:
+        conn.send(("invalid", str(err)))
+        return
+    except Exception as err:  # a check that fails otherwise: named by the runner, never a traceback
+        conn.send(("failed", f"{type(err).__name__}: {err}"))
+        return
+    conn.send(("ready", None))
+
+
+def _connect() -> Connection:
+    """The pipe to the runner, once this process dies with it; says it has started."""
+    conn, parent = Connection(int(sys.argv[1])), int(sys.argv[2])
+    _die_with(parent)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the run's to handle; it then closes the pool
+    conn.send(("started", None))
+    return conn
 
 
 def call(fn: RewardFn, completion: str, answer: str, num_tokens: int | None) -> Outcome:

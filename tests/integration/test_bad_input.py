@@ -447,6 +447,46 @@ def test_bad_custom_samplers_are_rejected_when_the_config_loads(capsys, plugins,
     assert error(capsys, "config", f"sampler.name={sampler}") == f"sampler.name: {message}"
 
 
+PARSER_BUILTINS = "built-ins are hermes, or give package.module:attr"
+
+
+@pytest.mark.parametrize("command", ["config", "train"])
+@pytest.mark.parametrize("environment", ["calculator", "dictionary_tools:Dictionary"])
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("parser=nosuch", f"environment.options.parser: unknown tool_parser 'nosuch'; {PARSER_BUILTINS}"),
+        (
+            "parser=dictionary_tools:Parser",
+            "environment.options.parser: cannot load 'dictionary_tools:Parser' "
+            "(AttributeError: module 'dictionary_tools' has no attribute 'Parser')",
+        ),
+        (
+            "parser_options={strict: true}",
+            "environment.options.parser_options.strict: unknown option; 'hermes' takes no options",
+        ),
+    ],
+    ids=["unknown parser", "missing parser", "parser option"],
+)
+def test_a_part_named_in_an_environments_options_is_checked_with_the_config(
+    tmp_path, capsys, command, environment, override, message
+):
+    argv = ["config"] if command == "config" else ["train", "--output-dir", str(tmp_path / "run"), *SMALL]
+    overrides = [f"environment.name={environment}", f"environment.options.{override}", "data.chat_template=false"]
+    assert error(capsys, *argv, *overrides) == message
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("command", ["config", "train"])
+def test_an_environments_tools_are_checked_with_the_config(tmp_path, capsys, command):
+    argv = ["config"] if command == "config" else ["train", "--output-dir", str(tmp_path / "run"), *SMALL]
+    message = error(capsys, *argv, "environment.name=dictionary_tools:Undocumented", "data.chat_template=false")
+    assert message == (
+        "environment.options: 'dictionary_tools:Undocumented': tool undocumented: DocstringParsingException: "
+        "Cannot generate JSON schema for undocumented because it has no docstring!"
+    )
+
+
 # --- files read back: checkpoints, the run directory
 
 

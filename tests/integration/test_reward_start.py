@@ -1,19 +1,28 @@
 """A reward process that never starts stops the run at ``rewards.startup_timeout_s``, killed, with
-one line naming the reward, and ``close`` never waits for it.
+one line naming the reward, and ``close`` never waits for it; a tool process, at
+``environment.startup_timeout_s``. The config check loads a user's reward or environment module in
+a process of its own under the same deadline, so ``asyncrl config`` and ``asyncrl train`` never
+hang on a module that blocks at import: they exit with code 2 and one line naming it.
 
-``blocking_reward`` blocks forever at import in a reward process, as a module waiting at import for
-a lock, a server or a device would; the run's own process imports it at once.
+``blocking_reward`` blocks forever at import in a fresh process (and in every process with
+``BLOCKING_REWARD_EVERYWHERE`` set), as a module waiting at import for a lock, a server or a device
+would; this test process imports it at once.
 """
 
 import os
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
 import pytest
 from helpers import SMALL, error
 
+from asyncrl.environments.tools import ToolBox, ToolStartError
 from asyncrl.rewards import RewardRunner, resolve_reward
 from asyncrl.rewards.runner import RewardStartError
+
+TESTS = Path(__file__).parent.parent
 
 BLOCKING = "blocking_reward:never_loads"
 
@@ -100,3 +109,60 @@ def test_a_run_whose_reward_never_starts_exits_with_code_2_naming_it(tmp_path, c
         f"loading '{BLOCKING}' never finished"
     ), message
     assert reward_children() == set()
+
+
+def asyncrl(tmp_path, *argv: str) -> subprocess.CompletedProcess:
+    """The command in a process of its own, where ``blocking_reward`` blocks too if it is imported:
+    a command that waits on it ends at the subprocess timeout, and the test fails."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), *sys.path]), "BLOCKING_REWARD_EVERYWHERE": "1"}
+    command = [sys.executable, "-m", "asyncrl", *argv]
+    return subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+
+
+def one_line(result: subprocess.CompletedProcess) -> str:
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert result.stderr.startswith("error: ") and result.stderr.count("\n") == 1, result.stderr[-2000:]
+    assert "Traceback" not in result.stderr + result.stdout
+    return result.stderr.removeprefix("error: ").rstrip("\n")
+
+
+COMMANDS = {"config": ["config"], "train": ["train", "--output-dir", "run", *SMALL]}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("command", COMMANDS)
+def test_a_reward_module_that_blocks_at_import_is_one_line_and_code_2_at_the_start_deadline(tmp_path, command):
+    overrides = [f"rewards.functions=[exact_match, {BLOCKING}]", "rewards.startup_timeout_s=5"]
+    assert one_line(asyncrl(tmp_path, *COMMANDS[command], *overrides)) == (
+        "rewards.functions: a reward process did not start within rewards.startup_timeout_s=5s: "
+        f"loading '{BLOCKING}' never finished (does its module block at import?); it was killed"
+    )
+    assert not (tmp_path / "run").exists()  # stopped before the run began
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("command", COMMANDS)
+def test_an_environment_module_that_blocks_at_import_is_one_line_and_code_2_at_the_start_deadline(tmp_path, command):
+    environment = "blocking_reward:NeverLoads"
+    overrides = [f"environment.name={environment}", "environment.startup_timeout_s=5", "data.chat_template=false"]
+    assert one_line(asyncrl(tmp_path, *COMMANDS[command], *overrides)) == (
+        "environment.name: a process loading the environment did not start within "
+        f"environment.startup_timeout_s=5s: loading '{environment}' never finished (does its module block at "
+        "import?); it was killed"
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_tool_process_that_never_starts_stops_at_the_configured_deadline():
+    from blocking_reward import echo
+
+    with ToolBox([echo], startup_timeout_s=3.0) as box, pytest.raises(ToolStartError) as caught:
+        box.call("echo", {"text": "hi"})
+    assert str(caught.value) == (
+        "environment: a tool process did not start within environment.startup_timeout_s=3s: loading the tools "
+        "blocking_reward:echo never finished (does its module block at import?); it was killed"
+    )
+    assert caught.value.exit_code == 2

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 import statistics
+import sys
 
 import pytest
 from helpers import ROOT, SMALL, error
@@ -121,7 +122,18 @@ def test_the_simulated_latency_is_waited_before_each_call_and_counted_in_the_too
 
 
 @pytest.mark.slow
+def test_a_tool_module_that_does_not_import_in_a_fresh_process_is_refused_with_the_config(capsys, monkeypatch):
+    monkeypatch.delitem(sys.modules, "broken_tools", raising=False)  # the config check loads it elsewhere
+    assert error(capsys, "config", "environment.name=broken_tools:EchoEnvironment") == (
+        "environment.name: cannot load 'broken_tools:EchoEnvironment' "
+        "(ImportError: a dependency of this tool is missing here)"
+    )
+
+
+@pytest.mark.slow
 def test_a_tool_module_that_does_not_import_in_a_tool_process_stops_the_run_with_one_line_and_code_2(tmp_path, capsys):
+    import broken_tools  # noqa: F401 (imported by this process already, so the config check passes here)
+
     message = error(
         capsys,
         "train",

@@ -233,13 +233,12 @@ def test_override_into_a_section_that_yaml_set_to_a_value_is_one_line(tmp_path):
 def test_a_dotted_override_reaches_into_a_parts_options_keeping_the_files_other_options():
     config = load_config(
         ROOT / "configs" / "tool-use.yaml",
-        ["environment.options.latency_median_s=0.05", "environment.options.parser_options.strict=true"],
+        ["environment.options.latency_median_s=0.05", "environment.options.parser_options={}"],
     )
-    assert config.environment.options == {
-        "max_tool_calls": 2,
-        "latency_median_s": 0.05,
-        "parser_options": {"strict": True},
-    }
+    assert config.environment.options == {"max_tool_calls": 2, "latency_median_s": 0.05, "parser_options": {}}
+    assert error_of(["environment.name=calculator", "environment.options.parser_options.strict=true"]) == (
+        "environment.options.parser_options.strict: unknown option; 'hermes' takes no options"
+    )
     assert load_config(None, ["sampler.options.window=4"]).sampler.options == {"window": 4}
     assert error_of(["environment.options={a: 1}", "environment.options.a.b=2"]) == (
         "environment.options.a: expected a mapping, got 1"

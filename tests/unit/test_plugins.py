@@ -3,14 +3,16 @@ options, named as ``package.module:attr`` in a config and used by a real run."""
 
 import json
 import textwrap
+from typing import Annotated, Any
 
 import pytest
 from helpers import SMALL, error
+from pydantic import BaseModel
 
 from asyncrl.config import load_config
 from asyncrl.generation import build_generator
 from asyncrl.models.factory import build_model, build_tokenizer
-from asyncrl.plugins import BUILTINS, resolve
+from asyncrl.plugins import BUILTINS, PartRef, resolve, validate_options
 from asyncrl.run import train
 
 PLUGINS = '''
@@ -173,3 +175,23 @@ def test_lora_needs_a_backend_that_declares_it_takes_adapters(my_parts, capsys, 
 def test_every_builtin_is_found_the_way_a_users_part_is(kind):
     for name, path in BUILTINS[kind].items():
         assert resolve(kind, name, "field") is resolve(kind, path, "field")
+
+
+class Nesting:
+    """A part whose options name another part, as a tool environment names its parser."""
+
+    class Options(BaseModel):
+        inner: Annotated[str, PartRef("sampler", options="inner_options")] = "in_order"
+        inner_options: dict[str, Any] = {}
+
+
+def test_a_part_named_in_options_is_resolved_and_its_options_checked_by_the_loader():
+    assert validate_options(Nesting, "n", {"inner": "windowed"}, "x.options") == {
+        "inner": "windowed",
+        "inner_options": {},
+    }
+    with pytest.raises(ValueError, match=r"^x\.options\.inner: unknown sampler 'nosuch'; built-ins are"):
+        validate_options(Nesting, "n", {"inner": "nosuch"}, "x.options")
+    with pytest.raises(ValueError) as caught:
+        validate_options(Nesting, "n", {"inner_options": {"window": 2}}, "x.options")
+    assert str(caught.value) == "x.options.inner_options.window: unknown option; 'in_order' takes no options"
