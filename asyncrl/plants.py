@@ -16,6 +16,7 @@ Plant = Literal[
     "recompute-proximal",
     "cp-shard-mean",
     "cp-untruncated",
+    "cp-causal-leak",
     "observation-trained",
     "lora-base-trainable",
     "lora-double-scaling",

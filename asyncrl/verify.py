@@ -28,6 +28,7 @@ from dataclasses import dataclass, field, replace
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from transformers import AttentionInterface
 
 from asyncrl.algorithms import grpo
 from asyncrl.algorithms.grpo import GRPO
@@ -36,7 +37,7 @@ from asyncrl.models import SampledDistribution, build_tiny_model, token_logprobs
 from asyncrl.models.lora import apply_lora
 from asyncrl.plants import PLANTS, Plant
 from asyncrl.trainer import PolicyTrainer
-from asyncrl.trainer.context_parallel import ContextParallel, Shard
+from asyncrl.trainer.context_parallel import ContextParallel, Shard, context_parallel_attention
 from asyncrl.trainer.parallel import ParallelContext, init_parallel, launch
 from asyncrl.trainer.worker import split_evenly
 from asyncrl.types import StepResult, TrainBatch
@@ -47,6 +48,7 @@ CP_PLANTS = (
     "double-count-tokens",
     "cp-shard-mean",
     "cp-untruncated",
+    "cp-causal-leak",
 )  # mistakes that only exist across CP ranks
 RANK_PLANTS = (*CP_PLANTS, "per-shard-mean", "average-without-compensation")  # need more than one rank
 LORA_PLANTS = ("lora-base-trainable", "lora-double-scaling")  # mistakes of a LoRA policy: need --lora
@@ -231,6 +233,19 @@ class UntruncatedCP(ContextParallel):
         return super().logprobs(
             model, shard, with_entropy=with_entropy, entropy_grad=entropy_grad, distribution=untruncated
         )
+
+
+def _causal_leak(module, query, key, value, attention_mask, context_parallel_columns=None, **kwargs):
+    """The planted mistake: context-parallel attention whose query blocks each see one key past
+    the causal boundary (a query sees the token it predicts)."""
+    queries, keys = context_parallel_columns
+    return context_parallel_attention(
+        module, query, key, value, attention_mask, context_parallel_columns=(queries + 1, keys), **kwargs
+    )
+
+
+CAUSAL_LEAK = "asyncrl_causal_leak"
+AttentionInterface.register(CAUSAL_LEAK, _causal_leak)
 
 
 class UncompensatedParallel(ParallelContext):
@@ -592,6 +607,8 @@ def _rank_check(
         planted = _planted(replace(parallel, wrap=case.wrap), case.plant)
         model = _planted_model(model, case.plant)
         trainer = _trainer(_candidate_class(case.plant), model, loss_cfg, trainer_cfg, planted, batch=batch)
+        if case.plant == "cp-causal-leak":
+            trainer.model.set_attn_implementation(CAUSAL_LEAK)
         split = [
             rank_micro_batches(
                 part, dp=dp, dp_rank=parallel.dp_rank, micro_batches=min(micro_batches, len(part) // dp), seed=seed + k

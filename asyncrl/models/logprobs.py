@@ -24,6 +24,24 @@ def position_ids_from_mask(attention_mask: Tensor) -> Tensor:
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
+def right_padded(attention_mask: Tensor) -> bool:
+    """Whether every row's real tokens come first: no real token after a padding column."""
+    return bool((attention_mask[:, 1:] <= attention_mask[:, :-1]).all())
+
+
+def causal_inputs(attention_mask: Tensor) -> dict[str, Tensor | None]:
+    """The mask and positions of a scoring forward. Right-padded rows pass no mask: causal
+    attention already keeps every real token from the padding after it, and a padding mask costs
+    every layer a [B, 1, T, T] float copy kept for the backward. Their positions count on through
+    the padding (real tokens keep theirs), since transformers reads a position that does not
+    advance as the start of a packed sequence and builds a mask after all. Other rows (left
+    padding) keep their mask and the positions of ``position_ids_from_mask``."""
+    if right_padded(attention_mask):
+        positions = torch.arange(attention_mask.shape[1], device=attention_mask.device)
+        return {"attention_mask": None, "position_ids": positions.expand_as(attention_mask)}
+    return {"attention_mask": attention_mask, "position_ids": position_ids_from_mask(attention_mask)}
+
+
 @dataclass(frozen=True)
 class SampledDistribution:
     """The distribution rollouts are sampled from, which every score of the trainer is taken under.
@@ -94,8 +112,7 @@ def token_logprobs(
     """
     logits = model(
         input_ids=input_ids,
-        attention_mask=attention_mask,
-        position_ids=position_ids_from_mask(attention_mask),
+        **causal_inputs(attention_mask),
         use_cache=False,
     ).logits[:, :-1]
     logprobs, entropy = logits_logprobs(

@@ -18,11 +18,15 @@ to the plain one.
 
 Attention. Each rank projects Q, K, V for its own columns, applying RoPE at the global positions;
 K and V are all-gathered over the CP group (backward: all-reduce the gradient, then keep this
-rank's slice), and a boolean mask over global columns (key column <= query column, key is a real
-token) makes attention causal across the gathered keys. A sliding-window layer also drops keys a
-window or more columns back, measured on the same global columns; a layer with attention logit
-softcapping (Gemma 2) computes its softcapped scores itself, as sdpa cannot. Only collectives that
-gloo and NCCL both have are used, so it runs on CPU and GPU alike; the kernel is transformers' sdpa.
+rank's slice). Rows are right-padded, so causality by global column keeps every real token from
+the padding and no padding mask exists. The gathered keys are put in column order and the queries
+go in blocks of consecutive columns (a shard's two chunks, cut to ``QUERY_BLOCK``), each over its
+causal prefix with sdpa and a block-local mask under ``torch.utils.checkpoint``: a layer keeps
+its inputs for the backward, nothing of size T², and a block's mask lives only while the block
+runs. A sliding-window layer starts its prefix a window back, on the same global columns; a layer
+with attention logit softcapping (Gemma 2) computes its block's softcapped scores itself, as sdpa
+cannot. One rank with neither takes sdpa's causal path. Only collectives that gloo and NCCL both
+have are used, so it runs on CPU and GPU alike.
 
 Reductions. Logprobs and entropies are computed from local logits. Token counts and metric sums
 are counted on shards and summed over DP × CP; sequence counts are counted on unsharded rows, so
@@ -36,10 +40,11 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from asyncrl.models.logprobs import SampledDistribution, logits_logprobs, position_ids_from_mask
+from asyncrl.models.logprobs import SampledDistribution, logits_logprobs, position_ids_from_mask, right_padded
 from asyncrl.types import TokenLossInputs, TrainBatch
 
 ATTN_IMPLEMENTATION = "asyncrl_context_parallel"
@@ -90,6 +95,8 @@ def gather_sequence(local: Tensor, group: dist.ProcessGroup | None, dim: int) ->
 
 # ---- attention ----------------------------------------------------------------------------------
 
+QUERY_BLOCK = 1024  # queries per block: a block's transient mask is QUERY_BLOCK x its key prefix
+
 
 def context_parallel_attention(
     module: nn.Module,
@@ -101,61 +108,125 @@ def context_parallel_attention(
     context_parallel_columns: tuple[Tensor, Tensor] | None = None,
     sliding_window: int | None = None,
     softcap: float | None = None,
-    **kwargs,
-) -> tuple[Tensor, Tensor | None]:
-    """sdpa over the keys and values of the whole CP group; the mask is over global columns.
-
-    ``context_parallel_columns`` (the shard's query columns, the gathered keys' columns) place a
-    layer's sliding window (Mistral, Gemma, Phi-3) on the global columns; a layer with attention
-    logit softcapping (Gemma 2) runs the softcapped attention that sdpa lacks. Called without a
-    group (generation, export, a single rank) it is plain sdpa, or softcapped attention.
-    """
-    key = gather_sequence(key, context_parallel_group, dim=2)
-    value = gather_sequence(value, context_parallel_group, dim=2)
-    if sliding_window is not None:
-        if context_parallel_columns is None:
-            raise ValueError("context-parallel attention: a sliding-window layer needs the shard's columns")
-        attention_mask = _windowed(attention_mask, *context_parallel_columns, sliding_window)
-    if softcap is not None:
-        return _softcapped_attention(module, query, key, value, attention_mask, softcap=softcap, **kwargs)
-    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
-
-
-def _windowed(mask: Tensor | None, query_columns: Tensor, key_columns: Tensor, window: int) -> Tensor:
-    """``mask`` (None: plain causal) restricted to keys fewer than ``window`` columns back, as
-    transformers' sliding-window mask is: the padding and causality stay those of ``mask``."""
-    distance = query_columns[:, None] - key_columns[None, :]
-    near = ((distance >= 0) & (distance < window))[None, None]
-    return near if mask is None else mask & near
-
-
-def _softcapped_attention(
-    module: nn.Module,
-    query: Tensor,
-    key: Tensor,
-    value: Tensor,
-    attention_mask: Tensor | None,
-    *,
-    softcap: float,
     scaling: float | None = None,
     dropout: float = 0.0,
     **kwargs,
-) -> tuple[Tensor, Tensor]:
-    """Attention with scores squashed to (-softcap, softcap) by tanh before the mask and softmax,
-    computed as Gemma 2's own eager attention computes it (softmax in float32)."""
+) -> tuple[Tensor, None]:
+    """Causal attention over the keys and values of the whole CP group, by global column.
+
+    Rows are right-padded, so causality alone keeps every real token from the padding: there is no
+    padding mask. One rank with neither a sliding window nor a softcap takes sdpa's causal path.
+    Otherwise ``blockwise_attention`` runs: a layer's sliding window (Mistral, Gemma, Phi-3) and
+    its logit softcapping (Gemma 2) are applied there, on the global columns that
+    ``context_parallel_columns`` (the shard's query columns, the gathered keys' columns) give.
+    Without them the queries are the last columns of the keys, as in a cached decode.
+    """
+    if attention_mask is not None:
+        raise ValueError("context-parallel attention: rows are right-padded and need no attention mask")
+    key = gather_sequence(key, context_parallel_group, dim=2)
+    value = gather_sequence(value, context_parallel_group, dim=2)
+    if context_parallel_group is None and sliding_window is None and softcap is None:
+        return sdpa_attention_forward(module, query, key, value, None, scaling=scaling, dropout=dropout, **kwargs)
+    if context_parallel_columns is None:
+        if context_parallel_group is not None:
+            raise ValueError("context-parallel attention: a CP group needs the shard's columns")
+        keys = torch.arange(key.shape[2], device=key.device)
+        context_parallel_columns = (keys[key.shape[2] - query.shape[2] :], keys)
+    output = blockwise_attention(
+        query,
+        key,
+        value,
+        *context_parallel_columns,
+        window=sliding_window,
+        softcap=softcap,
+        scaling=query.shape[-1] ** -0.5 if scaling is None else scaling,
+        dropout=dropout if module.training else 0.0,
+    )
+    return output.transpose(1, 2).contiguous(), None
+
+
+def blockwise_attention(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    query_columns: Tensor,
+    key_columns: Tensor,
+    *,
+    window: int | None,
+    softcap: float | None,
+    scaling: float,
+    dropout: float = 0.0,
+    block: int | None = None,
+) -> Tensor:
+    """Causal attention of ``query`` [B, H, Q, D] at ``query_columns`` over ``key`` and ``value``
+    [B, KV heads, K, D] at ``key_columns`` (a permutation of 0..K-1), as [B, H, Q, D].
+
+    Keys are put in column order; queries go in blocks of at most ``block`` consecutive columns,
+    each over its causal prefix (from a window back, with a window) under
+    ``torch.utils.checkpoint``, so that a layer keeps only its inputs for the backward and a
+    block's mask (and softcapped scores) live only while the block runs. A dense mask over the
+    gathered keys would be [B, 1, Q, K]: every layer would keep a float copy of it.
+    """
+    order = key_columns.argsort()
+    key, value = key[:, :, order], value[:, :, order]
+    outputs = []
+    for start, end, column in _runs(query_columns, block or QUERY_BLOCK):
+        stop = column + end - start
+        first = 0 if window is None else max(0, column - window + 1)
+        outputs.append(
+            checkpoint(
+                _attend_block,
+                query[:, :, start:end],
+                key[:, :, first:stop],
+                value[:, :, first:stop],
+                column - first,
+                window,
+                softcap,
+                scaling,
+                dropout,
+                use_reentrant=False,
+            )
+        )
+    return torch.cat(outputs, dim=2)
+
+
+def _runs(columns: Tensor, block: int) -> list[tuple[int, int, int]]:
+    """(first slot, end slot, first column) of each run of at most ``block`` slots whose columns
+    follow one another: a head-tail shard has two runs of consecutive columns, cut into blocks."""
+    cols = columns.tolist()
+    runs, start = [], 0
+    for slot in range(1, len(cols) + 1):
+        if slot == len(cols) or cols[slot] != cols[slot - 1] + 1 or slot - start == block:
+            runs.append((start, slot, cols[start]))
+            start = slot
+    return runs
+
+
+def _attend_block(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    offset: int,
+    window: int | None,
+    softcap: float | None,
+    scaling: float,
+    dropout: float,
+) -> Tensor:
+    """Query i of the block sits ``offset + i`` keys in: it sees keys up to there (and fewer than
+    ``window`` back). Scores are softcapped as Gemma 2's eager attention does (softmax in float32)."""
+    rows, keys = query.shape[2], key.shape[2]
+    distance = torch.arange(offset, offset + rows, device=query.device)[:, None] - torch.arange(
+        keys, device=query.device
+    )
+    visible = distance >= 0 if window is None else (distance >= 0) & (distance < window)
     groups = query.shape[1] // key.shape[1]
     key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
-    scores = query @ key.transpose(2, 3) * (query.shape[-1] ** -0.5 if scaling is None else scaling)
-    scores = softcap * torch.tanh(scores / softcap)
-    if attention_mask is None:  # causal, the queries being the last columns
-        queries, keys = query.shape[2], key.shape[2]
-        attention_mask = torch.ones(queries, keys, dtype=torch.bool, device=query.device).tril(keys - queries)[
-            None, None
-        ]
-    scores = scores.masked_fill(~attention_mask, torch.finfo(scores.dtype).min)
+    if softcap is None:
+        return F.scaled_dot_product_attention(query, key, value, attn_mask=visible, dropout_p=dropout, scale=scaling)
+    scores = softcap * torch.tanh(query @ key.transpose(2, 3) * scaling / softcap)
+    scores = scores.masked_fill(~visible, torch.finfo(scores.dtype).min)
     weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
-    weights = F.dropout(weights, p=dropout, training=module.training)
-    return (weights @ value).transpose(1, 2).contiguous(), weights
+    return F.dropout(weights, p=dropout) @ value
 
 
 AttentionInterface.register(ATTN_IMPLEMENTATION, context_parallel_attention)
@@ -195,14 +266,11 @@ class Shard:
         self.key_columns = torch.cat([head_tail_columns(self.padded_width, cp.size, r) for r in range(cp.size)]).to(
             self.columns.device
         )
-        full_mask = self._pad(batch.attention_mask)
+        if not right_padded(batch.attention_mask):
+            raise ValueError("context parallelism: rows must be right-padded (real tokens first)")
         self.input_ids = self._pad(batch.input_ids)[:, self.columns]
-        self.position_ids = position_ids_from_mask(full_mask)[:, self.columns]
-        if cp.size == 1 and bool(full_mask.all()):
-            self.attention_mask = None  # plain causal attention: sdpa's causal kernel, as without CP
-        else:
-            causal = self.key_columns[None, :] <= self.columns[:, None]
-            self.attention_mask = (causal[None] & full_mask[:, None, self.key_columns].bool())[:, None]
+        self.position_ids = position_ids_from_mask(self._pad(batch.attention_mask))[:, self.columns]
+        self.attention_mask = None  # causal attention by global column: padding follows every real token
         self.labels = self.loss_side(batch.input_ids)
 
     def _pad(self, x: Tensor) -> Tensor:

@@ -16,6 +16,7 @@ import transformers
 from asyncrl.config import ConfigError, load_config
 from asyncrl.generation import HFGenerator, SampleRequest, SamplingParams
 from asyncrl.models import load_model, token_logprobs
+from asyncrl.trainer import context_parallel
 from asyncrl.trainer.context_parallel import (
     ContextParallel,
     context_parallel_attention,
@@ -53,11 +54,14 @@ def checkpoints(tmp_path_factory):
     return root
 
 
-def rows(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Two full rows, one left-padded and one right-padded row, of ``WIDTH`` columns."""
+def rows(seed: int = 0, *, left: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two full rows, one left-padded (right-padded with ``left`` False: training rows) and one
+    right-padded row, of ``WIDTH`` columns."""
     ids = torch.randint(1, VOCAB, (4, WIDTH), generator=torch.Generator().manual_seed(seed))
     mask = torch.ones_like(ids)
     mask[2, :5] = 0
+    if not left:
+        mask[2] = mask[2].flip(0)
     mask[3, -6:] = 0
     return ids, mask
 
@@ -105,10 +109,12 @@ def _dropped_window(*args, sliding_window=None, **kwargs):
 
 def _cp_rank(rank: int, world_size: int, root: str) -> bytes:
     """Each architecture's full-row logprobs from this rank's CP shards, gathered, and Mistral's
-    with the window dropped; rank 0 returns them."""
+    with the window dropped; rank 0 returns them. Query blocks of 4 columns, so every chunk spans
+    several blocks and a window reaches across them."""
+    context_parallel.QUERY_BLOCK = 4
     context = ContextParallel(dist.group.WORLD)
     transformers.AttentionInterface.register("dropped_window", _dropped_window)
-    ids, mask = rows()
+    ids, mask = rows(left=False)
     results = {}
     for name in [*ARCHITECTURES, "planted"]:
         model = load_model(f"{root}/{'mistral' if name == 'planted' else name}", dtype=torch.float32)
@@ -128,14 +134,23 @@ def _batch(ids: torch.Tensor, mask: torch.Tensor) -> TrainBatch:
 
 
 @pytest.mark.slow
-def test_context_parallel_on_two_ranks_matches_a_single_rank_and_a_dropped_window_fails(checkpoints):
-    ids, mask = rows()
+def test_context_parallel_on_two_ranks_matches_a_single_rank_and_a_dropped_window_fails(checkpoints, monkeypatch):
+    """Two CP ranks against the plain model (its own attention, with a padding mask) and against
+    one rank through the context-parallel attention (no mask, query blocks of 4)."""
+    ids, mask = rows(left=False)
     real = F.pad(mask[:, 1:], (1, 0)).bool() & mask.bool()  # tokens with a real predecessor
     sharded = torch.load(io.BytesIO(launch(_cp_rank, 2, str(checkpoints))[0]))
+    monkeypatch.setattr(context_parallel, "QUERY_BLOCK", 4)
     for name in ARCHITECTURES:
-        expected, _ = token_logprobs(load_model(checkpoints / name, dtype=torch.float32), ids, mask)
-        error = (sharded[name] - expected)[real].abs().max().item()
-        assert error <= CP_TOLERANCE, (name, error)
+        model = load_model(checkpoints / name, dtype=torch.float32)
+        with torch.no_grad():
+            plain = model(input_ids=ids, attention_mask=mask).logits.log_softmax(-1)[:, :-1]
+        plain = F.pad(plain.gather(-1, ids[:, 1:, None]).squeeze(-1), (1, 0))
+        enable_context_parallel_attention(model)
+        one_rank = ContextParallel().full_logprobs(model, _batch(ids, mask))
+        for expected in (plain, one_rank):
+            error = (sharded[name] - expected)[real].abs().max().item()
+            assert error <= CP_TOLERANCE, (name, error)
     expected, _ = token_logprobs(load_model(checkpoints / "mistral", dtype=torch.float32), ids, mask)
     assert (sharded["planted"] - expected)[real].abs().max().item() > 100 * CP_TOLERANCE
 

@@ -16,6 +16,7 @@ from asyncrl.trainer import PolicyTrainer
 from asyncrl.trainer.context_parallel import (
     ATTN_IMPLEMENTATION,
     ContextParallel,
+    blockwise_attention,
     enable_context_parallel_attention,
     head_tail_columns,
 )
@@ -60,10 +61,7 @@ def test_shards_shift_on_the_full_row_and_reassemble_it(size):
         labels[:, shard.columns] = shard.labels
         loss_mask[:, shard.columns] = shard.loss_side(batch.response_mask)
         assert torch.equal(shard.input_ids, F.pad(batch.input_ids, (0, padded - width))[:, shard.columns])
-        # every query sees exactly the real keys at or before its global column
-        full = F.pad(batch.attention_mask, (0, padded - width)).bool()
-        expected = (shard.key_columns[None, None] <= shard.columns[None, :, None]) & full[:, None, shard.key_columns]
-        assert torch.equal(shard.attention_mask[:, 0], expected)
+        assert shard.attention_mask is None  # right-padded rows: causality by global column is enough
     assert torch.equal(labels[:, : width - 1], batch.input_ids[:, 1:])
     assert torch.equal(loss_mask[:, : width - 1], batch.response_mask[:, 1:])
     assert loss_mask[:, width - 1 :].sum() == 0  # padding columns carry weight 0
@@ -190,3 +188,73 @@ def test_two_cp_ranks_score_the_truncated_distribution_as_a_whole_row_does():
     )
     untruncated, _ = scores["untruncated"]
     assert (untruncated - expected)[real].abs().max() > 1e-2  # the twin: shards that skip top-k / top-p
+
+
+def dense_attention(query, key, value, query_columns, key_columns, *, window=None, softcap=None, scaling=0.5):
+    """The reference: every score materialized, one mask over global columns, float64 softmax."""
+    distance = query_columns[:, None] - key_columns[None, :]
+    visible = (distance >= 0) & (distance < (window or distance.shape[1] + 1))
+    groups = query.shape[1] // key.shape[1]
+    scores = query @ key.repeat_interleave(groups, 1).transpose(2, 3) * scaling
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
+    return scores.masked_fill(~visible, -torch.inf).softmax(-1) @ value.repeat_interleave(groups, 1)
+
+
+@pytest.mark.parametrize("window,softcap", [(None, None), (5, None), (None, 2.0), (5, 2.0)])
+@pytest.mark.parametrize("size", [1, 2, 4])
+def test_blockwise_attention_is_causal_attention_by_global_column(size, window, softcap):
+    """Every rank's queries, in blocks of 3 that cut its chunks, over keys gathered in head-tail
+    order, with GQA: outputs and gradients equal the dense masked attention's. Gemma 2's softcapped
+    softmax runs in float32, hence its tolerance."""
+    width, gen = 24, torch.Generator().manual_seed(0)
+    key_columns = torch.cat([head_tail_columns(width, size, r) for r in range(size)])
+    key, value = (torch.randn(2, 2, width, 4, generator=gen, dtype=torch.float64, requires_grad=True) for _ in "kv")
+    tolerance = 1e-12 if softcap is None else 1e-6
+    for rank in range(size):
+        columns = head_tail_columns(width, size, rank)
+        query = torch.randn(2, 4, len(columns), 4, generator=gen, dtype=torch.float64, requires_grad=True)
+        args = (query, key, value, columns, key_columns)
+        out = blockwise_attention(*args, window=window, softcap=softcap, scaling=0.5, block=3)
+        expected = dense_attention(*args, window=window, softcap=softcap)
+        torch.testing.assert_close(out, expected, rtol=tolerance, atol=tolerance)
+        upstream = torch.randn(out.shape, generator=gen, dtype=torch.float64)
+        grads = torch.autograd.grad(out, (query, key, value), upstream)
+        for grad, want in zip(grads, torch.autograd.grad(expected, (query, key, value), upstream)):
+            torch.testing.assert_close(grad, want, rtol=tolerance, atol=tolerance)
+
+
+@pytest.mark.parametrize("softcap", [None, 2.0])
+def test_blockwise_attention_keeps_nothing_quadratic_for_the_backward(softcap):
+    """Autograd keeps tensors no larger than the queries or the gathered keys: no [Q, K] mask or
+    scores. Its twin, sdpa with the dense mask over global columns, keeps a [Q, K] float mask."""
+    width = 64
+    columns, key_columns = head_tail_columns(width, 2, 0), torch.cat([head_tail_columns(width, 2, r) for r in (0, 1)])
+    query = torch.randn(1, 4, len(columns), 2, requires_grad=True)
+    key, value = (torch.randn(1, 2, width, 2, requires_grad=True) for _ in "kv")
+
+    def largest_saved(attend) -> int:
+        sizes = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: sizes.append(t.numel()) or t, lambda t: t):
+            attend()
+        return max(sizes)
+
+    linear = max(query.numel(), key.numel())
+    args = (query, key, value, columns, key_columns)
+    assert (
+        largest_saved(lambda: blockwise_attention(*args, window=None, softcap=softcap, scaling=0.5, block=8)) <= linear
+    )
+    visible = columns[:, None] >= key_columns[None, :]
+
+    def dense():
+        key_heads, value_heads = key.repeat_interleave(2, 1), value.repeat_interleave(2, 1)
+        return F.scaled_dot_product_attention(query, key_heads, value_heads, attn_mask=visible)
+
+    assert largest_saved(dense) >= len(columns) * width > linear
+
+
+def test_context_parallel_refuses_left_padded_rows():
+    model, batch, *_ = build_problem("token-mean", torch.float64, 0)
+    left = replace(batch, attention_mask=batch.attention_mask.flip(1))
+    with pytest.raises(ValueError, match="right-padded"):
+        layout_view(2, 0).shard(left)
