@@ -10,6 +10,7 @@ Nothing here imports torch: the config check uses it.
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import pickle
 import subprocess
@@ -17,7 +18,6 @@ import sys
 import time
 from collections import deque
 from collections.abc import Sequence
-from multiprocessing import Pipe
 
 from asyncrl.plugins import import_attribute, loads_at_once
 
@@ -31,7 +31,7 @@ class Worker:
 
     def __init__(self, start: str = _START_WORKER) -> None:
         """``start``: the Python code the process runs (a tool process's calls ``main(call_tool)``)."""
-        self.conn, child = Pipe()
+        self.conn, child = multiprocessing.Pipe()
         command = [sys.executable, "-c", start, str(child.fileno()), str(os.getpid())]
         path = {"PYTHONPATH": os.pathsep.join(sys.path)}  # the run's imports resolve the same way there
         self.process = subprocess.Popen(

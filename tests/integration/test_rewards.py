@@ -19,6 +19,7 @@ import pytest
 from asyncrl.config import ConfigError, RewardConfig, load_config
 from asyncrl.data import Task
 from asyncrl.rewards import FormatReward, OverlongPenalty, RewardRunner, exact_match, numeric_match, resolve_reward
+from asyncrl.rewards import processes as processes_module
 from asyncrl.rewards import runner as runner_module
 
 TIMEOUT = 0.5
@@ -301,6 +302,7 @@ def test_calls_that_finish_in_time_are_not_timeouts_however_long_their_batch(mon
     twelve timeouts, so none is a timeout only if the timeout counts from each call's own start."""
     clock = MessageClock()
     monkeypatch.setattr(runner_module, "time", clock)
+    monkeypatch.setattr(processes_module, "time", clock)  # where a reward process's start is timed
     monkeypatch.setattr(runner_module.multiprocessing, "Pipe", clock.pipe(runner_module.multiprocessing.Pipe))
     with RewardRunner([("slow", slow)], timeout_s=TIMEOUT, processes=1) as runner:
         result = runner.score(["a"] * 20, ["a"] * 20)
