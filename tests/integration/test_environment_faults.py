@@ -88,6 +88,7 @@ def test_an_environment_that_keeps_raising_skips_its_prompts_alone(tmp_path):
     )
     assert summary["steps"] == 2 and [m["num_groups"] for m in metrics] == [4, 4]
     assert metrics[-1]["skipped_prompts"] > 0
+    assert summary["rollout_retries"] == 0  # the other prompts of a failing batch were never regenerated
     assert not [g["prompt_uid"] for g in groups if chosen(g["prompt_uid"], 3)]
 
 
