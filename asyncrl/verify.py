@@ -60,6 +60,7 @@ BATCH_ROWS = NUM_GROUPS * GROUP_SIZE  # the most micro-batches a check can use
 MAX_RANKS = 4
 # the sampling every check scores under: the truncation keeps about half of the 48 tokens
 DISTRIBUTION = SampledDistribution(temperature=0.8, top_k=24, top_p=0.95)
+LOGPROB_CHUNK_TOKENS = 7  # small and odd: chunk seams fall inside rows, at other tokens in each micro-batch
 
 
 @dataclass(frozen=True)
@@ -228,11 +229,8 @@ class ShardMeanCP(ContextParallel):
 class UntruncatedCP(ContextParallel):
     """The planted mistake: shards score the tempered distribution without its top-k / top-p truncation."""
 
-    def logprobs(self, model, shard, *, with_entropy, entropy_grad=True, distribution=SampledDistribution()):
-        untruncated = SampledDistribution(distribution.temperature)
-        return super().logprobs(
-            model, shard, with_entropy=with_entropy, entropy_grad=entropy_grad, distribution=untruncated
-        )
+    def logprobs(self, model, shard, *, distribution=SampledDistribution(), **scoring):
+        return super().logprobs(model, shard, distribution=SampledDistribution(distribution.temperature), **scoring)
 
 
 def _causal_leak(module, query, key, value, attention_mask, context_parallel_columns=None, **kwargs):
@@ -408,7 +406,10 @@ def build_problem(
         ratio_level=ratio_level,
     )
     trainer_cfg = TrainerConfig(
-        lr=1e-3 if updates == 1 else 1e-2, max_grad_norm=1.0, dtype="float64" if dtype == torch.float64 else "float32"
+        lr=1e-3 if updates == 1 else 1e-2,
+        max_grad_norm=1.0,
+        dtype="float64" if dtype == torch.float64 else "float32",
+        logprob_chunk_tokens=LOGPROB_CHUNK_TOKENS,
     )
     return model, batch, loss_cfg, trainer_cfg
 

@@ -1,5 +1,10 @@
 """The one forward pass that turns token ids into per-token logprobs (and entropies).
 
+The [B, T, V] logits never exist at once: the final hidden states are projected and scored a chunk
+of tokens at a time, inside the model's forward, and the backward recomputes each chunk
+(``model_logprobs``). With a 151,936-token vocabulary the whole logits tensor and its backward's
+temporaries took about 3 MB a token.
+
 Everything that scores existing tokens goes through here, so all scores agree on positions and
 precision. Position ids come from the attention mask: a left-padded row then sees the same
 positions as the unpadded row. (RoPE is relative, so default positions shift every rotary angle
@@ -14,8 +19,14 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor
+from peft import PeftModel
+from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 from transformers import PreTrainedModel
+
+DEFAULT_CHUNK_TOKENS = 256  # trainer.logprob_chunk_tokens' default
+# model types whose logits are lm_head(final hidden states), softcapped where the config says so
+PLAIN_HEADS = frozenset({"gemma", "gemma2", "gemma3_text", "gpt2", "llama", "mistral", "phi3", "qwen2", "qwen3"})
 
 
 def position_ids_from_mask(attention_mask: Tensor) -> Tensor:
@@ -103,22 +114,141 @@ def token_logprobs(
     with_entropy: bool = False,
     entropy_grad: bool = True,
     distribution: SampledDistribution = SampledDistribution(),
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
 ) -> tuple[Tensor, Tensor | None]:
     """``logprobs[:, t] = log p(input_ids[:, t] | input_ids[:, :t])``, and 0 at ``t = 0``.
 
     ``entropy[:, t]`` is the entropy of the distribution that predicts token t (0 at ``t = 0``).
     Both are aligned with ``input_ids``; values at padding positions are finite but meaningless,
-    callers mask them. p is ``distribution``: see ``logits_logprobs``.
+    callers mask them. p is ``distribution``: see ``logits_logprobs``. Scored ``chunk_tokens``
+    tokens at a time: see ``model_logprobs``.
     """
-    logits = model(
+    logprobs, entropy = model_logprobs(
+        model,
+        F.pad(input_ids[:, 1:], (0, 1)),  # column t predicts column t + 1; the last predicts nothing
+        with_entropy=with_entropy,
+        entropy_grad=entropy_grad,
+        distribution=distribution,
+        chunk_tokens=chunk_tokens,
         input_ids=input_ids,
         **causal_inputs(attention_mask),
-        use_cache=False,
-    ).logits[:, :-1]
-    logprobs, entropy = logits_logprobs(
-        logits, input_ids[:, 1:], with_entropy=with_entropy, entropy_grad=entropy_grad, distribution=distribution
     )
-    return F.pad(logprobs, (1, 0)), None if entropy is None else F.pad(entropy, (1, 0))
+    return F.pad(logprobs[:, :-1], (1, 0)), None if entropy is None else F.pad(entropy[:, :-1], (1, 0))
+
+
+class OutputHead:
+    """The model's last step, final hidden states to logits, taken out so it runs on a chunk.
+
+    Every supported causal LM computes ``lm_head(hidden)`` (a LoRA-wrapped head included), then,
+    where the config sets ``final_logit_softcapping`` (Gemma 2 and 3), squashes the logits with
+    tanh exactly as here. A model type not known to do only that is refused: its logits could
+    differ silently."""
+
+    def __init__(self, model: nn.Module) -> None:
+        causal = model.get_base_model() if isinstance(model, PeftModel) else model
+        model_type = getattr(causal.config, "model_type", None)
+        if model_type not in PLAIN_HEADS:
+            raise ValueError(
+                f"model: chunked logprobs cannot reproduce the output head of model_type '{model_type}' "
+                f"(supported: {', '.join(sorted(PLAIN_HEADS))})"
+            )
+        self.decoder = causal.base_model
+        self.head = causal.get_output_embeddings()
+        self.softcap = getattr(causal.config, "final_logit_softcapping", None)
+
+    def logits(self, hidden: Tensor) -> Tensor:
+        logits = self.head(hidden)
+        if self.softcap is not None:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits
+
+
+def model_logprobs(
+    model: nn.Module,
+    targets: Tensor,
+    *,
+    with_entropy: bool = False,
+    entropy_grad: bool = True,
+    distribution: SampledDistribution = SampledDistribution(),
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+    **inputs,
+) -> tuple[Tensor, Tensor | None]:
+    """Logprob of ``targets`` [B, T] (and the entropy) at each column of ``model(**inputs)``,
+    never holding the [B, T, V] logits: see ``chunked_logprobs``.
+
+    The scoring runs inside the model's own forward, in a hook on its decoder, and the model's head
+    then projects one column only: a wrapper that gathers parameters for the forward (FSDP2's
+    root holds the head) sees the head used within it, and the backward's recomputation too."""
+    head = OutputHead(model)
+    scored = []
+
+    def score(module: nn.Module, args, output) -> None:
+        scored.append(
+            chunked_logprobs(
+                head,
+                output[0],
+                targets,
+                chunk_tokens=chunk_tokens,
+                with_entropy=with_entropy,
+                entropy_grad=entropy_grad,
+                distribution=distribution,
+            )
+        )
+
+    hook = head.decoder.register_forward_hook(score)
+    try:
+        model(**inputs, use_cache=False, logits_to_keep=1)
+    finally:
+        hook.remove()
+    return scored[0]
+
+
+def chunk_spans(tokens: int, chunk_tokens: int) -> list[tuple[int, int]]:
+    """[start, stop) of each chunk of ``chunk_tokens`` consecutive tokens, the last one shorter."""
+    return [(start, min(start + chunk_tokens, tokens)) for start in range(0, tokens, chunk_tokens)]
+
+
+def chunk_inputs(hidden: Tensor, targets: Tensor, start: int, stop: int) -> tuple[Tensor, Tensor]:
+    """A chunk's hidden states [N, H] and the targets they predict [N]: the same tokens of both."""
+    return hidden[start:stop], targets[start:stop]
+
+
+def chunked_logprobs(
+    head: OutputHead,
+    hidden: Tensor,
+    targets: Tensor,
+    *,
+    chunk_tokens: int,
+    with_entropy: bool,
+    entropy_grad: bool,
+    distribution: SampledDistribution,
+) -> tuple[Tensor, Tensor | None]:
+    """``logits_logprobs`` of ``head.logits(hidden)`` [B, T, H], ``chunk_tokens`` tokens at a time.
+
+    Each chunk's logits live only while it is scored: with a backward to come the chunk is
+    checkpointed, so autograd keeps its hidden states, not its [chunk, V] logits, and the backward
+    recomputes them one chunk at a time. Every position is scored as unchunked (softmax and
+    truncation act within one position), so only the weight gradient's sum over tokens changes order."""
+    if chunk_tokens < 1:
+        raise ValueError(f"trainer.logprob_chunk_tokens: must be >= 1, got {chunk_tokens}")
+    flat_hidden, flat_targets = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
+
+    def score(chunk_hidden: Tensor, chunk_targets: Tensor) -> tuple[Tensor, Tensor | None]:
+        return logits_logprobs(
+            head.logits(chunk_hidden),
+            chunk_targets,
+            with_entropy=with_entropy,
+            entropy_grad=entropy_grad,
+            distribution=distribution,
+        )
+
+    recompute = torch.is_grad_enabled()
+    parts = []
+    for start, stop in chunk_spans(flat_targets.shape[0], chunk_tokens):
+        args = chunk_inputs(flat_hidden, flat_targets, start, stop)
+        parts.append(checkpoint(score, *args, use_reentrant=False) if recompute else score(*args))
+    logprobs = torch.cat([p[0] for p in parts]).view(targets.shape)
+    return logprobs, torch.cat([p[1] for p in parts]).view(targets.shape) if with_entropy else None
 
 
 def logits_logprobs(

@@ -28,10 +28,11 @@ with attention logit softcapping (Gemma 2) computes its block's softcapped score
 cannot. One rank with neither takes sdpa's causal path. Only collectives that gloo and NCCL both
 have are used, so it runs on CPU and GPU alike.
 
-Reductions. Logprobs and entropies are computed from local logits. Token counts and metric sums
-are counted on shards and summed over DP × CP; sequence counts are counted on unsharded rows, so
-only CP rank 0 contributes them. A per-sequence term that needs the whole sequence goes through
-``sequence_sum``, an all-reduce whose backward is again an all-reduce.
+Reductions. Logprobs and entropies are computed from local hidden states, a chunk of tokens at a
+time (models/logprobs.py). Token counts and metric sums are counted on shards and summed over
+DP × CP; sequence counts are counted on unsharded rows, so only CP rank 0 contributes them. A
+per-sequence term that needs the whole sequence goes through ``sequence_sum``, an all-reduce
+whose backward is again an all-reduce.
 """
 
 from __future__ import annotations
@@ -44,7 +45,13 @@ from torch.utils.checkpoint import checkpoint
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from asyncrl.models.logprobs import SampledDistribution, logits_logprobs, position_ids_from_mask, right_padded
+from asyncrl.models.logprobs import (
+    DEFAULT_CHUNK_TOKENS,
+    SampledDistribution,
+    model_logprobs,
+    position_ids_from_mask,
+    right_padded,
+)
 from asyncrl.types import TokenLossInputs, TrainBatch
 
 ATTN_IMPLEMENTATION = "asyncrl_context_parallel"
@@ -311,19 +318,23 @@ class ContextParallel:
         with_entropy: bool,
         entropy_grad: bool = True,
         distribution: SampledDistribution = SampledDistribution(),
+        chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
     ) -> tuple[Tensor, Tensor | None]:
         """Log-probability (and entropy) of each local label under ``distribution``, from local
-        logits only: truncation acts on one position's vocabulary, which a shard holds whole."""
-        logits = model(
+        hidden states only, ``chunk_tokens`` at a time: truncation acts on one position's
+        vocabulary, which a shard holds whole."""
+        return model_logprobs(
+            model,
+            shard.labels,
+            with_entropy=with_entropy,
+            entropy_grad=entropy_grad,
+            distribution=distribution,
+            chunk_tokens=chunk_tokens,
             input_ids=shard.input_ids,
             attention_mask=shard.attention_mask,
             position_ids=shard.position_ids,
-            use_cache=False,
             context_parallel_group=self._collective_group,
             context_parallel_columns=(shard.columns, shard.key_columns),
-        ).logits
-        return logits_logprobs(
-            logits, shard.labels, with_entropy=with_entropy, entropy_grad=entropy_grad, distribution=distribution
         )
 
     def counts(self, batch: TrainBatch, response_mask: Tensor) -> tuple[Tensor, Tensor]:
@@ -341,11 +352,17 @@ class ContextParallel:
         with_entropy: bool,
         entropy_grad: bool = True,
         distribution: SampledDistribution = SampledDistribution(),
+        chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
     ) -> TokenLossInputs:
         """Everything the trainer's loss needs for this rank's shard of ``batch``."""
         shard = self.shard(batch)
         logprobs, entropy = self.logprobs(
-            model, shard, with_entropy=with_entropy, entropy_grad=entropy_grad, distribution=distribution
+            model,
+            shard,
+            with_entropy=with_entropy,
+            entropy_grad=entropy_grad,
+            distribution=distribution,
+            chunk_tokens=chunk_tokens,
         )
 
         def loss_side(x: Tensor | None) -> Tensor | None:  # rotated one slot right: "Slot order" above
@@ -369,12 +386,17 @@ class ContextParallel:
 
     @torch.no_grad()
     def full_logprobs(
-        self, model: nn.Module, batch: TrainBatch, *, distribution: SampledDistribution = SampledDistribution()
+        self,
+        model: nn.Module,
+        batch: TrainBatch,
+        *,
+        distribution: SampledDistribution = SampledDistribution(),
+        chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
     ) -> Tensor:
         """Logprobs of the whole rows of ``batch``, aligned with ``input_ids`` (0 at column 0), on
         every rank of the group: each scores its shard, then the shards are gathered and unpermuted."""
         shard = self.shard(batch)
-        local, _ = self.logprobs(model, shard, with_entropy=False, distribution=distribution)
+        local, _ = self.logprobs(model, shard, with_entropy=False, distribution=distribution, chunk_tokens=chunk_tokens)
         gathered = gather_sequence(local, self._collective_group, dim=1)
         by_label = torch.empty_like(gathered)
         by_label[:, shard.key_columns] = gathered

@@ -30,6 +30,7 @@ from asyncrl.algorithms import Algorithm, build_algorithm, grpo
 from asyncrl.config import LossConfig, RunConfig, TrainerConfig
 from asyncrl.models import SampledDistribution, token_logprobs
 from asyncrl.models.factory import DTYPES
+from asyncrl.models.logprobs import OutputHead
 from asyncrl.models.lora import adapter_dropout, adapter_seed, adapter_tensors, apply_lora, is_lora
 from asyncrl.trainer.optim import build_optimizer, build_scheduler
 from asyncrl.trainer.recompute import checkpoint_activations
@@ -137,6 +138,7 @@ class PolicyTrainer:
         reference frozen; decides whether autocast runs the forward (not where FSDP2 casts)."""
         for m in (model, reference_model):
             if m is not None:
+                OutputHead(m)  # refuses, before any step, a head the chunked scoring cannot reproduce
                 _upcast_low_precision(m)
                 m.eval()
         if recompute:
@@ -360,6 +362,7 @@ class PolicyTrainer:
             "with_entropy": self.loss_cfg.entropy_coef > 0 or self.loss_cfg.track_entropy,
             "entropy_grad": self.loss_cfg.entropy_coef > 0,
             "distribution": self.distribution,
+            "chunk_tokens": self.cfg.logprob_chunk_tokens,
         }
         weights = self._local_weights(batch)
         context = None if self.parallel is None else self.parallel.context
@@ -428,6 +431,7 @@ class PolicyTrainer:
         if model is None:
             raise ValueError("compute_logprobs: no reference model (loss.kl_coef is 0)")
         size = micro_batch_size or self.cfg.micro_batch_size
+        chunk = self.cfg.logprob_chunk_tokens
         width = batch.input_ids.shape[1]
         chunks = []
         context = None if self.parallel is None else self.parallel.context
@@ -435,10 +439,10 @@ class PolicyTrainer:
             part = part.to(self.device, self.compute_dtype)
             with self._forward():
                 if context is not None:
-                    logprobs = context.full_logprobs(model, part, distribution=self.distribution)
+                    logprobs = context.full_logprobs(model, part, distribution=self.distribution, chunk_tokens=chunk)
                 else:
                     logprobs, _ = token_logprobs(
-                        model, part.input_ids, part.attention_mask, distribution=self.distribution
+                        model, part.input_ids, part.attention_mask, distribution=self.distribution, chunk_tokens=chunk
                     )
             logprobs = logprobs * part.attention_mask
             chunks.append(torch.nn.functional.pad(logprobs, (0, width - logprobs.shape[1])))
