@@ -228,14 +228,16 @@ class MultiTurn:
         calls: dict[Future, _Episode | None] = {}  # running calls: an episode's environment, or None: generation
         for episode in episodes:
             calls[self._pool.submit(self._open, episode)] = episode
+        opening = set(calls)  # the first turns wait for every reset, so that one call generates them all
         concurrent = getattr(self.generator, "concurrent_calls", False)
         ready: list[_Episode] = []
         while ready or calls:
-            done, _ = wait(calls, timeout=0 if ready else self._until_deadline(calls), return_when=FIRST_COMPLETED)
+            start = bool(ready) and opening.isdisjoint(calls)
+            done, _ = wait(calls, timeout=0 if start else self._until_deadline(calls), return_when=FIRST_COMPLETED)
             for future in done:
                 ready += self._collect(future, calls.pop(future), episodes, calls)
             self._time_out(episodes, calls)
-            if ready:
+            if ready and opening.isdisjoint(calls):
                 batch, ready = sorted(ready, key=lambda e: e.index), []
                 if concurrent:
                     calls[self._pool.submit(self._generate, batch, params)] = None
