@@ -398,6 +398,26 @@ def bench_memory(
     common.write_result("memory", settings, rows, output)
 
 
+@bench_app.command("long-context")
+def bench_long_context(
+    quick: bool = typer.Option(False, "--quick", help="a smoke run: T = 256, a 4,096-token vocabulary"),
+    max_len: int = typer.Option(32768, "--max-len", min=16, help="the largest T (tokens of the step's two rows)"),
+    vocab: list[int] = typer.Option(
+        [151_936], "--vocab", min=64, help="vocabulary sizes to measure (repeatable; the goals use 151,936)"
+    ),
+    output: Path | None = typer.Option(None, "--output", help=OUTPUT_HELP),
+) -> None:
+    """Per-rank peak memory growth and time of one train step for T = 1k to 32k tokens, cp = 1 and 2,
+    equal and ragged rows (Qwen2 layout, hidden 256, 4 layers, float32, CPU gloo ranks)."""
+    from asyncrl.bench import common, long_context
+
+    if quick:
+        max_len, vocab = long_context.QUICK_SEQ_LEN, [long_context.QUICK_VOCAB]
+    settings = {"max_len": max_len, "vocab_sizes": vocab, "model": long_context.MODEL, "cores": long_context.CORES}
+    measured = long_context.run(max_len=max_len, vocabs=tuple(vocab))
+    common.write_result("long-context", settings, measured.pop("results"), output, **measured)
+
+
 @bench_app.command("lora")
 def bench_lora(
     quick: bool = typer.Option(False, "--quick", help="a smoke run: a small model"),

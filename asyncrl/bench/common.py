@@ -43,9 +43,12 @@ def environment() -> dict[str, Any]:
     }
 
 
-def write_result(name: str, settings: dict[str, Any], results: Any, output: Path | None = None) -> dict[str, Any]:
-    """Print the result as JSON and write it to ``output`` (default: bench-results/<name>.json in the working directory)."""
-    payload = {"benchmark": name, **environment(), "settings": settings, "results": results}
+def write_result(
+    name: str, settings: dict[str, Any], results: Any, output: Path | None = None, **sections: Any
+) -> dict[str, Any]:
+    """Print the result as JSON and write it to ``output`` (default: bench-results/<name>.json in the
+    working directory); ``sections`` go next to ``results``."""
+    payload = {"benchmark": name, **environment(), "settings": settings, "results": results, **sections}
     path = Path(output) if output is not None else RESULTS_DIR / f"{name}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     write_json_atomic(path, payload)

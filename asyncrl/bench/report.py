@@ -243,12 +243,31 @@ def _lora(result: dict) -> str:
     return f"{_table(list(LORA_COLUMNS), rows)}\n\n" + "; ".join(goals) + "."
 
 
+def _long_context_row(r: dict) -> list[Any]:
+    shape = "ragged" if r["padded"] else "equal"
+    return [r["seq_len"], r["cp"], shape, r["vocab_size"], r["rank"], f"{r['step_peak_bytes'] / 1e9:.2f}"]
+
+
+def _long_context(result: dict) -> str:
+    rows = [[*_long_context_row(r), f"{r['step_seconds']:.2f}"] for r in result["results"]]
+    header = ["T", "cp", "rows", "vocab", "rank", "step peak GB", "step s"]
+    goals = [
+        f"{name}: {_number(goal['value'], '{:.2f}')} ({_goal(goal['met'], goal['goal'])})"
+        for name, goal in result["goals"].items()
+    ]
+    stopped = [
+        f"cp={s['cp']} {'ragged' if s['padded'] else 'equal'} stopped at T={s['seq_len']}" for s in result["stopped"]
+    ]
+    return f"{_table(header, rows)}\n\n" + "; ".join(goals + stopped) + "."
+
+
 SECTIONS: dict[str, Callable[[dict], str]] = {
     "overlap": _overlap,
     "controller": _controller,
     "weight-sync": _weight_sync,
     "backends": _backends,
     "lora": _lora,
+    "long-context": _long_context,
     "e2e": _e2e,
     "e2e-trl": _e2e,
     "e2e-trl-reasoning-gym": _e2e,

@@ -9,7 +9,7 @@ import json
 import pytest
 from helpers import ROOT
 
-from asyncrl.bench import e2e, report
+from asyncrl.bench import e2e, long_context, report
 from asyncrl.cli import main
 
 pytestmark = pytest.mark.slow
@@ -457,3 +457,40 @@ def test_lora_against_full_fine_tuning_reports_memory_step_sync_and_checkpoint(c
     goals = result["results"]["goals"]
     assert goals["sync_bytes_full_over_lora"]["value"] == full["sync_bytes"] / lora["sync_bytes"]
     assert "### `asyncrl bench lora`" in report.render(tmp_path)
+
+
+def test_long_context_reports_each_ranks_step_peak_and_time(capsys, tmp_path):
+    result = bench(capsys, tmp_path, "long-context")
+    rows = result["results"]
+    ranks = {
+        (cp, padded): {r["rank"] for r in rows if (r["cp"], r["padded"]) == (cp, padded)}
+        for cp in (1, 2)
+        for padded in (False, True)
+    }
+    assert ranks == {(1, False): {0}, (1, True): {0}, (2, False): {0, 1}, (2, True): {0, 1}}
+    for row in rows:
+        assert (row["seq_len"], row["vocab_size"]) == (256, 4096) and sum(row["rows"]) == 256
+        assert row["step_peak_bytes"] > 0 and row["step_seconds"] > 0
+        assert row["rows"] == ([154, 102] if row["padded"] else [128, 128])
+    assert result["stopped"] == []
+    assert set(result["goals"]) == set(long_context.GOALS)  # on Qwen's vocabulary: not measured here
+    assert all(goal["value"] is None and goal["met"] is None for goal in result["goals"].values())
+    assert "### `asyncrl bench long-context`" in report.render(tmp_path)
+
+
+def test_long_context_goals_take_the_worst_rank_and_growth_stops_before_the_limit():
+    def row(seq_len, cp, peak, seconds=1.0, rank=0, padded=False):
+        setting = dict(seq_len=seq_len, cp=cp, padded=padded, vocab_size=151_936, rank=rank)
+        return {**setting, "step_peak_bytes": peak, "step_seconds": seconds}
+
+    results = [row(8192, 1, 4e9), row(16384, 1, 8e9, 10.0), row(16384, 1, 7e9, padded=True)]
+    results += [row(16384, 2, 4e9, 9.0), row(16384, 2, 4.4e9, 8.0, rank=1)]
+    goals = long_context.goals(results)
+    assert goals["growth_8k_to_16k"] == {"value": 2.0, "goal": "<= 2.2", "met": True}
+    assert goals["cp2_over_cp1_memory_at_largest_T"]["value"] == pytest.approx(0.55)
+    assert goals["cp2_over_cp1_memory_at_largest_T"]["seq_len"] == 16384
+    assert goals["cp2_over_cp1_time_per_token_at_largest_T"]["value"] == pytest.approx(0.9)
+    assert goals["ragged_2x8k_step_peak_gb"] == {"value": 7.0, "goal": "< 8", "met": True}
+    lens = [1024, 2048, 4096]
+    assert long_context._next_fits(lens, [1e9], 2.1e9)
+    assert not long_context._next_fits(lens, [1e9, 3e9], 8e9)  # grew 3x: 9e9 expected next

@@ -1,0 +1,212 @@
+"""``asyncrl bench long-context``: per-rank peak memory and time of one train step as T grows.
+
+One split train step (begin, one micro-batch, finish) of a Qwen2-layout model on two rows that
+hold T tokens in all, float32 on the CPU, at cp = 1 and cp = 2, with equal rows and with ragged
+ones (60 % and 40 % of T, right-padded as the trainer pads). Every measurement is a fresh set of
+rank processes from the project's launcher (trainer/parallel.py ``launch``, gloo), since peak
+resident memory is a per-process high-water mark. A rank builds its trainer, takes a short step
+(so AdamW's moments exist, as in any step after a run's first), resets its high-water mark
+(``/proc/self/clear_refs``) and reports the step's peak growth above that: what T costs, not the
+weights and optimizer. T doubles per setting until the next step is expected not to fit in
+``memory_limit`` bytes (the growth so far extrapolated), or a step fails.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import operator
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from asyncrl.algorithms.grpo import GRPO
+from asyncrl.config import LossConfig, ParallelConfig, TrainerConfig
+from asyncrl.models import build_tiny_model
+from asyncrl.trainer.parallel import init_parallel, launch
+from asyncrl.trainer.policy import PolicyTrainer
+from asyncrl.types import TrainBatch
+
+SEQ_LENS = tuple(1024 * 2**k for k in range(6))  # 1k .. 32k tokens per step
+QUICK_SEQ_LEN = 256
+VOCABS = (151_936,)  # Qwen's vocabulary
+QUICK_VOCAB = 4096
+MODEL = dict(hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2, intermediate_size=1024)
+CORES = 2  # each setting gets the same cores: cp = 1 one rank on 2 threads, cp = 2 two ranks on one each
+MEMORY_LIMIT = 24 * 2**30
+RAGGED = (0.6, 0.4)  # the two rows' shares of T
+PROMPT_TOKENS = 64
+COMPARE = {"<=": operator.le, "<": operator.lt}
+GOALS = {
+    "growth_8k_to_16k": ("<=", 2.2),
+    "cp2_over_cp1_memory_at_largest_T": ("<=", 0.55),
+    "cp2_over_cp1_time_per_token_at_largest_T": ("<=", 1.0),
+    "ragged_2x8k_step_peak_gb": ("<", 8.0),
+}
+
+
+def seq_lens(max_len: int) -> list[int]:
+    """The doubling grid up to ``max_len``, or ``max_len`` alone below the grid's first length."""
+    return [t for t in SEQ_LENS if t <= max_len] or [max_len]
+
+
+def rows_of(seq_len: int, padded: bool) -> list[int]:
+    """The two rows' lengths: T/2 each, or 60 % / 40 % of T (the wider sets the padded width)."""
+    if not padded:
+        return [seq_len // 2, seq_len - seq_len // 2]
+    first = round(seq_len * RAGGED[0])
+    return [first, seq_len - first]
+
+
+def train_batch(lengths: list[int], vocab: int, seed: int = 0) -> TrainBatch:
+    """Rows of ``lengths`` tokens right-padded to the longest; a prompt, then a response."""
+    gen = torch.Generator().manual_seed(seed)
+    width = max(lengths)
+    columns = torch.arange(width)
+    ends = torch.tensor(lengths)[:, None]
+    attention_mask = (columns < ends).long()
+    prompt = min(PROMPT_TOKENS, min(lengths) - 1)
+    response_mask = ((columns >= prompt) & (columns < ends)).float()
+    input_ids = torch.randint(1, vocab, (len(lengths), width), generator=gen) * attention_mask
+    behaviour = torch.log(torch.rand(input_ids.shape, generator=gen)) * response_mask
+    return TrainBatch(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        response_mask=response_mask,
+        behaviour_logprobs=behaviour,
+        advantages=torch.tensor([1.0, -1.0]),
+        response_lengths=response_mask.sum(1).long(),
+    )
+
+
+def _rss(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"/proc/self/status has no {field}")
+
+
+def measure_rank(rank: int, world_size: int, seq_len: int, padded: bool, vocab: int, chunk: int | None) -> bytes:
+    """One rank's step: (peak growth above the built trainer, seconds), as JSON bytes."""
+    torch.set_num_threads(CORES // world_size)
+    torch.manual_seed(0)
+    parallel = init_parallel(ParallelConfig(cp=world_size)) if world_size > 1 else None
+    model = build_tiny_model(vocab, seed=0, max_position_embeddings=max(seq_len, 1024), **MODEL)
+    options = {} if chunk is None else {"logprob_chunk_tokens": chunk}
+    config = TrainerConfig(lr=1e-5, micro_batch_size=2, **options)
+    trainer = PolicyTrainer(model, config, GRPO(LossConfig(), "none"), total_steps=2, parallel=parallel)
+    trainer.train_step(train_batch([16, 16], vocab))
+    batch = train_batch(rows_of(seq_len, padded), vocab)
+    gc.collect()
+    Path("/proc/self/clear_refs").write_text("5")  # restart the high-water mark at the current RSS
+    before = _rss("VmRSS:")
+    start = time.perf_counter()
+    trainer.begin_train_step()
+    trainer.train_microbatch(batch)
+    trainer.finish_train_step()
+    seconds = time.perf_counter() - start
+    return json.dumps({"step_peak_bytes": _rss("VmHWM:") - before, "step_seconds": seconds}).encode()
+
+
+def measure(seq_len: int, cp: int, padded: bool, vocab: int, chunk: int | None = None) -> list[dict[str, Any]]:
+    """One row per rank, each from a fresh process."""
+    payloads = launch(measure_rank, cp, seq_len, padded, vocab, chunk, timeout_s=3600.0)
+    setting = {"seq_len": seq_len, "cp": cp, "padded": padded, "vocab_size": vocab, "rows": rows_of(seq_len, padded)}
+    return [{**setting, "rank": rank, **json.loads(payload)} for rank, payload in enumerate(payloads)]
+
+
+def _next_fits(lens: list[int], peaks: list[int], memory_limit: int) -> bool:
+    """Whether the step at the next length is expected to fit: the last peak times the last growth
+    ratio (at least the ratio of the lengths)."""
+    if not peaks:
+        return True
+    done = len(peaks)
+    ratio = lens[done] / lens[done - 1]
+    if done > 1:
+        ratio = max(ratio, peaks[-1] / peaks[-2])
+    return peaks[-1] * ratio <= memory_limit
+
+
+def _setting(
+    cp: int, padded: bool, vocab: int, lens: list[int], memory_limit: int, chunk: int | None
+) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
+    """(rows of this setting for each length that fits, a note if it stopped short of the last)."""
+    rows: list[dict[str, Any]] = []
+    peaks: list[int] = []
+    note = {"cp": cp, "padded": padded, "vocab_size": vocab}
+    for seq_len in lens:
+        if not _next_fits(lens, peaks, memory_limit):
+            return rows, {**note, "seq_len": seq_len, "reason": f"expected to exceed {memory_limit} bytes"}
+        try:
+            measured = measure(seq_len, cp, padded, vocab, chunk)
+        except (RuntimeError, TimeoutError) as err:
+            return rows, {**note, "seq_len": seq_len, "reason": str(err).strip().splitlines()[0]}
+        rows += measured
+        peaks.append(max(r["step_peak_bytes"] for r in measured))
+    return rows, None
+
+
+def run(
+    *, max_len: int, vocabs: tuple[int, ...], memory_limit: int = MEMORY_LIMIT, chunk: int | None = None
+) -> dict[str, Any]:
+    """Every setting's rows, the lengths it stopped at, and the goals."""
+    results, stopped = [], []
+    for vocab in vocabs:
+        for cp in (1, 2):
+            for padded in (False, True):
+                rows, note = _setting(cp, padded, vocab, seq_lens(max_len), memory_limit, chunk)
+                results += rows
+                if note is not None:
+                    stopped.append(note)
+    return {"results": results, "stopped": stopped, "goals": goals(results)}
+
+
+def _worst(results: list[dict[str, Any]], key: str, **setting: Any) -> float | None:
+    """The largest ``key`` over the ranks of one setting (None if it was not measured)."""
+    values = [r[key] for r in results if all(r[k] == v for k, v in setting.items())]
+    return max(values) if values else None
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return None if a is None or b is None else a / b
+
+
+def _largest_shared(results: list[dict[str, Any]], vocab: int) -> int | None:
+    """The largest T measured with equal rows at both cp = 1 and cp = 2."""
+    lengths = [
+        {r["seq_len"] for r in results if r["cp"] == cp and not r["padded"] and r["vocab_size"] == vocab}
+        for cp in (1, 2)
+    ]
+    return max(lengths[0] & lengths[1], default=None)
+
+
+def goals(results: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """The page's goals on Qwen's vocabulary, each over the worst rank; a value is None when its
+    settings were not measured. Both cp runs take the same tokens, so time per token is time."""
+    vocab = VOCABS[0]
+    largest = _largest_shared(results, vocab)
+
+    def worst(key: str, cp: int, seq_len: int | None, padded: bool = False) -> float | None:
+        return _worst(results, key, cp=cp, seq_len=seq_len, padded=padded, vocab_size=vocab)
+
+    values = {
+        "growth_8k_to_16k": _ratio(worst("step_peak_bytes", 1, 16384), worst("step_peak_bytes", 1, 8192)),
+        "cp2_over_cp1_memory_at_largest_T": _ratio(
+            worst("step_peak_bytes", 2, largest), worst("step_peak_bytes", 1, largest)
+        ),
+        "cp2_over_cp1_time_per_token_at_largest_T": _ratio(
+            worst("step_seconds", 2, largest), worst("step_seconds", 1, largest)
+        ),
+        "ragged_2x8k_step_peak_gb": _ratio(worst("step_peak_bytes", 1, 16384, padded=True), 1e9),
+    }
+    return {
+        name: {
+            "value": value,
+            "goal": f"{GOALS[name][0]} {GOALS[name][1]:g}",
+            "met": None if value is None else COMPARE[GOALS[name][0]](value, GOALS[name][1]),
+            **({"seq_len": largest} if "largest" in name else {}),
+        }
+        for name, value in values.items()
+    }
