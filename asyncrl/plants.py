@@ -20,5 +20,6 @@ Plant = Literal[
     "observation-trained",
     "lora-base-trainable",
     "lora-double-scaling",
+    "chunk-seam",
 ]
 PLANTS: tuple[str, ...] = get_args(Plant)

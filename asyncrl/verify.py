@@ -21,8 +21,10 @@ check fail.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import io
+from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -30,6 +32,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from transformers import AttentionInterface
 
+import asyncrl.models.logprobs as scoring
 from asyncrl.algorithms import grpo
 from asyncrl.algorithms.grpo import GRPO
 from asyncrl.config import LossConfig, ParallelConfig, TrainerConfig
@@ -172,6 +175,30 @@ class ObservationTrainedTrainer(PolicyTrainer):
 
     def _loss_inputs(self, batch: TrainBatch):
         return super()._loss_inputs(_holes_filled(batch))
+
+
+class ChunkSeamTrainer(PolicyTrainer):
+    """The planted mistake: the loss scores its chunks of tokens with targets shifted within each
+    chunk, so a chunk's last token predicts padding instead of the next chunk's first token."""
+
+    def _loss_inputs(self, batch: TrainBatch):
+        with _shifted_within_chunks():
+            return super()._loss_inputs(batch)
+
+
+@contextlib.contextmanager
+def _shifted_within_chunks() -> Iterator[None]:
+    """``logprobs.chunk_inputs`` swapped for one whose targets come from the chunk's own tokens."""
+    right = scoring.chunk_inputs
+
+    def shifted_within(hidden: Tensor, targets: Tensor, start: int, stop: int) -> tuple[Tensor, Tensor]:
+        return hidden[start:stop], F.pad(targets[start : stop - 1], (0, 1))
+
+    scoring.chunk_inputs = shifted_within
+    try:
+        yield
+    finally:
+        scoring.chunk_inputs = right
 
 
 def _holes_filled(batch: TrainBatch) -> TrainBatch:
@@ -560,6 +587,7 @@ def _candidate_class(plant: str | None) -> type[PolicyTrainer]:
         "per-shard-mean": PerShardMeanTrainer,
         "whole-step-normalizer": WholeStepNormalizerTrainer,
         "observation-trained": ObservationTrainedTrainer,
+        "chunk-seam": ChunkSeamTrainer,
     }.get(plant, PolicyTrainer)
 
 

@@ -9,11 +9,13 @@ import torch.nn.functional as F
 import transformers
 from test_architectures import ARCHITECTURES
 
+from asyncrl.algorithms.grpo import AGG_MODES
 from asyncrl.config import LoraConfig, TrainerConfig
 from asyncrl.models import SampledDistribution, build_tiny_model, token_logprobs
 from asyncrl.models import logprobs as logprobs_module
 from asyncrl.models.logprobs import DEFAULT_CHUNK_TOKENS, OutputHead, logits_logprobs, position_ids_from_mask
 from asyncrl.models.lora import apply_lora
+from asyncrl.verify import verify
 
 VOCAB = 40
 TRUNCATED = SampledDistribution(temperature=0.7, top_k=12, top_p=0.9)
@@ -156,3 +158,10 @@ def test_a_head_the_chunks_cannot_reproduce_is_refused():
 
 def test_the_configured_chunk_defaults_to_the_scoring_default():
     assert TrainerConfig().logprob_chunk_tokens == DEFAULT_CHUNK_TOKENS
+
+
+@pytest.mark.slow
+def test_verify_s_planted_chunk_seam_fails_every_mode_and_leaves_the_scoring_as_it_was():
+    for r in verify(AGG_MODES, micro_batches=4, dtype="float64", plant="chunk-seam"):
+        assert not r.passed and r.worst_error[0] > 1e-3, r.mode
+    assert logprobs_module.chunk_inputs.__name__ == "chunk_inputs"
