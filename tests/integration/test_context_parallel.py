@@ -8,10 +8,11 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from asyncrl.algorithms.grpo import GRPO
 from asyncrl.config import ParallelConfig
-from asyncrl.models import SampledDistribution, token_logprobs
+from asyncrl.models import SampledDistribution, position_ids_from_mask, token_logprobs
 from asyncrl.trainer import PolicyTrainer
 from asyncrl.trainer.context_parallel import (
     ATTN_IMPLEMENTATION,
@@ -258,3 +259,29 @@ def test_context_parallel_refuses_left_padded_rows():
     left = replace(batch, attention_mask=batch.attention_mask.flip(1))
     with pytest.raises(ValueError, match="right-padded"):
         layout_view(2, 0).shard(left)
+
+
+def test_right_padded_rows_are_scored_without_a_mask_and_left_padded_rows_with_one(monkeypatch):
+    """Right padding needs no mask (causality keeps real tokens from it): sdpa gets none and every
+    real token scores as under the padding mask. Left-padded rows keep theirs."""
+    model, batch, *_ = build_problem("token-mean", torch.float64, 0)
+    masks = []
+    sdpa = ALL_ATTENTION_FUNCTIONS["sdpa"]
+
+    def spy(module, query, key, value, attention_mask, **kwargs):
+        masks.append(attention_mask)
+        return sdpa(module, query, key, value, attention_mask, **kwargs)
+
+    monkeypatch.setitem(ALL_ATTENTION_FUNCTIONS, "sdpa", spy)
+    ids, mask = batch.input_ids, batch.attention_mask
+    with torch.no_grad():
+        unmasked, _ = token_logprobs(model, ids, mask)
+        assert masks and all(m is None for m in masks)
+        logits = model(input_ids=ids, attention_mask=mask, position_ids=position_ids_from_mask(mask)).logits
+    masked = F.pad(logits[:, :-1].log_softmax(-1).gather(-1, ids[:, 1:, None]).squeeze(-1), (1, 0))
+    real = F.pad(mask[:, 1:], (1, 0)).bool() & mask.bool()
+    torch.testing.assert_close(unmasked[real], masked[real], rtol=0, atol=1e-12)
+    masks.clear()
+    with torch.no_grad():
+        token_logprobs(model, ids.flip(1), mask.flip(1))
+    assert all(m is not None for m in masks)
