@@ -3,7 +3,8 @@
 Layout (load-balanced head-tail). A row of width T is right-padded to Tp, a multiple of 2·cp, and
 cut into 2·cp chunks; rank r holds chunks r and 2·cp-1-r. Causal attention work grows with the
 column, so pairing an early chunk with a late one gives every rank the same work. Padding columns
-are masked tokens with loss weight 0. With cp = 1 the layout is the identity and adds no padding.
+follow every real token and carry loss weight 0. With cp = 1 the layout is the identity and adds
+no padding.
 
 Shift before shard. Column t predicts the token at column t+1. Labels and every loss-side tensor
 (loss mask, loss weights, advantages, proximal, reference and behaviour logprobs) are shifted left
@@ -221,10 +222,8 @@ def _attend_block(
 ) -> Tensor:
     """Query i of the block sits ``offset + i`` keys in: it sees keys up to there (and fewer than
     ``window`` back). Scores are softcapped as Gemma 2's eager attention does (softmax in float32)."""
-    rows, keys = query.shape[2], key.shape[2]
-    distance = torch.arange(offset, offset + rows, device=query.device)[:, None] - torch.arange(
-        keys, device=query.device
-    )
+    query_at = torch.arange(offset, offset + query.shape[2], device=query.device)
+    distance = query_at[:, None] - torch.arange(key.shape[2], device=query.device)
     visible = distance >= 0 if window is None else (distance >= 0) & (distance < window)
     groups = query.shape[1] // key.shape[1]
     key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
