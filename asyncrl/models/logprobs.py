@@ -24,7 +24,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 from transformers import PreTrainedModel
 
-DEFAULT_CHUNK_TOKENS = 256  # trainer.logprob_chunk_tokens' default
+DEFAULT_CHUNK_TOKENS = 128  # trainer.logprob_chunk_tokens' default
 # model types whose logits are lm_head(final hidden states), softcapped where the config says so
 PLAIN_HEADS = frozenset({"gemma", "gemma2", "gemma3_text", "gpt2", "llama", "mistral", "phi3", "qwen2", "qwen3"})
 
