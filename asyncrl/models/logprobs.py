@@ -25,10 +25,9 @@ from torch.utils.checkpoint import checkpoint
 from transformers import PreTrainedModel
 
 DEFAULT_CHUNK_TOKENS = 128  # trainer.logprob_chunk_tokens' default
+
+
 # model types whose logits are lm_head(final hidden states), softcapped where the config says so
-PLAIN_HEADS = frozenset({"gemma", "gemma2", "gemma3_text", "gpt2", "llama", "mistral", "phi3", "qwen2", "qwen3"})
-
-
 def position_ids_from_mask(attention_mask: Tensor) -> Tensor:
     """Positions counted over real tokens: 0 on left padding, then 0, 1, 2, ...; right padding
     repeats the last position (padding is masked, so its position never matters)."""
@@ -137,21 +136,14 @@ def token_logprobs(
 
 
 class OutputHead:
-    """The model's last step, final hidden states to logits, taken out so it runs on a chunk.
-
-    Every supported causal LM computes ``lm_head(hidden)`` (a LoRA-wrapped head included), then,
-    where the config sets ``final_logit_softcapping`` (Gemma 2 and 3), squashes the logits with
-    tanh exactly as here. A model type not known to do only that is refused: its logits could
-    differ silently."""
+    """The model's last step, final hidden states to logits, taken out so it runs on a chunk:
+    ``lm_head(hidden)`` (a LoRA-wrapped head included), then, where the config sets
+    ``final_logit_softcapping`` (Gemma 2 and 3), tanh softcapping as the model applies it.
+    ``check`` proves on a probe that this is what the model computes."""
 
     def __init__(self, model: nn.Module) -> None:
         causal = model.get_base_model() if isinstance(model, PeftModel) else model
-        model_type = getattr(causal.config, "model_type", None)
-        if model_type not in PLAIN_HEADS:
-            raise ValueError(
-                f"model: chunked logprobs cannot reproduce the output head of model_type '{model_type}' "
-                f"(supported: {', '.join(sorted(PLAIN_HEADS))})"
-            )
+        self.model_type = getattr(causal.config, "model_type", None)
         self.decoder = causal.base_model
         self.head = causal.get_output_embeddings()
         self.softcap = getattr(causal.config, "final_logit_softcapping", None)
@@ -161,6 +153,23 @@ class OutputHead:
         if self.softcap is not None:
             logits = torch.tanh(logits / self.softcap) * self.softcap
         return logits
+
+    @torch.no_grad()
+    def check(self, model: nn.Module) -> None:
+        """Refuse a model whose logits are not ``logits(final hidden states)`` (another scaling
+        or transform in its head), on a few tokens: chunked scores of it would differ silently."""
+        hidden = []
+        hook = self.decoder.register_forward_hook(lambda module, args, output: hidden.append(output[0]))
+        try:
+            ids = torch.arange(min(4, self.head.weight.shape[0]), device=self.head.weight.device)[None]
+            expected = model(input_ids=ids, use_cache=False).logits
+        finally:
+            hook.remove()
+        if not torch.allclose(self.logits(hidden[0]).to(expected.dtype), expected, rtol=1e-4, atol=1e-5):
+            raise ValueError(
+                f"model: its logits are not its output head applied to the final hidden states (model_type "
+                f"'{self.model_type}'), so chunked logprobs cannot reproduce them"
+            )
 
 
 def model_logprobs(

@@ -138,7 +138,7 @@ class PolicyTrainer:
         reference frozen; decides whether autocast runs the forward (not where FSDP2 casts)."""
         for m in (model, reference_model):
             if m is not None:
-                OutputHead(m)  # refuses, before any step, a head the chunked scoring cannot reproduce
+                OutputHead(m).check(m)  # refuses, before any step, a head the chunked scoring cannot reproduce
                 _upcast_low_precision(m)
                 m.eval()
         if recompute:

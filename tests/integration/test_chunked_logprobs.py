@@ -151,9 +151,10 @@ def test_the_backward_keeps_no_batch_by_tokens_by_vocabulary_tensor():
 
 def test_a_head_the_chunks_cannot_reproduce_is_refused():
     model = build_tiny_model(VOCAB, seed=0, hidden_size=32, num_layers=2, num_heads=4)
-    model.config.model_type = "mystery"
-    with pytest.raises(ValueError, match="model_type 'mystery'"):
-        OutputHead(model)
+    OutputHead(model).check(model)  # the plain head is what the model computes
+    model.config.final_logit_softcapping = 0.5  # the chunks would softcap; this model's forward does not
+    with pytest.raises(ValueError, match="its logits are not its output head"):
+        OutputHead(model).check(model)
 
 
 def test_the_configured_chunk_defaults_to_the_scoring_default():
