@@ -1,12 +1,11 @@
 """configs/tool-use.yaml learns: from the warm start (the call format from demonstrations, the copy
-of the tool's result partly learned), GRPO raises the held-out digit credit (the task reward it
-optimizes, ``reward_mean``) on products of two 3-digit numbers by at least 0.02, on each of three
-seeds. Held-out accuracy (exact products) is not asserted: how much of the copy 300 warm-start
-steps learn swings with float rounding (0.0 to 0.69 of exact answers at step 0 across versions of
-the scoring code), and from none GRPO raises the digit credit long before whole products.
+of the tool's result half learned), GRPO raises held-out accuracy on products of two 3-digit
+numbers by at least 0.02 on each of three seeds (measured: 0.586 -> 0.617 / 0.664 / 0.680).
 
 The warm start is shared by the seeds (its cache is keyed by everything but the run seed), so the
-module pays for it once.
+module pays for it once. Where its 300 steps land swings with float rounding alone (docs/environments.md),
+so a change to the scoring's arithmetic can move this test's starting point: retune
+``warm_start.steps`` in the config, not the margin.
 """
 
 from __future__ import annotations
@@ -20,7 +19,7 @@ from asyncrl.metrics import read_jsonl
 pytestmark = pytest.mark.slow
 
 SEEDS = (0, 1, 2)
-MARGIN = 0.02  # measured rises: 0.044 to 0.14 over the seeds and versions tried
+MARGIN = 0.02
 
 
 @pytest.fixture(scope="module")
@@ -50,4 +49,4 @@ def evaluations(tmp_path_factory):
 def test_held_out_accuracy_rises_from_the_warm_start(evaluations, seed):
     first, last = evaluations[seed][0], evaluations[seed][-1]
     assert first["step"] == 0 and last["step"] > 0
-    assert last["reward_mean"] >= first["reward_mean"] + MARGIN, evaluations[seed]
+    assert last["accuracy"] >= first["accuracy"] + MARGIN, evaluations[seed]
