@@ -202,8 +202,9 @@ def test_an_on_policy_step_has_ratio_exactly_one_with_dropout_configured():
     result = on_policy_step(train_mode=False)
     assert result.metrics["ratio_mean"] == pytest.approx(1.0, abs=1e-12)
     assert result.metrics["clip_mean"] == 0.0
-    # the twin: a loss forward in train mode, dropout on, has ratios off 1 by noise
-    assert abs(on_policy_step(train_mode=True).metrics["ratio_mean"] - 1) > 1e-3
+    # the twin: a loss forward in train mode, dropout on, has ratios off 1 by noise (the noise is
+    # about zero-mean, so their mean can land within 1e-4 of 1, never within 1e-12 of it)
+    assert abs(on_policy_step(train_mode=True).metrics["ratio_mean"] - 1) > 1e-8
 
 
 def gradients(model, batch, parallel=None, **trainer_fields):
