@@ -138,9 +138,9 @@ class PolicyTrainer:
         reference frozen; decides whether autocast runs the forward (not where FSDP2 casts)."""
         for m in (model, reference_model):
             if m is not None:
-                _upcast_low_precision(m)
-                m.eval()
+                m.eval()  # the probe below draws no dropout randomness
                 OutputHead(m).check(m)  # refuses, before any step, a head the chunked scoring cannot reproduce
+                _upcast_low_precision(m)
         if recompute:
             checkpoint_activations(model)
         self._autocast = self.forward_dtype is not None
