@@ -94,6 +94,9 @@ def verify(
         "token", "--ratio-level", help="loss.ratio_level: token (PPO) or sequence (GSPO) importance ratio"
     ),
     lora: bool = typer.Option(False, "--lora", help="the policy is a frozen base with random LoRA adapters"),
+    packing: bool = typer.Option(
+        False, "--packing", help="the split step packs each micro-batch's rows into one (trainer.packing)"
+    ),
 ) -> None:
     """Check that a split (or dp x cp parallel) train step equals the monolithic step, for every loss mode."""
     from asyncrl.verify import check_layout
@@ -101,7 +104,7 @@ def verify(
 
     dtype, plant, wrap = dtype.value, plant.value if plant else None, wrap.value
     try:
-        check_layout(dp, cp, micro_batches, [plant], updates, ratio_level.value, lora)
+        check_layout(dp, cp, micro_batches, [plant], updates, ratio_level.value, lora, packing)
     except ValueError as err:
         hint, _, message = str(err).partition(": ")
         raise typer.BadParameter(message, param_hint=hint) from None
@@ -118,8 +121,10 @@ def verify(
         updates=updates,
         ratio_level=ratio_level.value,
         lora=lora,
+        packing=packing,
     )
-    what = _layout(dp, cp, wrap, micro_batches, updates, ratio_level.value) + (", LoRA" if lora else "")
+    what = _layout(dp, cp, wrap, micro_batches, updates, ratio_level.value)
+    what += (", LoRA" if lora else "") + (", packed rows" if packing else "")
     console.print(
         _results_table(f"{what} vs monolithic step, {dtype}" + (f", planted: {plant}" if plant else ""), results)
     )

@@ -166,6 +166,7 @@ def _update_keys(result: StepResult) -> dict:
     return {
         "num_sequences": result.num_sequences,
         "num_tokens": result.num_tokens,
+        "num_microbatches": result.num_microbatches,
         "loss": _finite_or_none(result.loss),
         "grad_norm": _finite_or_none(result.grad_norm),
         "lr": result.lr,

@@ -21,5 +21,6 @@ Plant = Literal[
     "lora-base-trainable",
     "lora-double-scaling",
     "chunk-seam",
+    "packed-leak",
 ]
 PLANTS: tuple[str, ...] = get_args(Plant)

@@ -99,6 +99,11 @@ class RolloutGroup:
         """Response tokens over the group's samples (the bookkeeping needs no token tensors)."""
         return int(self.response_mask.sum())
 
+    @property
+    def sequence_lengths(self) -> list[int]:
+        """Real tokens of each sample, prompt and response: what a token budget counts."""
+        return self.attention_mask.sum(1).tolist()
+
     def state_dict(self) -> dict:
         """Tensors and plain Python only, so a checkpoint loads with ``torch.load(weights_only=True)``."""
         return {f.name: getattr(self, f.name) for f in fields(self)}
@@ -287,9 +292,9 @@ class TrainBatch:
         return self.map_tensors(move)
 
 
-def _row_sum(values: Tensor) -> Tensor:
-    """A sequence's sum on one rank: its whole row is here."""
-    return values.sum(-1)
+def row_sum(values: Tensor) -> Tensor:
+    """Each token's sequence sum, on one rank of unpacked rows: the whole row is here."""
+    return values.sum(-1, keepdim=True).expand_as(values)
 
 
 @dataclass
@@ -307,7 +312,7 @@ class TokenLossInputs:
     weights: Tensor  # local_it * m_it
     num_tokens: Tensor
     num_sequences: Tensor
-    sequence_sum: Callable[[Tensor], Tensor] = _row_sum  # per-row sum over the whole sequence
+    sequence_sum: Callable[[Tensor], Tensor] = row_sum  # each token's sum over its whole sequence
 
 
 # ---- what workers report back to the controller -----------------------------------------------

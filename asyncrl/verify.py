@@ -55,6 +55,7 @@ CP_PLANTS = (
 )  # mistakes that only exist across CP ranks
 RANK_PLANTS = (*CP_PLANTS, "per-shard-mean", "average-without-compensation")  # need more than one rank
 LORA_PLANTS = ("lora-base-trainable", "lora-double-scaling")  # mistakes of a LoRA policy: need --lora
+PACKING_PLANTS = ("packed-leak",)  # mistakes of packed rows: need --packing
 RATIO_LEVELS = ("token", "sequence")
 DTYPES = {"float64": torch.float64, "float32": torch.float32}
 WRAPS = ("fsdp", "ddp")
@@ -91,6 +92,7 @@ class Case:
     wrap: str = "fsdp"
     ratio_level: str = "token"
     lora: bool = False
+    packing: bool = False
 
 
 @dataclass
@@ -250,7 +252,11 @@ class ShardMeanCP(ContextParallel):
     """The planted mistake: each CP shard takes its own mean for the sequence ratio (GSPO)."""
 
     def sequence_sum(self, values: Tensor) -> Tensor:
-        return values.sum(-1)
+        return values.sum(-1, keepdim=True).expand_as(values)
+
+    def segment_sum(self, shard: Shard, values: Tensor) -> Tensor:
+        ids = shard.segment_ids().roll(1, dims=-1)[0]
+        return values.new_zeros(len(shard.packing.lengths) + 1).index_add(0, ids, values[0])[ids][None]
 
 
 class UntruncatedCP(ContextParallel):
@@ -271,6 +277,17 @@ def _causal_leak(module, query, key, value, attention_mask, context_parallel_col
 
 CAUSAL_LEAK = "asyncrl_causal_leak"
 AttentionInterface.register(CAUSAL_LEAK, _causal_leak)
+
+
+def _packed_leak(module, query, key, value, attention_mask, packed_segments=None, **kwargs):
+    """The planted mistake: a packed row attended as one sequence, each segment seeing the ones
+    before it."""
+    return context_parallel_attention(module, query, key, value, attention_mask, **kwargs)
+
+
+PACKED_LEAK = "asyncrl_packed_leak"
+AttentionInterface.register(PACKED_LEAK, _packed_leak)
+PLANTED_ATTENTION = {"cp-causal-leak": CAUSAL_LEAK, "packed-leak": PACKED_LEAK}
 
 
 class UncompensatedParallel(ParallelContext):
@@ -605,11 +622,15 @@ def verify_mode(
     updates: int = 1,
     ratio_level: str = "token",
     lora: bool = False,
+    packing: bool = False,
 ) -> Comparison:
-    """Run reference and split steps for one aggregation mode, in this process, and compare them."""
+    """Run reference and split steps for one aggregation mode, in this process, and compare them;
+    ``packing``: the split step packs each micro-batch's rows into one."""
     torch.manual_seed(seed)
     model, batch, loss_cfg, trainer_cfg = build_problem(mode, dtype, seed, vocab_size, updates, ratio_level, lora)
+    trainer_cfg = trainer_cfg.model_copy(update={"packing": packing})
     candidate = _trainer(_candidate_class(plant), _planted_model(model, plant), loss_cfg, trainer_cfg, batch=batch)
+    _plant_attention(candidate, plant)
     split = [
         uneven_split(part, min(micro_batches, len(part)), torch.Generator().manual_seed(seed + 1 + k))
         for k, part in enumerate(minibatches(batch, updates))
@@ -617,6 +638,12 @@ def verify_mode(
     outcome = _train(candidate, split, score=_scoring(updates, plant))
     reference = _reference(mode, dtype, seed, vocab_size, updates, ratio_level, lora)
     return compare(mode, reference, outcome, dtype, updates=updates)
+
+
+def _plant_attention(trainer: PolicyTrainer, plant: str | None) -> None:
+    """The policy's attention swapped for a planted leak."""
+    if plant in PLANTED_ATTENTION:
+        trainer.model.set_attn_implementation(PLANTED_ATTENTION[plant])
 
 
 # ---- dp x cp ranks -----------------------------------------------------------------------------
@@ -635,9 +662,9 @@ def _rank_check(
         )
         planted = _planted(replace(parallel, wrap=case.wrap), case.plant)
         model = _planted_model(model, case.plant)
+        trainer_cfg = trainer_cfg.model_copy(update={"packing": case.packing})
         trainer = _trainer(_candidate_class(case.plant), model, loss_cfg, trainer_cfg, planted, batch=batch)
-        if case.plant == "cp-causal-leak":
-            trainer.model.set_attn_implementation(CAUSAL_LEAK)
+        _plant_attention(trainer, case.plant)
         split = [
             rank_micro_batches(
                 part, dp=dp, dp_rank=parallel.dp_rank, micro_batches=min(micro_batches, len(part) // dp), seed=seed + k
@@ -655,7 +682,7 @@ def verify_parallel(
 ) -> list[Comparison]:
     """Check every case on dp·cp local ranks (one launch) against the monolithic step here."""
     for case in cases:
-        check_layout(dp, cp, micro_batches, [case.plant], updates, case.ratio_level, case.lora)
+        check_layout(dp, cp, micro_batches, [case.plant], updates, case.ratio_level, case.lora, case.packing)
         _check_choices(case.mode, case.dtype, case.plant)
         if case.wrap not in WRAPS:
             raise ValueError(f"--wrap: '{case.wrap}' is not one of {', '.join(WRAPS)}")
@@ -693,6 +720,7 @@ def check_layout(
     updates: int = 1,
     ratio_level: str = "token",
     lora: bool = False,
+    packing: bool = False,
 ) -> None:
     """Reject a launch this check cannot run; the message starts with the option it is about.
 
@@ -719,6 +747,8 @@ def check_layout(
             raise ValueError(f"--plant: {plant} is a mistake of several updates per step; it needs --updates 2 or more")
         if plant in LORA_PLANTS and not lora:
             raise ValueError(f"--plant: {plant} is a mistake of a LoRA policy; it needs --lora")
+        if plant in PACKING_PLANTS and not packing:
+            raise ValueError(f"--plant: {plant} is a mistake of packed rows; it needs --packing")
         if plant == "cp-shard-mean" and ratio_level != "sequence":
             raise ValueError(f"--plant: {plant} is a mistake of the sequence ratio; it needs --ratio-level sequence")
 
@@ -736,18 +766,20 @@ def verify(
     updates: int = 1,
     ratio_level: str = "token",
     lora: bool = False,
+    packing: bool = False,
 ) -> list[Comparison]:
     """Compare split (and, with dp·cp > 1, parallel) steps with the monolithic one for each mode;
     with ``updates`` K > 1 a step is K mini-batch updates against logprobs scored at its start;
-    ``lora``: the policy is a frozen base with LoRA adapters (``LoraSettings``)."""
+    ``lora``: the policy is a frozen base with LoRA adapters (``LoraSettings``); ``packing``: the
+    split step packs each micro-batch's rows into one row (the monolithic step never does)."""
     for mode in modes:
         _check_choices(mode, dtype, plant)
     if ratio_level not in RATIO_LEVELS:
         raise ValueError(f"--ratio-level: '{ratio_level}' is not one of {', '.join(RATIO_LEVELS)}")
     if dp * cp > 1:
-        cases = [Case(mode, dtype, plant, wrap, ratio_level, lora) for mode in modes]
+        cases = [Case(mode, dtype, plant, wrap, ratio_level, lora, packing) for mode in modes]
         return verify_parallel(cases, dp=dp, cp=cp, micro_batches=micro_batches, seed=seed, updates=updates)
-    check_layout(dp, cp, micro_batches, [plant], updates, ratio_level, lora)
+    check_layout(dp, cp, micro_batches, [plant], updates, ratio_level, lora, packing)
     return [
         verify_mode(
             mode,
@@ -758,6 +790,7 @@ def verify(
             updates=updates,
             ratio_level=ratio_level,
             lora=lora,
+            packing=packing,
         )
         for mode in modes
     ]

@@ -32,7 +32,7 @@ import torch
 from torch import Tensor
 
 from asyncrl.config import AggMode, LossConfig, RunConfig
-from asyncrl.types import TokenLossInputs
+from asyncrl.types import TokenLossInputs, row_sum
 
 AGG_MODES: tuple[str, ...] = get_args(AggMode)
 ISMode = Literal["none", "tis", "icepop"]
@@ -126,17 +126,19 @@ def sequence_ratio(
     logprobs: Tensor,
     old_logprobs: Tensor,
     response_mask: Tensor,
-    sequence_sum: Callable[[Tensor], Tensor] = lambda values: values.sum(-1),
+    sequence_sum: Callable[[Tensor], Tensor] = row_sum,
 ) -> Tensor:
-    """GSPO's sequence ratio s_i = exp(mean_t (lp_it - lp_old_it)) over response tokens, as [B, 1].
+    """GSPO's sequence ratio s_i = exp(mean_t (lp_it - lp_old_it)) over response tokens, at each
+    token of sequence i (the shape of ``logprobs``).
 
-    ``sequence_sum`` sums each row over the whole sequence; under context parallelism it reduces
-    the shards of the CP group (``ContextParallel.sequence_sum``), so the mean is the sequence's
-    own and not a shard's. The gradient is s_i * mean_t grad lp_it (docs/loss.md).
+    ``sequence_sum`` gives each token its sequence's sum; under context parallelism it reduces the
+    shards of the CP group (``ContextParallel.sequence_sum``), so the mean is the sequence's own
+    and not a shard's, and on a packed row it sums each segment. The gradient is
+    s_i * mean_t grad lp_it (docs/loss.md).
     """
     log_ratio = torch.where(response_mask > 0, logprobs - old_logprobs, 0.0)
     tokens = sequence_sum(response_mask).clamp(min=1)
-    return torch.exp(sequence_sum(log_ratio) / tokens)[:, None]
+    return torch.exp(sequence_sum(log_ratio) / tokens)
 
 
 def importance_weights(
@@ -202,7 +204,7 @@ def token_loss(
     ref_logprobs: Tensor | None = None,
     entropy: Tensor | None = None,
     response_mask: Tensor | None = None,
-    sequence_sum: Callable[[Tensor], Tensor] = lambda values: values.sum(-1),
+    sequence_sum: Callable[[Tensor], Tensor] = row_sum,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """The GRPO loss per token, l = w_is * surrogate + kl_coef * k3 - entropy_coef * entropy.
 

@@ -48,6 +48,17 @@ class TrainerConfig(Section):
         "logprobs): the [tokens, vocab] logits exist for one chunk at a time and the backward recomputes them; "
         "a chunk's scoring peaks at about 5 float32 [tokens, vocab] tensors (0.4 GB at 128 x 151,936)",
     )
+    packing: bool = Field(
+        False,
+        description="score and train each micro-batch's sequences concatenated into one row (positions restarting, "
+        "attention kept within each sequence, no mask), so no layer computes padding",
+    )
+    micro_batch_tokens: int | None = Field(
+        None,
+        ge=1,
+        description="a micro-batch closes before its real tokens would exceed this many (a longer sequence trains "
+        "alone), as well as at micro_batch_size sequences; null: by sequence count alone",
+    )
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: cuda when available")
 
     @model_validator(mode="after")

@@ -24,10 +24,11 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 from transformers import PreTrainedModel
 
+from asyncrl.models.packing import Packing
+
 DEFAULT_CHUNK_TOKENS = 128  # trainer.logprob_chunk_tokens' default
 
 
-# model types whose logits are lm_head(final hidden states), softcapped where the config says so
 def position_ids_from_mask(attention_mask: Tensor) -> Tensor:
     """Positions counted over real tokens: 0 on left padding, then 0, 1, 2, ...; right padding
     repeats the last position (padding is masked, so its position never matters)."""
@@ -114,25 +115,60 @@ def token_logprobs(
     entropy_grad: bool = True,
     distribution: SampledDistribution = SampledDistribution(),
     chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+    packed: bool = False,
 ) -> tuple[Tensor, Tensor | None]:
     """``logprobs[:, t] = log p(input_ids[:, t] | input_ids[:, :t])``, and 0 at ``t = 0``.
 
     ``entropy[:, t]`` is the entropy of the distribution that predicts token t (0 at ``t = 0``).
     Both are aligned with ``input_ids``; values at padding positions are finite but meaningless,
     callers mask them. p is ``distribution``: see ``logits_logprobs``. Scored ``chunk_tokens``
-    tokens at a time: see ``model_logprobs``.
+    tokens at a time: see ``model_logprobs``. ``packed``: the forward runs over the rows' real
+    tokens in one row (``packed_token_logprobs``).
     """
+    scoring = {
+        "with_entropy": with_entropy,
+        "entropy_grad": entropy_grad,
+        "distribution": distribution,
+        "chunk_tokens": chunk_tokens,
+    }
+    if packed:
+        return packed_token_logprobs(model, input_ids, attention_mask, **scoring)
     logprobs, entropy = model_logprobs(
         model,
         F.pad(input_ids[:, 1:], (0, 1)),  # column t predicts column t + 1; the last predicts nothing
-        with_entropy=with_entropy,
-        entropy_grad=entropy_grad,
-        distribution=distribution,
-        chunk_tokens=chunk_tokens,
+        **scoring,
         input_ids=input_ids,
         **causal_inputs(attention_mask),
     )
     return F.pad(logprobs[:, :-1], (1, 0)), None if entropy is None else F.pad(entropy[:, :-1], (1, 0))
+
+
+def packed_token_logprobs(
+    model: PreTrainedModel, input_ids: Tensor, attention_mask: Tensor, **scoring
+) -> tuple[Tensor, Tensor | None]:
+    """``token_logprobs`` from one forward over the rows' real tokens, concatenated (models/packing.py).
+
+    The model's attention must keep each segment to itself from ``packed_segments`` (the
+    trainer routes it through ``context_parallel_attention``). Scores come back in the rows'
+    layout: a segment's first token, which no column of its row predicts, gets 0, as column 0 does
+    unpacked, and padding gets 0."""
+    packing = Packing.of(attention_mask)
+    ids = packing.pack(input_ids)
+    logprobs, entropy = model_logprobs(
+        model,
+        F.pad(ids[:, 1:], (0, 1)),  # a segment's last column predicts the next one's first: masked below
+        **scoring,
+        input_ids=ids,
+        attention_mask=None,
+        position_ids=packing.position_ids,
+        packed_segments=packing.segment_starts,
+    )
+    first = packing.first_columns()
+
+    def aligned(x: Tensor) -> Tensor:
+        return packing.unpack(F.pad(x[:, :-1], (1, 0)).masked_fill(first, 0.0))
+
+    return aligned(logprobs), None if entropy is None else aligned(entropy)
 
 
 class OutputHead:

@@ -78,6 +78,7 @@ class RemoteGroup:
     informative: bool
     size: int
     response_tokens: int
+    sequence_lengths: list[int]
     episode_metrics: dict[str, float]
     ref: Any = None  # ray.ObjectRef of the RolloutGroup; set by the caller that owns it
 

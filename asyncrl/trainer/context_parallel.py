@@ -38,6 +38,8 @@ whose backward is again an all-reduce.
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -53,6 +55,7 @@ from asyncrl.models.logprobs import (
     position_ids_from_mask,
     right_padded,
 )
+from asyncrl.models.packing import Packing
 from asyncrl.types import TokenLossInputs, TrainBatch
 
 ATTN_IMPLEMENTATION = "asyncrl_context_parallel"
@@ -114,6 +117,7 @@ def context_parallel_attention(
     attention_mask: Tensor | None,
     context_parallel_group: dist.ProcessGroup | None = None,
     context_parallel_columns: tuple[Tensor, Tensor] | None = None,
+    packed_segments: Tensor | None = None,
     sliding_window: int | None = None,
     softcap: float | None = None,
     scaling: float | None = None,
@@ -123,7 +127,9 @@ def context_parallel_attention(
     """Causal attention over the keys and values of the whole CP group, by global column.
 
     Rows are right-padded, so causality alone keeps every real token from the padding: there is no
-    padding mask. One rank with neither a sliding window nor a softcap takes sdpa's causal path.
+    padding mask. A packed row (models/packing.py) gives ``packed_segments``, the global column
+    where each column's segment starts, and no query sees a key before it. One rank with neither
+    a sliding window nor a softcap takes sdpa's causal path (once per segment of a packed row).
     Otherwise ``blockwise_attention`` runs: a layer's sliding window (Mistral, Gemma, Phi-3) and
     its logit softcapping (Gemma 2) are applied there, on the global columns that
     ``context_parallel_columns`` (the shard's query columns, the gathered keys' columns) give.
@@ -134,7 +140,10 @@ def context_parallel_attention(
     key = gather_sequence(key, context_parallel_group, dim=2)
     value = gather_sequence(value, context_parallel_group, dim=2)
     if context_parallel_group is None and sliding_window is None and softcap is None:
-        return sdpa_attention_forward(module, query, key, value, None, scaling=scaling, dropout=dropout, **kwargs)
+        attend = partial(sdpa_attention_forward, module, scaling=scaling, dropout=dropout, **kwargs)
+        if packed_segments is None:
+            return attend(query, key, value, None)
+        return per_segment(attend, query, key, value, packed_segments), None
     if context_parallel_columns is None:
         if context_parallel_group is not None:
             raise ValueError("context-parallel attention: a CP group needs the shard's columns")
@@ -145,12 +154,21 @@ def context_parallel_attention(
         key,
         value,
         *context_parallel_columns,
+        segments=packed_segments,
         window=sliding_window,
         softcap=softcap,
         scaling=query.shape[-1] ** -0.5 if scaling is None else scaling,
         dropout=dropout if module.training else 0.0,
     )
     return output.transpose(1, 2).contiguous(), None
+
+
+def per_segment(attend, query: Tensor, key: Tensor, value: Tensor, segments: Tensor) -> Tensor:
+    """``attend`` (sdpa's causal path) over each segment of a packed row alone, outputs concatenated
+    along the sequence ([B, T, H, D], as sdpa's forward returns them)."""
+    starts = (segments == torch.arange(len(segments), device=segments.device)).nonzero().flatten().tolist()
+    bounds = zip(starts, [*starts[1:], len(segments)])
+    return torch.cat([attend(query[:, :, a:b], key[:, :, a:b], value[:, :, a:b], None)[0] for a, b in bounds], dim=1)
 
 
 def blockwise_attention(
@@ -165,22 +183,27 @@ def blockwise_attention(
     scaling: float,
     dropout: float = 0.0,
     block: int | None = None,
+    segments: Tensor | None = None,
 ) -> Tensor:
     """Causal attention of ``query`` [B, H, Q, D] at ``query_columns`` over ``key`` and ``value``
     [B, KV heads, K, D] at ``key_columns`` (a permutation of 0..K-1), as [B, H, Q, D].
 
-    Keys are put in column order; queries go in blocks of at most ``block`` consecutive columns,
-    each over its causal prefix (from a window back, with a window) under
+    Keys are put in column order; queries go in blocks of at most ``block`` consecutive columns
+    of one segment (``segments``: each column's segment start; None: one segment), each over its
+    causal prefix from the segment's start (from a window back, with a window) under
     ``torch.utils.checkpoint``, so that a layer keeps only its inputs for the backward and a
     block's mask (and softcapped scores) live only while the block runs. A dense mask over the
     gathered keys would be [B, 1, Q, K]: every layer would keep a float copy of it.
     """
     order = key_columns.argsort()
     key, value = key[:, :, order], value[:, :, order]
+    starts = None if segments is None else segments.tolist()
     outputs = []
-    for start, end, column in _runs(query_columns, block or QUERY_BLOCK):
+    for start, end, column in _runs(query_columns, block or QUERY_BLOCK, starts):
         stop = column + end - start
-        first = 0 if window is None else max(0, column - window + 1)
+        first = 0 if starts is None else starts[column]
+        if window is not None:
+            first = max(first, column - window + 1)
         outputs.append(
             checkpoint(
                 _attend_block,
@@ -198,13 +221,19 @@ def blockwise_attention(
     return torch.cat(outputs, dim=2)
 
 
-def _runs(columns: Tensor, block: int) -> list[tuple[int, int, int]]:
+def _runs(columns: Tensor, block: int, segments: list[int] | None = None) -> list[tuple[int, int, int]]:
     """(first slot, end slot, first column) of each run of at most ``block`` slots whose columns
-    follow one another: a head-tail shard has two runs of consecutive columns, cut into blocks."""
+    follow one another in one segment: a head-tail shard has two runs of consecutive columns, cut
+    into blocks and at the segment starts of a packed row."""
     cols = columns.tolist()
     runs, start = [], 0
     for slot in range(1, len(cols) + 1):
-        if slot == len(cols) or cols[slot] != cols[slot - 1] + 1 or slot - start == block:
+        if (
+            slot == len(cols)
+            or cols[slot] != cols[slot - 1] + 1
+            or slot - start == block
+            or (segments is not None and segments[cols[slot]] == cols[slot])
+        ):
             runs.append((start, slot, cols[start]))
             start = slot
     return runs
@@ -262,29 +291,64 @@ def _shift_left(x: Tensor) -> Tensor:
 
 
 class Shard:
-    """This rank's columns of a micro-batch, ready for the model and the loss."""
+    """This rank's columns of a micro-batch, ready for the model and the loss.
 
-    def __init__(self, cp: ContextParallel, batch: TrainBatch) -> None:
-        self.width = batch.input_ids.shape[1]
+    ``packed``: the rows' real tokens are first concatenated into one row (models/packing.py),
+    which is then padded and sharded like any row; every per-token tensor is packed the same way,
+    with a segment's first column, which nothing of its row predicts, set to 0 as an unpacked
+    row's column 0 drops out. Padding columns are segments of their own."""
+
+    def __init__(self, cp: ContextParallel, batch: TrainBatch, packed: bool = False) -> None:
+        if not packed and not right_padded(batch.attention_mask):
+            raise ValueError("context parallelism: rows must be right-padded (real tokens first)")
+        self.packing = Packing.of(batch.attention_mask) if packed else None
+        ids = batch.input_ids if self.packing is None else self.packing.pack(batch.input_ids)
+        self.width = ids.shape[1]
         self.padded_width = cp.padded_width(self.width)
-        self.columns = head_tail_columns(self.padded_width, cp.size, cp.rank).to(batch.input_ids.device)
+        self.columns = head_tail_columns(self.padded_width, cp.size, cp.rank).to(ids.device)
         # K/V arrive gathered in rank order, each rank's columns in its own order
         self.key_columns = torch.cat([head_tail_columns(self.padded_width, cp.size, r) for r in range(cp.size)]).to(
             self.columns.device
         )
-        if not right_padded(batch.attention_mask):
-            raise ValueError("context parallelism: rows must be right-padded (real tokens first)")
-        self.input_ids = self._pad(batch.input_ids)[:, self.columns]
-        self.position_ids = position_ids_from_mask(self._pad(batch.attention_mask))[:, self.columns]
+        self.input_ids = self._pad(ids)[:, self.columns]
         self.attention_mask = None  # causal attention by global column: padding follows every real token
+        if self.packing is None:
+            self.position_ids = position_ids_from_mask(self._pad(batch.attention_mask))[:, self.columns]
+            self.segments = None
+        else:
+            self.position_ids = self._pad(self.packing.position_ids)[:, self.columns]
+            own = torch.arange(self.width, self.padded_width, device=ids.device)
+            self.segments = torch.cat([self.packing.segment_starts, own])
         self.labels = self.loss_side(batch.input_ids)
 
     def _pad(self, x: Tensor) -> Tensor:
         return F.pad(x, (0, self.padded_width - self.width))
 
+    def _row(self, x: Tensor) -> Tensor:
+        """A per-token tensor [B, T] on this layout's row(s) (packed: its segments' first columns 0)."""
+        if self.packing is None:
+            return x
+        return self.packing.pack(x).masked_fill(self.packing.first_columns(), 0)
+
     def loss_side(self, x: Tensor) -> Tensor:
         """A per-token tensor aligned with ``input_ids``, shifted on the full row, then sharded."""
-        return _shift_left(self._pad(x))[:, self.columns]
+        return _shift_left(self._pad(self._row(x)))[:, self.columns]
+
+    def unshard(self, by_label: Tensor) -> Tensor:
+        """Scores of the whole (padded) row by label column back as the batch's rows, aligned with
+        ``input_ids`` (0 at each sequence's first token)."""
+        aligned = F.pad(by_label[:, : self.width - 1], (1, 0))
+        if self.packing is None:
+            return aligned
+        return self.packing.unpack(aligned.masked_fill(self.packing.first_columns(), 0.0))
+
+    def segment_ids(self) -> Tensor | None:
+        """[1, L] on the loss side (as ``loss_side`` places it): 1 + the row of the token each slot
+        predicts, 0 where it predicts none; None unpacked."""
+        if self.packing is None:
+            return None
+        rows = torch.arange(1, len(self.packing.lengths) + 1, device=self.columns.device)
+        return self.loss_side(rows[:, None].expand_as(self.packing.real))
 
 
 class ContextParallel:
@@ -306,8 +370,8 @@ class ContextParallel:
             return width
         return -(-width // (2 * self.size)) * (2 * self.size)
 
-    def shard(self, batch: TrainBatch) -> Shard:
-        return Shard(self, batch)
+    def shard(self, batch: TrainBatch, packed: bool = False) -> Shard:
+        return Shard(self, batch, packed)
 
     def logprobs(
         self,
@@ -334,6 +398,7 @@ class ContextParallel:
             position_ids=shard.position_ids,
             context_parallel_group=self._collective_group,
             context_parallel_columns=(shard.columns, shard.key_columns),
+            packed_segments=shard.segments,
         )
 
     def counts(self, batch: TrainBatch, response_mask: Tensor) -> tuple[Tensor, Tensor]:
@@ -352,9 +417,11 @@ class ContextParallel:
         entropy_grad: bool = True,
         distribution: SampledDistribution = SampledDistribution(),
         chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+        packed: bool = False,
     ) -> TokenLossInputs:
-        """Everything the trainer's loss needs for this rank's shard of ``batch``."""
-        shard = self.shard(batch)
+        """Everything the trainer's loss needs for this rank's shard of ``batch`` (``packed``: of
+        its rows packed into one, see ``Shard``)."""
+        shard = self.shard(batch, packed)
         logprobs, entropy = self.logprobs(
             model,
             shard,
@@ -380,7 +447,7 @@ class ContextParallel:
             weights=loss_side(weights),
             num_tokens=num_tokens,
             num_sequences=num_sequences,
-            sequence_sum=self.sequence_sum,
+            sequence_sum=self.sequence_sum if shard.packing is None else partial(self.segment_sum, shard),
         )
 
     @torch.no_grad()
@@ -391,18 +458,29 @@ class ContextParallel:
         *,
         distribution: SampledDistribution = SampledDistribution(),
         chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+        packed: bool = False,
     ) -> Tensor:
         """Logprobs of the whole rows of ``batch``, aligned with ``input_ids`` (0 at column 0), on
         every rank of the group: each scores its shard, then the shards are gathered and unpermuted."""
-        shard = self.shard(batch)
+        shard = self.shard(batch, packed)
         local, _ = self.logprobs(model, shard, with_entropy=False, distribution=distribution, chunk_tokens=chunk_tokens)
         gathered = gather_sequence(local, self._collective_group, dim=1)
         by_label = torch.empty_like(gathered)
         by_label[:, shard.key_columns] = gathered
-        return F.pad(by_label[:, : shard.width - 1], (1, 0))
+        return shard.unshard(by_label)
 
     def sequence_sum(self, values: Tensor) -> Tensor:
-        """Per-row sum of ``values`` [B, L] over the whole sequence, on every rank of the group,
-        differentiable: the building block of per-sequence terms such as sequence-level IS masks."""
-        local = values.sum(-1)
-        return local if self._collective_group is None else _AllReduceSum.apply(local, self.group)
+        """Each token's sum of ``values`` [B, L] over its whole sequence (row), on every rank of the
+        group, differentiable: the building block of per-sequence terms such as sequence-level IS
+        masks."""
+        local = values.sum(-1, keepdim=True)
+        total = local if self._collective_group is None else _AllReduceSum.apply(local, self.group)
+        return total.expand_as(values)
+
+    def segment_sum(self, shard: Shard, values: Tensor) -> Tensor:
+        """``sequence_sum`` on a packed shard's loss side [1, L]: sums by segment, reduced over the
+        group, given back to each slot of the segment (slots that predict nothing get segment 0's)."""
+        ids = shard.segment_ids().roll(1, dims=-1)[0]  # the loss side's slot order
+        local = values.new_zeros(len(shard.packing.lengths) + 1).index_add(0, ids, values[0])
+        total = local if self._collective_group is None else _AllReduceSum.apply(local, self.group)
+        return total[ids][None]

@@ -32,6 +32,7 @@ from asyncrl.models import SampledDistribution, token_logprobs
 from asyncrl.models.factory import DTYPES
 from asyncrl.models.logprobs import OutputHead
 from asyncrl.models.lora import adapter_dropout, adapter_seed, adapter_tensors, apply_lora, is_lora
+from asyncrl.trainer.context_parallel import enable_context_parallel_attention
 from asyncrl.trainer.optim import build_optimizer, build_scheduler
 from asyncrl.trainer.recompute import checkpoint_activations
 from asyncrl.trainer.snapshot import StepSnapshot
@@ -121,7 +122,9 @@ class PolicyTrainer:
         self.distribution = distribution
         self.forward_dtype = _LOW_PRECISION.get(trainer_cfg.dtype)
         self.parallel = parallel
-        self.model = model = self._prepare(model, reference_model, trainer_cfg.activation_checkpointing)
+        self.model = model = self._prepare(
+            model, reference_model, trainer_cfg.activation_checkpointing, trainer_cfg.packing
+        )
         self.reference_model = reference_model
         self.cfg = trainer_cfg
         self.algorithm = algorithm
@@ -132,15 +135,22 @@ class PolicyTrainer:
         self._step: _StepState | None = None
         self._step_start = StepSnapshot(self.device)  # taken before a step's first of several updates
 
-    def _prepare(self, model: nn.Module, reference_model: nn.Module | None, recompute: bool) -> nn.Module:
-        """The policy as it trains: both models upcast to float32 masters and in eval mode, the
-        policy's blocks recomputed in the backward if ``recompute``, both wrapped for the ranks, the
-        reference frozen; decides whether autocast runs the forward (not where FSDP2 casts)."""
+    def _prepare(
+        self, model: nn.Module, reference_model: nn.Module | None, recompute: bool, packing: bool
+    ) -> nn.Module:
+        """The policy as it trains: both models upcast to float32 masters and in eval mode, with the
+        attention that keeps packed sequences apart if ``packing``, the policy's blocks recomputed in
+        the backward if ``recompute``, both wrapped for the ranks, the reference frozen; decides
+        whether autocast runs the forward (not where FSDP2 casts)."""
         for m in (model, reference_model):
             if m is not None:
                 m.eval()  # the probe below draws no dropout randomness
                 OutputHead(m).check(m)  # refuses, before any step, a head the chunked scoring cannot reproduce
                 _upcast_low_precision(m)
+        if packing and (self.parallel is None or self.parallel.context is None):
+            for m in (model, reference_model):
+                if m is not None:
+                    enable_context_parallel_attention(m)  # the one kernel that keeps packed sequences apart
         if recompute:
             checkpoint_activations(model)
         self._autocast = self.forward_dtype is not None
@@ -363,6 +373,7 @@ class PolicyTrainer:
             "entropy_grad": self.loss_cfg.entropy_coef > 0,
             "distribution": self.distribution,
             "chunk_tokens": self.cfg.logprob_chunk_tokens,
+            "packed": self.cfg.packing,
         }
         weights = self._local_weights(batch)
         context = None if self.parallel is None else self.parallel.context
@@ -431,7 +442,11 @@ class PolicyTrainer:
         if model is None:
             raise ValueError("compute_logprobs: no reference model (loss.kl_coef is 0)")
         size = micro_batch_size or self.cfg.micro_batch_size
-        chunk = self.cfg.logprob_chunk_tokens
+        scoring = {
+            "distribution": self.distribution,
+            "chunk_tokens": self.cfg.logprob_chunk_tokens,
+            "packed": self.cfg.packing,
+        }
         width = batch.input_ids.shape[1]
         chunks = []
         context = None if self.parallel is None else self.parallel.context
@@ -439,11 +454,9 @@ class PolicyTrainer:
             part = part.to(self.device, self.compute_dtype)
             with self._forward():
                 if context is not None:
-                    logprobs = context.full_logprobs(model, part, distribution=self.distribution, chunk_tokens=chunk)
+                    logprobs = context.full_logprobs(model, part, **scoring)
                 else:
-                    logprobs, _ = token_logprobs(
-                        model, part.input_ids, part.attention_mask, distribution=self.distribution, chunk_tokens=chunk
-                    )
+                    logprobs, _ = token_logprobs(model, part.input_ids, part.attention_mask, **scoring)
             logprobs = logprobs * part.attention_mask
             chunks.append(torch.nn.functional.pad(logprobs, (0, width - logprobs.shape[1])))
         return torch.cat(chunks).cpu()

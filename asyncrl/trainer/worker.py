@@ -2,7 +2,9 @@
 
 The controller streams a step to it in chunks of groups. The worker turns each chunk into
 advantages and packs the sequences into micro-batches of ``trainer.micro_batch_size`` in the
-order received (a partial micro-batch waits for the next chunk), then runs the split step. So
+order received (a partial micro-batch waits for the next chunk), then runs the split step. With
+``trainer.micro_batch_tokens`` a micro-batch also closes before its real tokens would pass that
+budget (a longer sequence trains alone), so long and short sequences cost a micro-batch alike. So
 micro-batch composition depends only on the order of the groups, never on how the step happened
 to be chunked: the same groups in the same order give a bit-identical step.
 
@@ -84,6 +86,7 @@ class TrainerWorker:
         self.dp = 1 if trainer.parallel is None else trainer.parallel.dp
         self.dp_rank = 0 if trainer.parallel is None else trainer.parallel.dp_rank
         self.micro_batch_size = trainer.cfg.micro_batch_size
+        self.micro_batch_tokens = trainer.cfg.micro_batch_tokens
         # K mini-batches or E passes: the step is collected first, then trained update by update
         self.collect = grpo_cfg.num_minibatches * grpo_cfg.num_epochs > 1
         self._reset_step()
@@ -93,6 +96,7 @@ class TrainerWorker:
         self._full: list[MicroBatch] = []  # full micro-batches waiting for their round
         self._partial: MicroBatch = []
         self._partial_rows = 0
+        self._partial_tokens = 0
         self._num_microbatches = 0  # of the whole step, trained on some rank
         self._fetched: dict[int, RolloutGroup] = {}  # id(remote group) -> its tensors, while needed
         self._collected: list[tuple[Any, Tensor]] = []  # (group, advantages) of a collected step
@@ -230,7 +234,7 @@ class TrainerWorker:
         for group, advantages in items:
             self._pack(group, advantages)
         packed = self._full + ([self._partial] if self._partial else [])
-        self._full, self._partial, self._partial_rows = [], [], 0
+        self._full, self._partial, self._partial_rows, self._partial_tokens = [], [], 0, 0
         return [packed[start : start + self.dp] for start in range(0, len(packed), self.dp)]
 
     def _scored(self, batches: list[TrainBatch]) -> list[TrainBatch]:
@@ -244,16 +248,29 @@ class TrainerWorker:
     # ---- packing and rounds -------------------------------------------------------------------
 
     def _pack(self, group: RolloutGroup, advantages: Tensor) -> None:
-        """Append the group's sequences to the micro-batches, in order."""
-        start = 0
-        while start < group.size:
-            stop = min(group.size, start + self.micro_batch_size - self._partial_rows)
-            self._partial.append(_Rows(group, advantages, start, stop))
-            self._partial_rows += stop - start
-            start = stop
+        """Append the group's sequences to the micro-batches, in order: a micro-batch is full at
+        ``micro_batch_size`` sequences, and closes before a sequence that would take its real tokens
+        past ``micro_batch_tokens``."""
+        lengths = group.sequence_lengths if self.micro_batch_tokens is not None else [0] * group.size
+        for index, tokens in enumerate(lengths):
+            if self._partial and self._over_budget(tokens):
+                self._close_partial()
+            last = self._partial[-1] if self._partial else None
+            if last is not None and last.group is group and last.stop == index:
+                last.stop += 1
+            else:
+                self._partial.append(_Rows(group, advantages, index, index + 1))
+            self._partial_rows += 1
+            self._partial_tokens += tokens
             if self._partial_rows == self.micro_batch_size:
-                self._full.append(self._partial)
-                self._partial, self._partial_rows = [], 0
+                self._close_partial()
+
+    def _over_budget(self, tokens: int) -> bool:
+        return self.micro_batch_tokens is not None and self._partial_tokens + tokens > self.micro_batch_tokens
+
+    def _close_partial(self) -> None:
+        self._full.append(self._partial)
+        self._partial, self._partial_rows, self._partial_tokens = [], 0, 0
 
     def _train_round(self, round_: list[MicroBatch]) -> None:
         """Consecutive global micro-batches, the j-th for DP rank j; every rank trains its batches."""

@@ -24,6 +24,7 @@ from asyncrl.trainer.context_parallel import (
 )
 from asyncrl.trainer.parallel import launch
 from asyncrl.types import TrainBatch
+from asyncrl.verify import PACKED_LEAK
 
 VOCAB, WINDOW, WIDTH = 64, 8, 24  # rows longer than the window
 LAYERS = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
@@ -78,6 +79,21 @@ def test_trainer_logprobs_equal_the_models_own_forward(checkpoints, name):
     torch.testing.assert_close(logprobs[2:3, 6:], left, rtol=0, atol=1e-5)  # positions count real tokens only
 
 
+@pytest.mark.parametrize("name", ARCHITECTURES)
+def test_packed_rows_score_as_each_row_alone(checkpoints, name, monkeypatch):
+    """trainer.packing on one rank: the rows' real tokens in one row, positions restarting and
+    attention kept within each (per-segment sdpa, or query blocks of 4 where a window or a softcap
+    applies), against the padded rows through the model's own attention."""
+    monkeypatch.setattr(context_parallel, "QUERY_BLOCK", 4)
+    model = load_model(checkpoints / name, dtype=torch.float32)
+    ids, mask = rows()
+    expected, _ = token_logprobs(model, ids, mask)
+    enable_context_parallel_attention(model)
+    packed, _ = token_logprobs(model, ids, mask, packed=True)
+    scored = mask.bool() & (mask.cumsum(1) > 1)
+    torch.testing.assert_close(packed[scored], expected[scored], rtol=0, atol=CP_TOLERANCE)
+
+
 def test_a_softcapping_model_loads_with_the_attention_that_applies_its_softcap(checkpoints):
     ids, mask = rows()
     loaded, _ = token_logprobs(load_model(checkpoints / "gemma2", dtype=torch.float32), ids, mask)
@@ -122,6 +138,10 @@ def _cp_rank(rank: int, world_size: int, root: str) -> bytes:
         if name == "planted":
             model.set_attn_implementation("dropped_window")
         results[name] = context.full_logprobs(model, _batch(ids, mask))
+        results[f"{name}/packed"] = context.full_logprobs(model, _batch(ids, mask), packed=True)
+        if name == "planted":
+            model.set_attn_implementation(PACKED_LEAK)
+            results["packed-leak"] = context.full_logprobs(model, _batch(ids, mask), packed=True)
     buffer = io.BytesIO()
     torch.save(results if rank == 0 else None, buffer)
     return buffer.getvalue()
@@ -135,8 +155,10 @@ def _batch(ids: torch.Tensor, mask: torch.Tensor) -> TrainBatch:
 
 @pytest.mark.slow
 def test_context_parallel_on_two_ranks_matches_a_single_rank_and_a_dropped_window_fails(checkpoints, monkeypatch):
-    """Two CP ranks against the plain model (its own attention, with a padding mask) and against
-    one rank through the context-parallel attention (no mask, query blocks of 4)."""
+    """Two CP ranks, padded rows and the same rows packed into one, against the plain model (its own
+    attention, with a padding mask) and against one rank through the context-parallel attention (no
+    mask, query blocks of 4). A dropped window fails, and so does a packed row attended as one
+    sequence."""
     ids, mask = rows(left=False)
     real = F.pad(mask[:, 1:], (1, 0)).bool() & mask.bool()  # tokens with a real predecessor
     sharded = torch.load(io.BytesIO(launch(_cp_rank, 2, str(checkpoints))[0]))
@@ -149,10 +171,12 @@ def test_context_parallel_on_two_ranks_matches_a_single_rank_and_a_dropped_windo
         enable_context_parallel_attention(model)
         one_rank = ContextParallel().full_logprobs(model, _batch(ids, mask))
         for expected in (plain, one_rank):
-            error = (sharded[name] - expected)[real].abs().max().item()
-            assert error <= CP_TOLERANCE, (name, error)
+            for layout in (name, f"{name}/packed"):
+                error = (sharded[layout] - expected)[real].abs().max().item()
+                assert error <= CP_TOLERANCE, (layout, error)
     expected, _ = token_logprobs(load_model(checkpoints / "mistral", dtype=torch.float32), ids, mask)
-    assert (sharded["planted"] - expected)[real].abs().max().item() > 100 * CP_TOLERANCE
+    for planted in ("planted", "planted/packed", "packed-leak"):
+        assert (sharded[planted] - expected)[real].abs().max().item() > 100 * CP_TOLERANCE, planted
 
 
 def test_context_parallel_refuses_an_architecture_it_was_not_verified_on(checkpoints, tmp_path):

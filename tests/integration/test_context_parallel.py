@@ -191,10 +191,14 @@ def test_two_cp_ranks_score_the_truncated_distribution_as_a_whole_row_does():
     assert (untruncated - expected)[real].abs().max() > 1e-2  # the twin: shards that skip top-k / top-p
 
 
-def dense_attention(query, key, value, query_columns, key_columns, *, window=None, softcap=None, scaling=0.5):
-    """The reference: every score materialized, one mask over global columns, float64 softmax."""
+def dense_attention(
+    query, key, value, query_columns, key_columns, *, window=None, softcap=None, scaling=0.5, segments=None
+):
+    """The reference: every score materialized, one mask over global columns (and segments), float64 softmax."""
     distance = query_columns[:, None] - key_columns[None, :]
     visible = (distance >= 0) & (distance < (window or distance.shape[1] + 1))
+    if segments is not None:
+        visible &= segments[query_columns][:, None] == segments[key_columns][None, :]
     groups = query.shape[1] // key.shape[1]
     scores = query @ key.repeat_interleave(groups, 1).transpose(2, 3) * scaling
     if softcap is not None:
@@ -202,12 +206,18 @@ def dense_attention(query, key, value, query_columns, key_columns, *, window=Non
     return scores.masked_fill(~visible, -torch.inf).softmax(-1) @ value.repeat_interleave(groups, 1)
 
 
+# a packed row of 24 columns: segments of 2, 9, 1, 7 and 5 columns (each column's segment start)
+SEGMENTS = torch.tensor([0] * 2 + [2] * 9 + [11] + [12] * 7 + [19] * 5)
+
+
+@pytest.mark.parametrize("segments", [None, SEGMENTS], ids=["rows", "packed"])
 @pytest.mark.parametrize("window,softcap", [(None, None), (5, None), (None, 2.0), (5, 2.0)])
 @pytest.mark.parametrize("size", [1, 2, 4])
-def test_blockwise_attention_is_causal_attention_by_global_column(size, window, softcap):
+def test_blockwise_attention_is_causal_attention_by_global_column(size, window, softcap, segments):
     """Every rank's queries, in blocks of 3 that cut its chunks, over keys gathered in head-tail
-    order, with GQA: outputs and gradients equal the dense masked attention's. Gemma 2's softcapped
-    softmax runs in float32, hence its tolerance."""
+    order, with GQA: outputs and gradients equal the dense masked attention's; on a packed row no
+    query sees a key of another segment. Gemma 2's softcapped softmax runs in float32, hence its
+    tolerance."""
     width, gen = 24, torch.Generator().manual_seed(0)
     key_columns = torch.cat([head_tail_columns(width, size, r) for r in range(size)])
     key, value = (torch.randn(2, 2, width, 4, generator=gen, dtype=torch.float64, requires_grad=True) for _ in "kv")
@@ -216,8 +226,8 @@ def test_blockwise_attention_is_causal_attention_by_global_column(size, window, 
         columns = head_tail_columns(width, size, rank)
         query = torch.randn(2, 4, len(columns), 4, generator=gen, dtype=torch.float64, requires_grad=True)
         args = (query, key, value, columns, key_columns)
-        out = blockwise_attention(*args, window=window, softcap=softcap, scaling=0.5, block=3)
-        expected = dense_attention(*args, window=window, softcap=softcap)
+        out = blockwise_attention(*args, window=window, softcap=softcap, scaling=0.5, block=3, segments=segments)
+        expected = dense_attention(*args, window=window, softcap=softcap, segments=segments)
         torch.testing.assert_close(out, expected, rtol=tolerance, atol=tolerance)
         upstream = torch.randn(out.shape, generator=gen, dtype=torch.float64)
         grads = torch.autograd.grad(out, (query, key, value), upstream)

@@ -21,6 +21,7 @@ from asyncrl.trainer.context_parallel import gather_sequence, head_tail_columns
 from asyncrl.trainer.parallel import init_parallel, launch
 from asyncrl.verify import (
     LORA_PLANTS,
+    PACKING_PLANTS,
     PLANTS,
     UPDATE_PLANTS,
     Case,
@@ -55,8 +56,8 @@ def test_cp2_matches_in_every_mode_in_float64_float32_and_under_ddp():
 
 @pytest.mark.slow
 def test_dp2_cp2_matches_in_every_mode_and_every_planted_mistake_fails():
-    # the cp-shard-mean plant is in test_verify.py, the LoRA plants in test_lora_verify.py
-    plants = [p for p in PLANTS if p not in UPDATE_PLANTS and p not in LORA_PLANTS and p != "cp-shard-mean"]
+    # the cp-shard-mean plant is in test_verify.py, the LoRA plants in test_lora_verify.py, packing's in test_packing.py
+    plants = [p for p in PLANTS if p not in (*UPDATE_PLANTS, *LORA_PLANTS, *PACKING_PLANTS, "cp-shard-mean")]
     cases = [Case(mode) for mode in AGG_MODES] + [Case(mode, plant=plant) for plant in plants for mode in AGG_MODES]
     results = verify_parallel(cases, dp=2, cp=2, micro_batches=2)
     assert_float64_parity([r for r in results if r.case.plant is None])
@@ -140,7 +141,7 @@ def sequence_level_is_loss(sequence_sum, logratio, mask):
     """A per-sequence importance weight (geometric mean of token ratios), masked outside [0.8, 1.25]."""
     weight = torch.exp(sequence_sum(logratio * mask) / sequence_sum(mask))
     keep = ((weight > 0.8) & (weight < 1.25)).double()
-    return ((keep * weight)[:, None] * logratio * mask).sum()
+    return (keep * weight * logratio * mask).sum()
 
 
 def ranks_two_steps(rank: int, world_size: int) -> bytes:
@@ -192,7 +193,7 @@ def test_real_trainer_on_dp2_and_cp2_ranks_matches_the_single_process_trainer_fo
     weights = torch.randn(2, 3, 8, generator=gen, dtype=torch.float64)
     order = torch.cat([p["collectives"]["columns"] for p in payloads])
     full = rows.clone().requires_grad_()
-    sequence_level_is_loss(lambda x: x.sum(-1), full, mask).backward()
+    sequence_level_is_loss(lambda x: x.sum(-1, keepdim=True).expand_as(x), full, mask).backward()
     for rank_out in payloads:
         got = rank_out["collectives"]
         gathered_grad = weights.sum(0)[:, torch.argsort(order)]  # both ranks' losses use every column

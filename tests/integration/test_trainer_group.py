@@ -205,6 +205,7 @@ class HeldGroup:
             if f.name not in TENSORS:
                 setattr(self, f.name, getattr(group, f.name))
         self.size, self.response_tokens = group.size, group.response_tokens
+        self.sequence_lengths = group.sequence_lengths
         self.fetches = 0
         self._group = group
 

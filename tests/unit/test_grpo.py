@@ -295,7 +295,7 @@ def test_sequence_ratio_is_the_geometric_mean_of_response_token_ratios_clipped_p
     logprobs = f64([[math.log(1.1), math.log(1.2), 5.0], [math.log(1.5)] * 3]).requires_grad_()
     old = torch.zeros_like(logprobs)
     s0 = math.sqrt(1.32)
-    assert_close(sequence_ratio(logprobs, old, mask), [[s0], [1.5]])
+    assert_close(sequence_ratio(logprobs, old, mask), [[s0] * 3, [1.5] * 3])
     cfg = LossConfig(dual_clip=None, ratio_level="sequence")
     loss, metrics = token_loss(logprobs, old, old, f64([[1.0], [1.0]]), cfg=cfg, is_mode="none", response_mask=mask)
     assert_close(loss * mask, [[-s0, -s0, 0.0], [-1.28] * 3])
@@ -313,9 +313,10 @@ def test_sequence_ratio_sums_rows_with_the_given_sequence_sum():
     other = {"lr": f64([0.6]), "mask": f64([2.0])}  # the other shard: log ratios 0.2 and 0.4, 2 tokens
 
     def shard_sum(values):
-        return values.sum(-1) + (other["mask"] if values is mask else other["lr"])
+        total = values.sum(-1, keepdim=True) + (other["mask"] if values is mask else other["lr"])
+        return total.expand_as(values)
 
-    assert_close(sequence_ratio(lp, torch.zeros_like(lp), mask, shard_sum), [[math.exp(1.2 / 4)]])
+    assert_close(sequence_ratio(lp, torch.zeros_like(lp), mask, shard_sum), [[math.exp(1.2 / 4)] * 2])
 
 
 # ---- aggregation weights ---------------------------------------------------------------------
