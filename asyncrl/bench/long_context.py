@@ -2,7 +2,8 @@
 
 One split train step (begin, one micro-batch, finish) of a Qwen2-layout model on two rows that
 hold T tokens in all, float32 on the CPU, at cp = 1 and cp = 2, with equal rows and with ragged
-ones (60 % and 40 % of T, right-padded as the trainer pads). Every measurement is a fresh set of
+ones (60 % and 40 % of T), right-padded as the trainer pads them and packed into one row
+(``trainer.packing``), which computes no padding. Every measurement is a fresh set of
 rank processes from the project's launcher (trainer/parallel.py ``launch``, gloo), since peak
 resident memory is a per-process high-water mark. A rank builds its trainer, takes a short step
 (so AdamW's moments exist, as in any step after a run's first), resets its high-water mark
@@ -16,6 +17,7 @@ from __future__ import annotations
 import gc
 import json
 import operator
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -38,6 +40,7 @@ CORES = 2  # each setting gets the same cores: cp = 1 one rank on 2 threads, cp 
 MEMORY_LIMIT = 24 * 2**30
 RAGGED = (0.6, 0.4)  # the two rows' shares of T
 PROMPT_TOKENS = 64
+LAYOUTS = ((False, False), (True, False), (True, True))  # (padded: ragged rows, packed): equal, ragged, ragged packed
 COMPARE = {"<=": operator.le, "<": operator.lt}
 GOALS = {
     "growth_8k_to_16k": ("<=", 2.2),
@@ -88,14 +91,16 @@ def _rss(field: str) -> int:
     raise RuntimeError(f"/proc/self/status has no {field}")
 
 
-def measure_rank(rank: int, world_size: int, seq_len: int, padded: bool, vocab: int, chunk: int | None) -> bytes:
+def measure_rank(
+    rank: int, world_size: int, seq_len: int, padded: bool, vocab: int, chunk: int | None, packed: bool = False
+) -> bytes:
     """One rank's step: (peak growth above the built trainer, seconds), as JSON bytes."""
     torch.set_num_threads(CORES // world_size)
     torch.manual_seed(0)
     parallel = init_parallel(ParallelConfig(cp=world_size)) if world_size > 1 else None
     model = build_tiny_model(vocab, seed=0, max_position_embeddings=max(seq_len, 1024), **MODEL)
     options = {} if chunk is None else {"logprob_chunk_tokens": chunk}
-    config = TrainerConfig(lr=1e-5, micro_batch_size=2, **options)
+    config = TrainerConfig(lr=1e-5, micro_batch_size=2, packing=packed, **options)
     trainer = PolicyTrainer(model, config, GRPO(LossConfig(), "none"), total_steps=2, parallel=parallel)
     trainer.train_step(train_batch([16, 16], vocab))
     batch = train_batch(rows_of(seq_len, padded), vocab)
@@ -110,11 +115,26 @@ def measure_rank(rank: int, world_size: int, seq_len: int, padded: bool, vocab: 
     return json.dumps({"step_peak_bytes": _rss("VmHWM:") - before, "step_seconds": seconds}).encode()
 
 
-def measure(seq_len: int, cp: int, padded: bool, vocab: int, chunk: int | None = None) -> list[dict[str, Any]]:
-    """One row per rank, each from a fresh process."""
-    payloads = launch(measure_rank, cp, seq_len, padded, vocab, chunk, timeout_s=3600.0)
-    setting = {"seq_len": seq_len, "cp": cp, "padded": padded, "vocab_size": vocab, "rows": rows_of(seq_len, padded)}
-    return [{**setting, "rank": rank, **json.loads(payload)} for rank, payload in enumerate(payloads)]
+def measure(
+    seq_len: int, cp: int, padded: bool, vocab: int, chunk: int | None = None, packed: bool = False
+) -> list[dict[str, Any]]:
+    """One row per rank, each from a fresh process; a progress line on stderr."""
+    payloads = launch(measure_rank, cp, seq_len, padded, vocab, chunk, packed, timeout_s=3600.0)
+    setting = {
+        "seq_len": seq_len,
+        "cp": cp,
+        "padded": padded,
+        "packed": packed,
+        "vocab_size": vocab,
+        "rows": rows_of(seq_len, padded),
+    }
+    rows = [{**setting, "rank": rank, **json.loads(payload)} for rank, payload in enumerate(payloads)]
+    peak, seconds = max(r["step_peak_bytes"] for r in rows), max(r["step_seconds"] for r in rows)
+    layout = ("packed" if packed else "ragged") if padded else "equal"
+    print(
+        f"long-context: T {seq_len} cp {cp} {layout} V {vocab}: {peak / 1e9:.2f} GB, {seconds:.1f} s", file=sys.stderr
+    )
+    return rows
 
 
 def _next_fits(lens: list[int], peaks: list[int], memory_limit: int) -> bool:
@@ -130,17 +150,18 @@ def _next_fits(lens: list[int], peaks: list[int], memory_limit: int) -> bool:
 
 
 def _setting(
-    cp: int, padded: bool, vocab: int, lens: list[int], memory_limit: int, chunk: int | None
+    cp: int, layout: tuple[bool, bool], vocab: int, lens: list[int], memory_limit: int, chunk: int | None
 ) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
     """(rows of this setting for each length that fits, a note if it stopped short of the last)."""
     rows: list[dict[str, Any]] = []
     peaks: list[int] = []
-    note = {"cp": cp, "padded": padded, "vocab_size": vocab}
+    padded, packed = layout
+    note = {"cp": cp, "padded": padded, "packed": packed, "vocab_size": vocab}
     for seq_len in lens:
         if not _next_fits(lens, peaks, memory_limit):
             return rows, {**note, "seq_len": seq_len, "reason": f"expected to exceed {memory_limit} bytes"}
         try:
-            measured = measure(seq_len, cp, padded, vocab, chunk)
+            measured = measure(seq_len, cp, padded, vocab, chunk, packed)
         except (RuntimeError, TimeoutError) as err:
             return rows, {**note, "seq_len": seq_len, "reason": str(err).strip().splitlines()[0]}
         rows += measured
@@ -155,8 +176,8 @@ def run(
     results, stopped = [], []
     for vocab in vocabs:
         for cp in (1, 2):
-            for padded in (False, True):
-                rows, note = _setting(cp, padded, vocab, seq_lens(max_len), memory_limit, chunk)
+            for layout in LAYOUTS:
+                rows, note = _setting(cp, layout, vocab, seq_lens(max_len), memory_limit, chunk)
                 results += rows
                 if note is not None:
                     stopped.append(note)
@@ -189,7 +210,7 @@ def goals(results: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     largest = _largest_shared(results, vocab)
 
     def worst(key: str, cp: int, seq_len: int | None, padded: bool = False) -> float | None:
-        return _worst(results, key, cp=cp, seq_len=seq_len, padded=padded, vocab_size=vocab)
+        return _worst(results, key, cp=cp, seq_len=seq_len, padded=padded, packed=False, vocab_size=vocab)
 
     values = {
         "growth_8k_to_16k": _ratio(worst("step_peak_bytes", 1, 16384), worst("step_peak_bytes", 1, 8192)),

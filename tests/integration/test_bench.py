@@ -463,11 +463,11 @@ def test_long_context_reports_each_ranks_step_peak_and_time(capsys, tmp_path):
     result = bench(capsys, tmp_path, "long-context")
     rows = result["results"]
     ranks = {
-        (cp, padded): {r["rank"] for r in rows if (r["cp"], r["padded"]) == (cp, padded)}
+        (cp, layout): {r["rank"] for r in rows if (r["cp"], (r["padded"], r["packed"])) == (cp, layout)}
         for cp in (1, 2)
-        for padded in (False, True)
+        for layout in long_context.LAYOUTS
     }
-    assert ranks == {(1, False): {0}, (1, True): {0}, (2, False): {0, 1}, (2, True): {0, 1}}
+    assert ranks == {(cp, layout): set(range(cp)) for cp in (1, 2) for layout in long_context.LAYOUTS}
     for row in rows:
         assert (row["seq_len"], row["vocab_size"]) == (256, 4096) and sum(row["rows"]) == 256
         assert row["step_peak_bytes"] > 0 and row["step_seconds"] > 0
@@ -480,10 +480,11 @@ def test_long_context_reports_each_ranks_step_peak_and_time(capsys, tmp_path):
 
 def test_long_context_goals_take_the_worst_rank_and_growth_stops_before_the_limit():
     def row(seq_len, cp, peak, seconds=1.0, rank=0, padded=False):
-        setting = dict(seq_len=seq_len, cp=cp, padded=padded, vocab_size=151_936, rank=rank)
+        setting = dict(seq_len=seq_len, cp=cp, padded=padded, packed=False, vocab_size=151_936, rank=rank)
         return {**setting, "step_peak_bytes": peak, "step_seconds": seconds}
 
     results = [row(8192, 1, 4e9), row(16384, 1, 8e9, 10.0), row(16384, 1, 7e9, padded=True)]
+    results += [{**row(16384, 1, 1e9, padded=True), "packed": True}]  # the goal is the padded rows'
     results += [row(16384, 2, 4e9, 9.0), row(16384, 2, 4.4e9, 8.0, rank=1)]
     goals = long_context.goals(results)
     assert goals["growth_8k_to_16k"] == {"value": 2.0, "goal": "<= 2.2", "met": True}

@@ -112,7 +112,11 @@ def test_a_remote_group_has_every_attribute_of_a_group_but_its_token_tensors():
     )
     remote = RemoteGroup.describe(group)
     token_tensors = {"input_ids", "attention_mask", "response_mask", "behaviour_logprobs", "token_versions"}
-    for name in {f.name for f in fields(RolloutGroup)} - token_tensors | {"size", "response_tokens", "sequence_lengths"}:
+    for name in {f.name for f in fields(RolloutGroup)} - token_tensors | {
+        "size",
+        "response_tokens",
+        "sequence_lengths",
+    }:
         assert getattr(remote, name) is getattr(group, name) or getattr(remote, name) == getattr(group, name), name
     assert not token_tensors & set(vars(remote))
     assert (remote.size, remote.response_tokens) == (3, 6) and remote.ref is None
