@@ -5,6 +5,7 @@ and measures, through the code a run uses:
 
 - ``train``: split GRPO steps (``PolicyTrainer``: micro-batches, then one optimizer step) in
   bfloat16 over float32 masters: tokens/s, and MFU against the GPU's peak dense bf16 FLOP/s;
+  ``train_packed`` the same with ``trainer.packing`` (each micro-batch's rows in one row);
 - ``weights``: the export a weight sync makes (``PolicyTrainer.export_weights``), to the GPU and to
   host memory, and ``HFGenerator.load_weights`` of it into a bfloat16 generator, in GB/s;
 - ``fsdp2``: the same steps with the policy sharded by FSDP2 over a one-rank process group;
@@ -101,6 +102,8 @@ def run(workload: Workload = QWEN25_05B, *, device: str = "cuda", peak: float | 
     }
     del trainer
     _empty_cache(device)
+    result["train_packed"] = _train(_trainer(_model(workload, device), workload, device, packing=True), workload, peak)
+    _empty_cache(device)
     result["fsdp2"] = _fsdp2(workload, device, peak)
     result["vllm"] = _vllm(workload, device)
     return result
@@ -115,12 +118,12 @@ def _model(workload: Workload, device: str, dtype: torch.dtype = torch.float32):
         )
 
 
-def _trainer(model, workload: Workload, device: str, parallel=None):
+def _trainer(model, workload: Workload, device: str, parallel=None, packing: bool = False):
     from asyncrl.algorithms.grpo import GRPO
     from asyncrl.config import LossConfig, TrainerConfig
     from asyncrl.trainer.policy import PolicyTrainer
 
-    config = TrainerConfig(dtype="bfloat16", micro_batch_size=workload.micro_batch_size, device=device)
+    config = TrainerConfig(dtype="bfloat16", micro_batch_size=workload.micro_batch_size, device=device, packing=packing)
     return PolicyTrainer(model, config, GRPO(LossConfig(), "none"), total_steps=workload.steps + 1, parallel=parallel)
 
 

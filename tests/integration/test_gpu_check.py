@@ -48,7 +48,7 @@ def test_every_measurement_runs_on_the_cpu_with_a_tiny_model():
     result = gpu.run(TINY, device="cpu", peak=2.0)
     model = gpu._model(TINY, "cpu")
     assert result["parameters"] == sum(p.numel() for p in model.parameters())
-    for row in (result["train"], result["fsdp2"]):
+    for row in (result["train"], result["train_packed"], result["fsdp2"]):
         assert row["tokens_per_step"] == TINY.rows * TINY.seq_len
         assert row["micro_batches_per_step"] == 2
         assert row["tokens_per_s"] == pytest.approx(row["tokens_per_step"] / row["step_s"])
