@@ -67,16 +67,25 @@ def behaviour_clip_is_one_update(config: RunConfig) -> None:
 
 
 def context_parallel_architecture(config: RunConfig) -> None:
-    """Context parallelism reimplements attention across ranks; an architecture it was not
-    checked on could silently attend to something else, so it is refused."""
+    """Context parallelism and packing reimplement attention (across ranks, within packed
+    sequences); an architecture they were not checked on could silently attend to something else,
+    so it is refused."""
     config_file = None if config.model.path is None else Path(config.model.path).expanduser() / "config.json"
-    if config.parallel.cp == 1 or config_file is None or not config_file.is_file():
+    if config_file is None or not config_file.is_file():
         return
     model_type = json.loads(config_file.read_text()).get("model_type")
-    if model_type not in CONTEXT_PARALLEL_MODEL_TYPES:
+    if model_type in CONTEXT_PARALLEL_MODEL_TYPES:
+        return
+    verified = f"{', '.join(CONTEXT_PARALLEL_MODEL_TYPES)} (docs/parallelism.md)"
+    if config.parallel.cp > 1:
         raise ValueError(
             f"parallel.cp: model.path holds a '{model_type}' model; context parallelism is verified for "
-            f"{', '.join(CONTEXT_PARALLEL_MODEL_TYPES)} (docs/parallelism.md), so use parallel.cp=1"
+            f"{verified}, so use parallel.cp=1"
+        )
+    if config.trainer.packing:
+        raise ValueError(
+            f"trainer.packing: model.path holds a '{model_type}' model; packing is verified for {verified}, "
+            "so use trainer.packing=false"
         )
 
 

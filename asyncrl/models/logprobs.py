@@ -171,6 +171,26 @@ def packed_token_logprobs(
     return aligned(logprobs), None if entropy is None else aligned(entropy)
 
 
+@torch.no_grad()
+def check_packing(model: nn.Module) -> None:
+    """Refuse a model whose packed forward differs from its rows' (an architecture whose layers do
+    not hand ``packed_segments`` to the attention function would attend across sequences), on two
+    short rows: packing it would train on other sequences' tokens silently."""
+    weight = OutputHead(model).head.weight
+    ids = (torch.arange(1, 9, device=weight.device) % weight.shape[0]).view(2, 4)
+    mask = torch.tensor([[1, 1, 1, 1], [1, 1, 1, 0]], device=weight.device)
+    rows, _ = token_logprobs(model, ids, mask)
+    packed, _ = token_logprobs(model, ids, mask, packed=True)
+    tolerance = 1e-5 if weight.dtype in (torch.float32, torch.float64) else 3e-2
+    scored = mask.bool() & (mask.cumsum(1) > 1)
+    if not torch.allclose(packed[scored], rows[scored], rtol=tolerance, atol=tolerance):
+        model_type = OutputHead(model).model_type
+        raise ValueError(
+            f"trainer.packing: a '{model_type}' model scores packed sequences differently from its rows (its "
+            "attention does not keep them apart), so use trainer.packing=false"
+        )
+
+
 class OutputHead:
     """The model's last step, final hidden states to logits, taken out so it runs on a chunk:
     ``lm_head(hidden)`` (a LoRA-wrapped head included), then, where the config sets

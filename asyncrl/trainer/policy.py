@@ -30,7 +30,7 @@ from asyncrl.algorithms import Algorithm, build_algorithm, grpo
 from asyncrl.config import LossConfig, RunConfig, TrainerConfig
 from asyncrl.models import SampledDistribution, token_logprobs
 from asyncrl.models.factory import DTYPES
-from asyncrl.models.logprobs import OutputHead
+from asyncrl.models.logprobs import OutputHead, check_packing
 from asyncrl.models.lora import adapter_dropout, adapter_seed, adapter_tensors, apply_lora, is_lora
 from asyncrl.trainer.context_parallel import enable_context_parallel_attention
 from asyncrl.trainer.optim import build_optimizer, build_scheduler
@@ -147,10 +147,11 @@ class PolicyTrainer:
                 m.eval()  # the probe below draws no dropout randomness
                 OutputHead(m).check(m)  # refuses, before any step, a head the chunked scoring cannot reproduce
                 _upcast_low_precision(m)
-        if packing and (self.parallel is None or self.parallel.context is None):
+        if packing:
             for m in (model, reference_model):
                 if m is not None:
                     enable_context_parallel_attention(m)  # the one kernel that keeps packed sequences apart
+            check_packing(model)
         if recompute:
             checkpoint_activations(model)
         self._autocast = self.forward_dtype is not None

@@ -7,16 +7,17 @@ import copy
 import pytest
 import torch
 from helpers import run
+from transformers import AttentionInterface
 
 from asyncrl.algorithms.grpo import AGG_MODES, GRPO
 from asyncrl.config import GRPOConfig, LossConfig, TrainerConfig
 from asyncrl.models import SampledDistribution, build_tiny_model, token_logprobs
 from asyncrl.models.packing import Packing
 from asyncrl.trainer import PolicyTrainer
-from asyncrl.trainer.context_parallel import enable_context_parallel_attention
+from asyncrl.trainer.context_parallel import ATTN_IMPLEMENTATION, enable_context_parallel_attention
 from asyncrl.trainer.worker import TrainerWorker
 from asyncrl.types import RolloutGroup
-from asyncrl.verify import PACKED_LEAK, Case, check_layout, verify, verify_parallel
+from asyncrl.verify import PACKED_LEAK, Case, _packed_leak, check_layout, verify, verify_parallel
 
 
 def padded(lengths: list[int], width: int, *, left: bool = False, vocab: int = 48, seed: int = 0):
@@ -101,6 +102,16 @@ def test_packed_rows_on_dp2_x_cp2_match_and_their_planted_mistakes_fail():
             assert result.passed and result.worst_error[0] < 1e-9, (result.case, result.worst_error)
         else:
             assert not result.passed and result.worst_error[0] > 1e-3, (result.case, result.worst_error)
+
+
+def test_a_model_whose_attention_ignores_the_segments_is_refused_when_the_trainer_is_built(monkeypatch):
+    """What an architecture whose layers drop the attention keywords would do: the trainer's probe
+    compares a packed forward with the rows' and refuses it in one line."""
+    model = build_tiny_model(48, seed=0, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2)
+    PolicyTrainer(copy.deepcopy(model), TrainerConfig(packing=True), GRPO(LossConfig(), "none"), total_steps=1)
+    monkeypatch.setitem(AttentionInterface._global_mapping, ATTN_IMPLEMENTATION, _packed_leak)
+    with pytest.raises(ValueError, match=r"^trainer\.packing: a 'qwen2' model scores packed sequences differently"):
+        PolicyTrainer(model, TrainerConfig(packing=True), GRPO(LossConfig(), "none"), total_steps=1)
 
 
 # ---- token-budget micro-batches ------------------------------------------------------------------
