@@ -26,8 +26,10 @@ causal prefix with sdpa and a block-local mask under ``torch.utils.checkpoint``:
 its inputs for the backward, nothing of size T², and a block's mask lives only while the block
 runs. A sliding-window layer starts its prefix a window back, on the same global columns; a layer
 with attention logit softcapping (Gemma 2) computes its block's softcapped scores itself, as sdpa
-cannot. One rank with neither takes sdpa's causal path. Only collectives that gloo and NCCL both
-have are used, so it runs on CPU and GPU alike.
+cannot. One rank with neither takes sdpa's causal path. A packed row (``trainer.packing``) is
+sharded like any row; its attention stays within each sequence, from the segment starts the
+shard passes, and its per-token tensors are packed before the shift (``Shard``). Only collectives
+that gloo and NCCL both have are used, so it runs on CPU and GPU alike.
 
 Reductions. Logprobs and entropies are computed from local hidden states, a chunk of tokens at a
 time (models/logprobs.py). Token counts and metric sums are counted on shards and summed over
