@@ -10,7 +10,8 @@ beside the queued calls. Three things differ from threads in one process:
   the driver; a factory that raises surfaces as the same exception the local runtime would raise;
 - a generation batch returns each group's payload as a separate task return, so the caller (the
   controller's process) owns it and it outlives the generator that made it. The controller and
-  the buffer hold ``RemoteGroup``s: metadata plus a reference; trainer ranks fetch the payloads;
+  the buffer hold ``RemoteGroup``s: metadata plus a reference; trainer ranks fetch the payloads
+  (the payload types live in runtime/payloads.py, which imports no ray);
 - rank 0 leaves exported weights in the object store and the generators load them from there;
   the controller only passes the reference along. A restarted generator reloads the last weights
   its handle sent before it serves another call. Or, with ``sync.transport: broadcast``, rank 0
@@ -33,15 +34,15 @@ import socket
 import threading
 import warnings
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, fields, replace
-from typing import Any, ClassVar
+from dataclasses import replace
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from asyncrl.config import RuntimeConfig
 from asyncrl.errors import ProcessGroupError, RunStopped
-from asyncrl.types import RolloutGroup
+from asyncrl.runtime.payloads import BroadcastWeights, RemoteGroup, SentWeights, WeightsRef
 from asyncrl.weights.broadcast import BroadcastError, BroadcastMember, Layout, Rendezvous, signal_stop
 
 logger = logging.getLogger(__name__)
@@ -58,52 +59,6 @@ class TrainerRankDiedError(RunStopped):
     """A trainer rank's actor died: the run stops; its last checkpoint is intact and resumable."""
 
     saves_checkpoint = False  # the trainer that would write it is gone
-
-
-@dataclass
-class RemoteGroup:
-    """A committed group as the controller holds it: ``RolloutGroup``'s attributes except the four
-    ``[n, T]`` tensors, plus the object reference of the whole group."""
-
-    prompt_uid: str
-    rewards: Tensor
-    correct: Tensor | None
-    finish_reasons: list[str]
-    start_version: int
-    end_version: int
-    target_step: int | None
-    reward_errors: int
-    reward_timeouts: int
-    retries: int
-    informative: bool
-    size: int
-    response_tokens: int
-    sequence_lengths: list[int]
-    episode_metrics: dict[str, float]
-    ref: Any = None  # ray.ObjectRef of the RolloutGroup; set by the caller that owns it
-
-    @classmethod
-    def describe(cls, group: RolloutGroup) -> RemoteGroup:
-        """The metadata of ``group``, without its reference (the generator does not own one)."""
-        return cls(**{f.name: getattr(group, f.name) for f in fields(cls) if f.name != "ref"})
-
-    def fetch(self) -> RolloutGroup:
-        import ray
-
-        return ray.get(self.ref)
-
-    def state_dict(self) -> dict:
-        """The whole group's state, so controller checkpoints hold payloads as on the local runtime."""
-        return self.fetch().state_dict()
-
-
-@dataclass(frozen=True)
-class WeightsRef:
-    """Exported weights left in the object store: ``state_dict_bytes`` reads ``nbytes``."""
-
-    ref: Any
-    nbytes: int
-    transport: ClassVar[str] = "object_store"
 
 
 class WeightBroadcast:
@@ -140,27 +95,6 @@ class WeightBroadcast:
         if self._held is None or self._held[0] != version:
             self._held = (version, self.source.publish_weights.remote(version))
         return self._held[1]
-
-
-@dataclass(frozen=True)
-class BroadcastWeights:
-    """A version rank 0 is broadcasting: the layout the generators join it with (a reference)."""
-
-    layout: Any
-    nbytes: int
-    channel: WeightBroadcast
-    transport: ClassVar[str] = "broadcast"
-
-
-@dataclass(frozen=True)
-class _SentWeights:
-    """The last weights a handle sent to its actor; travels with every call, unresolved.
-
-    ``ref`` is None for a broadcast version: an actor that lacks it asks ``source`` (rank 0)."""
-
-    version: int
-    ref: Any
-    source: Any = None
 
 
 def interface_of(address: str) -> str | None:
@@ -236,10 +170,10 @@ class WorkerActor:
             probe.bind((ip, 0))
             return ip, probe.getsockname()[1]
 
-    def call(self, sent: _SentWeights | None, method: str, args: tuple, kwargs: dict) -> Any:
+    def call(self, sent: SentWeights | None, method: str, args: tuple, kwargs: dict) -> Any:
         return getattr(self._ready(sent), method)(*args, **kwargs)
 
-    def generate(self, sent: _SentWeights | None, jobs: Sequence[Any]) -> tuple:
+    def generate(self, sent: SentWeights | None, jobs: Sequence[Any]) -> tuple:
         """(the batch with ``RemoteGroup`` metadata, then each group's payload as its own return)."""
         batch = self._ready(sent).generate(jobs)
         return (replace(batch, groups=[RemoteGroup.describe(g) for g in batch.groups]), *batch.groups)
@@ -280,7 +214,7 @@ class WorkerActor:
             raise BroadcastError("this actor is not in the weight broadcast group (it was restarted)")
         return self.member
 
-    def _ready(self, sent: _SentWeights | None) -> Any:
+    def _ready(self, sent: SentWeights | None) -> Any:
         with self.building:
             if self.worker is None:
                 self.build()
@@ -335,7 +269,7 @@ class RayHandle:
         self.actor = actor
         self.name = name
         self.died = died
-        self.sent: _SentWeights | None = None
+        self.sent: SentWeights | None = None
         self.revival: asyncio.Future | None = None  # pending while the actor restarts
         self.broadcast: WeightBroadcast | None = None  # set on trainer rank 0 and the generators
         self.unordered: tuple[str, ...] = ()
@@ -363,7 +297,7 @@ class RayHandle:
             return asyncio.ensure_future(self._generate_after_revival(jobs, self.sent))
         return self._submit_generate(jobs, self.sent)
 
-    def _submit_generate(self, jobs: Sequence[Any], sent: _SentWeights | None) -> asyncio.Future:
+    def _submit_generate(self, jobs: Sequence[Any], sent: SentWeights | None) -> asyncio.Future:
         options = {"num_returns": len(jobs) + 1, "max_task_retries": 0}
         meta, *payloads = self.actor.generate.options(**options).remote(sent, jobs)
         return self._future(
@@ -372,7 +306,7 @@ class RayHandle:
             revive=True,
         )
 
-    async def _generate_after_revival(self, jobs: Sequence[Any], sent: _SentWeights | None) -> Any:
+    async def _generate_after_revival(self, jobs: Sequence[Any], sent: SentWeights | None) -> Any:
         await self.revival
         return await self._submit_generate(jobs, sent)
 
@@ -388,9 +322,9 @@ class RayHandle:
         If the actor dies meanwhile, the load is not an error: the restarted actor reloads these
         weights before its next call (and a generator that stays dead fails its next batch)."""
         if isinstance(weights, BroadcastWeights):
-            self.sent = _SentWeights(version, None, weights.channel.source)
+            self.sent = SentWeights(version, None, weights.channel.source)
             return asyncio.ensure_future(self._receive(weights, version))
-        self.sent = _SentWeights(version, weights.ref)
+        self.sent = SentWeights(version, weights.ref)
         loaded = self._method("load_weights", "load_weights").remote(weights.ref, version)
         return self._future(loaded, survive_death=True)
 
@@ -404,7 +338,7 @@ class RayHandle:
             weights.channel.stop(f"{self.name} missed weight version {version}: {_first_line(err)}")
         ref = weights.channel.held(version)
         if self.sent is not None and self.sent.version == version:
-            self.sent = _SentWeights(version, ref)
+            self.sent = SentWeights(version, ref)
         loaded = self._method("load_weights", "load_weights").remote(ref, version)
         return await self._result(loaded, None, survive_death=True)
 

@@ -91,7 +91,7 @@ def test_the_weight_transport_broadcasts_between_gpus_by_default_and_only_on_ray
 
 
 def test_a_remote_group_has_every_attribute_of_a_group_but_its_token_tensors():
-    from asyncrl.runtime.ray import RemoteGroup
+    from asyncrl.runtime.payloads import RemoteGroup
 
     n, t = 3, 5
     group = RolloutGroup(
@@ -136,7 +136,8 @@ def test_group_payloads_are_owned_by_the_caller_and_outlive_their_generator(ray_
 
     from asyncrl.data.prompts import Prompt
     from asyncrl.run import build_rollout_worker
-    from asyncrl.runtime.ray import RayRuntime, RemoteGroup
+    from asyncrl.runtime.payloads import RemoteGroup
+    from asyncrl.runtime.ray import RayRuntime
 
     config = load_config(None, [*SMALL, RAY])
     runtime = RayRuntime(config.runtime)
@@ -187,7 +188,8 @@ def test_a_rollout_workers_unordered_methods_run_beside_its_calls_and_a_trainer_
 
     import ray
 
-    from asyncrl.runtime.ray import RayRuntime, WeightsRef
+    from asyncrl.runtime.payloads import WeightsRef
+    from asyncrl.runtime.ray import RayRuntime
 
     runtime = RayRuntime(load_config(None, [*SMALL, RAY]).runtime)
 

@@ -351,7 +351,8 @@ def test_a_ray_rollout_worker_loads_weights_while_it_generates(ray_cluster, vllm
     (``vllm.url``, weights as files), so no server is started."""
     import ray
 
-    from asyncrl.runtime.ray import RayRuntime, WeightsRef, _to_arrays
+    from asyncrl.runtime.payloads import WeightsRef
+    from asyncrl.runtime.ray import RayRuntime, _to_arrays
 
     config = load_config(
         None,

@@ -28,6 +28,7 @@ PLANTED = {
     "workers": ("asyncrl.types", "asyncrl.control.controller"),
     "control-side": ("asyncrl.weights.sync", "asyncrl.models.tiny"),
     "torch-free": ("asyncrl.control.sampler", "torch"),
+    "payloads": ("asyncrl.runtime.payloads", "asyncrl.trainer.worker"),
     "grpo": ("asyncrl.algorithms.grpo", "asyncrl.models.logprobs"),
     "models": ("asyncrl.models.logprobs", "asyncrl.algorithms.grpo"),
 }
