@@ -97,10 +97,10 @@ class RolloutWorker:
 
     def close(self) -> None:
         """Release what the generator and the episodes hold (a server it started, environment threads)."""
-        for part in (self.episodes, self.generator):
-            close = getattr(part, "close", None)
-            if close is not None:
-                close()
+        close = getattr(self.episodes, "close", None)  # a multi-turn runner's environment threads
+        if close is not None:
+            close()
+        self.generator.close()
 
     def evaluate(self, prompts: Sequence[Prompt]) -> EvalResult:
         """Greedy accuracy and mean reward of one completion per prompt."""

@@ -37,7 +37,7 @@ from asyncrl.data import PromptLoader, build_task, check_encodable, check_prompt
 from asyncrl.environments.context import first_requests
 from asyncrl.environments.episode import build_episodes, environment_class
 from asyncrl.faults import inject_rollout_faults, inject_trainer_faults
-from asyncrl.generation import SamplingParams, build_generator
+from asyncrl.generation import Generator, SamplingParams, build_generator
 from asyncrl.metrics import MetricsWriter, ProgressDisplay, read_jsonl, write_json_atomic
 from asyncrl.models.factory import DTYPES, build_model, build_tokenizer
 from asyncrl.models.hf import stop_token_ids
@@ -226,7 +226,7 @@ def build_rollout_worker(config: RunConfig, run_dir: Path | None = None) -> Any:
     return _rollout_worker(config, generator, rewards, tokenizer)
 
 
-def _rollout_worker(config: RunConfig, generator: Any, rewards: RewardRunner, tokenizer: Any) -> Any:
+def _rollout_worker(config: RunConfig, generator: Generator, rewards: RewardRunner, tokenizer: Any) -> Any:
     worker = RolloutWorker(
         generator,
         rewards,
@@ -234,7 +234,7 @@ def _rollout_worker(config: RunConfig, generator: Any, rewards: RewardRunner, to
         run_seed=config.seed,
         group_size=config.grpo.generations_per_prompt,
         sampling=SamplingParams.from_config(config.generation),
-        inflight=config.sync.mode == "inflight" and getattr(generator, "loads_while_generating", False),
+        inflight=config.sync.mode == "inflight" and generator.loads_while_generating,
         algorithm=_input(build_algorithm, config),
         episodes=_input(build_episodes, config, generator, tokenizer),
     )

@@ -1,6 +1,9 @@
 """Shared fixtures: one local Ray cluster and one vLLM server for the whole test session, each
 started on first use. Every test folder sees them (this file sits at the top of ``tests/``).
 
+A test marked ``gpu`` needs CUDA: where ``torch.cuda.is_available()`` is False it is skipped,
+and the skip says so.
+
 Runs on ``runtime.name: ray`` find Ray connected and use this cluster; a runtime never shuts down
 a cluster it did not start. At the end of the session the cluster is shut down and no Ray server
 process it started may remain.
@@ -11,7 +14,13 @@ import os
 from pathlib import Path
 
 import pytest
-from helpers import ray_server_processes, vllm_processes, wait_for_exit, wait_until_gone
+from helpers import ray_server_processes, skip_gpu_tests, vllm_processes, wait_for_exit, wait_until_gone
+
+
+def pytest_collection_modifyitems(config, items):
+    import torch
+
+    skip_gpu_tests(items, torch.cuda.is_available)
 
 
 @pytest.fixture(scope="session")

@@ -7,7 +7,10 @@ pyproject.toml). It holds no tests and no fixtures (fixtures live in ``tests/con
 
 import random
 import time
+from collections.abc import Callable
 from pathlib import Path
+
+import pytest
 
 from asyncrl.cli import main
 from asyncrl.config import load_config
@@ -95,6 +98,18 @@ def updates_of(trainer, batch, fail_after: int | None = None):
         if index < 2:
             trainer.finish_update()
     trainer.finish_train_step()
+
+
+NO_CUDA = "needs a CUDA GPU (marked gpu), and torch.cuda.is_available() is False here"
+
+
+def skip_gpu_tests(items: list, cuda_available: Callable[[], bool]) -> None:
+    """Skip every collected test marked ``gpu``, saying why, unless CUDA is available; CUDA is
+    asked about only when such a test was collected (tests/conftest.py calls this)."""
+    gpu = [item for item in items if item.get_closest_marker("gpu") is not None]
+    if gpu and not cuda_available():
+        for item in gpu:
+            item.add_marker(pytest.mark.skip(reason=NO_CUDA))
 
 
 TESTS = Path(__file__).resolve().parent  # on the path of every test run and of the processes they start

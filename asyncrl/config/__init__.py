@@ -23,7 +23,7 @@ from asyncrl.config.loading import config_from_dict, dump_config, load_config
 from asyncrl.config.lora import LoraConfig
 from asyncrl.config.model import ModelConfig, TokenizerConfig
 from asyncrl.config.outputs import CheckpointConfig, FaultsConfig, LoggingConfig
-from asyncrl.config.reference import config_reference
+from asyncrl.config.reference import config_keys, config_reference
 from asyncrl.config.rewards import RewardConfig
 from asyncrl.config.root import RunConfig
 from asyncrl.config.trainer import ParallelConfig, TrainerConfig, WarmStartConfig
@@ -55,6 +55,7 @@ __all__ = [
     "VLLMConfig",
     "WarmStartConfig",
     "config_from_dict",
+    "config_keys",
     "config_reference",
     "dump_config",
     "load_config",

@@ -1,28 +1,48 @@
-"""The configuration reference, docs/configuration.md, rendered from the models' own descriptions."""
+"""The configuration reference, docs/configuration.md, rendered from the models' own descriptions;
+and every key with its type and default, the data tests/data/config_keys.json freezes."""
 
 from __future__ import annotations
 
 from typing import Any, Literal, get_args, get_origin
 
 import yaml
+from pydantic import BaseModel
 
 from asyncrl.config.base import section_model
 from asyncrl.config.root import RunConfig
 
+MARKDOWN_BAR = " \\| "  # a Literal's choices in a Markdown table cell
 
-def _type_name(annotation: Any) -> str:
+
+def _type_name(annotation: Any, bar: str = " | ") -> str:
     args = get_args(annotation)
     if get_origin(annotation) is Literal:
-        return " \\| ".join(str(a) for a in args)
+        return bar.join(str(a) for a in args)
     if get_origin(annotation) is dict:
         return "mapping"
     if args:
-        inner = [_type_name(a) for a in args if a is not type(None)]
+        inner = [_type_name(a, bar) for a in args if a is not type(None)]
         suffix = " or null" if type(None) in args else ""
         if get_origin(annotation) in (list, tuple):
             return f"{get_origin(annotation).__name__}[{', '.join(inner)}]"
         return " or ".join(inner) + suffix
     return getattr(annotation, "__name__", str(annotation))
+
+
+def _sections() -> list[tuple[str, type[BaseModel]]]:
+    """Each section of ``RunConfig``, by name, in order; ``seed`` is the one key outside them."""
+    found = [(name, section_model(field.annotation)) for name, field in RunConfig.model_fields.items()]
+    return [(name, section) for name, section in found if section is not None]
+
+
+def config_keys() -> dict[str, dict[str, Any]]:
+    """Every key, dotted (``sync.mode``), with its type and JSON default as the reference gives them."""
+    defaults = RunConfig().model_dump(mode="json")
+    keys = {"seed": {"type": _type_name(RunConfig.model_fields["seed"].annotation), "default": defaults["seed"]}}
+    for name, section in _sections():
+        for key, field in section.model_fields.items():
+            keys[f"{name}.{key}"] = {"type": _type_name(field.annotation), "default": defaults[name][key]}
+    return keys
 
 
 def config_reference() -> str:
@@ -37,13 +57,10 @@ def config_reference() -> str:
         "options stay). Unknown keys, wrong types, out-of-range values and inconsistent combinations",
         "are rejected before anything is built, with a one-line error naming the field.",
         "",
-        f"- `seed` ({_type_name(RunConfig.model_fields['seed'].annotation)}, default `{defaults['seed']}`): "
-        f"{RunConfig.model_fields['seed'].description}",
+        f"- `seed` ({_type_name(RunConfig.model_fields['seed'].annotation, MARKDOWN_BAR)}, "
+        f"default `{defaults['seed']}`): {RunConfig.model_fields['seed'].description}",
     ]
-    for name, field in RunConfig.model_fields.items():
-        section = section_model(field.annotation)
-        if section is None:
-            continue
+    for name, section in _sections():
         lines += [
             "",
             f"## `{name}`",
@@ -55,5 +72,5 @@ def config_reference() -> str:
         ]
         for key, sub in section.model_fields.items():
             default = yaml.safe_dump(defaults[name][key], default_flow_style=True).strip().removesuffix("...").strip()
-            lines.append(f"| `{key}` | {_type_name(sub.annotation)} | `{default}` | {sub.description} |")
+            lines.append(f"| `{key}` | {_type_name(sub.annotation, MARKDOWN_BAR)} | `{default}` | {sub.description} |")
     return "\n".join(lines) + "\n"

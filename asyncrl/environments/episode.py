@@ -229,7 +229,7 @@ class MultiTurn:
         for episode in episodes:
             calls[self._pool.submit(self._open, episode)] = episode
         opening = set(calls)  # the first turns wait for every reset, so that one call generates them all
-        concurrent = getattr(self.generator, "concurrent_calls", False)
+        concurrent = self.generator.concurrent_calls
         ready: list[_Episode] = []
         while ready or calls:
             start = bool(ready) and opening.isdisjoint(calls)
@@ -313,11 +313,11 @@ class MultiTurn:
         the turn batches depended on when environments answered, and a row's float logits on its
         batch. Same tokens, same weights (an episode sampled by one version), so the same
         logprobs up to rounding, and a run is again a function of its config."""
-        score = getattr(self.generator, "score", None)
         single = [e for e in episodes if len({v for v in e.versions if v != OBSERVATION_VERSION}) <= 1]
-        if score is None or params.temperature == 0 or not single:
+        if params.temperature == 0 or not single:
             return
-        for episode, logprobs in zip(single, score([e.prompt_ids + e.response for e in single], params)):
+        scores = self.generator.score([e.prompt_ids + e.response for e in single], params)
+        for episode, logprobs in zip(single, scores or []):
             sampled = logprobs[len(episode.prompt_ids) :]
             episode.logprobs = [lp if trained else 0.0 for lp, trained in zip(sampled, episode.mask)]
 

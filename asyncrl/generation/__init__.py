@@ -7,7 +7,14 @@ from pathlib import Path
 from transformers import PreTrainedModel
 
 from asyncrl.config import RunConfig
-from asyncrl.generation.base import Generator, SampleRequest, SamplingParams, sample_seed
+from asyncrl.generation.base import (
+    Generator,
+    GeneratorBase,
+    SampleRequest,
+    SamplingParams,
+    missing_members,
+    sample_seed,
+)
 from asyncrl.generation.hf import HFGenerator
 from asyncrl.models.hf import stop_token_ids
 from asyncrl.plugins import resolve, validate_options
@@ -20,7 +27,8 @@ def build_generator(config: RunConfig, model: PreTrainedModel, tokenizer, run_di
     tokenizer and ``model.path`` declare (docs/plugins.md). A backend that declares
     ``writes_to_run_dir`` also gets ``run_dir``, the run's directory (None outside a run); with
     ``lora.rank`` > 0 the backend must declare ``takes_lora_adapters`` (its generator loads the
-    adapter-only weights a LoRA trainer exports).
+    adapter-only weights a LoRA trainer exports). The generator must have every member of
+    ``Generator``: deriving it from ``GeneratorBase`` gives each capability its default.
 
     The generator owns ``model``: pass a copy if the trainer keeps training its own. It runs in
     ``trainer.dtype``, the trainer's compute dtype, which is also the dtype of exported weights.
@@ -37,7 +45,23 @@ def build_generator(config: RunConfig, model: PreTrainedModel, tokenizer, run_di
         raise ValueError("tokenizer.path: the tokenizer has no eos token, so generation could never stop early")
     if getattr(backend, "writes_to_run_dir", False):
         options["run_dir"] = run_dir
-    return backend(config, model, tokenizer, stop_token_ids(tokenizer, config.model.path), **options)
+    generator = backend(config, model, tokenizer, stop_token_ids(tokenizer, config.model.path), **options)
+    missing = missing_members(generator)
+    if missing:
+        raise ValueError(
+            f"generation.backend: '{spec}' built a {type(generator).__name__} without {', '.join(missing)} of the "
+            "Generator protocol; derive it from asyncrl.generation.GeneratorBase, which gives every capability "
+            "its default (docs/generation.md)"
+        )
+    return generator
 
 
-__all__ = ["Generator", "HFGenerator", "SampleRequest", "SamplingParams", "build_generator", "sample_seed"]
+__all__ = [
+    "Generator",
+    "GeneratorBase",
+    "HFGenerator",
+    "SampleRequest",
+    "SamplingParams",
+    "build_generator",
+    "sample_seed",
+]

@@ -88,16 +88,48 @@ def sample_seed(run_seed: int, prompt_uid: str, sample_index: int) -> int:
 
 @runtime_checkable
 class Generator(Protocol):
-    """Samples completions with the weights of one trainer version."""
+    """Samples completions with the weights of one trainer version.
+
+    ``version``, ``generate`` and ``load_weights`` every backend writes; the rest are capabilities,
+    which ``GeneratorBase`` gives their safe defaults (docs/generation.md, "Adding a backend").
+    """
 
     version: int  # weight version currently loaded
     loads_while_generating: bool  # load_weights may run beside generate (sync.mode inflight); False: drained first
+    concurrent_calls: bool  # generate may run on several threads at once; False: one call at a time
 
     def generate(self, requests: Sequence[SampleRequest], params: SamplingParams) -> list[Rollout]:
         """One Rollout per request, in request order."""
 
     def load_weights(self, state_dict: Mapping[str, Tensor], version: int) -> None:
         """Replace every weight by the tensor of the same name, then report ``version``."""
+
+    def score(self, sequences: Sequence[Sequence[int]], params: SamplingParams) -> list[list[float]] | None:
+        """Each token's logprob given the tokens before it (0 for the first); None: cannot score."""
+
+    def close(self) -> None:
+        """Release what the generator holds (a server, threads, files); safe to call twice."""
+
+
+class GeneratorBase:
+    """Every capability of ``Generator`` at its safe default; a backend inherits it and overrides
+    what it can do, so callers use a capability plainly instead of probing for it."""
+
+    loads_while_generating = False  # a load into tensors a running batch reads would tear it: drain first
+    concurrent_calls = False  # a backend is assumed to hold one batch at a time: calls wait their turn
+
+    def score(self, sequences: Sequence[Sequence[int]], params: SamplingParams) -> list[list[float]] | None:
+        """None: no scorer, so multi-turn episodes keep the logprobs their turns were sampled with."""
+        return None
+
+    def close(self) -> None:
+        """Nothing to release: a backend holding a server, threads or files stops them here."""
+
+
+def missing_members(generator: object) -> list[str]:
+    """The members of the ``Generator`` protocol that ``generator`` lacks, sorted."""
+    methods = [name for name, value in vars(Generator).items() if callable(value) and not name.startswith("_")]
+    return sorted(name for name in [*Generator.__annotations__, *methods] if not hasattr(generator, name))
 
 
 def _is_int(value: object) -> bool:

@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 from transformers import PreTrainedModel
 
-from asyncrl.generation.base import SampleRequest, SamplingParams, check_vocabulary
+from asyncrl.generation.base import GeneratorBase, SampleRequest, SamplingParams, check_vocabulary
 from asyncrl.models.factory import DTYPES
 from asyncrl.models.logprobs import SampledDistribution, position_ids_from_mask, token_logprobs
 from asyncrl.models.lora import adapter_seed, adapter_tensors, apply_lora
@@ -69,7 +69,7 @@ def build_hf_generator(
 build_hf_generator.takes_lora_adapters = True
 
 
-class HFGenerator:
+class HFGenerator(GeneratorBase):
     """Owns ``model`` (the caller passes its own copy) and runs on the model's device and dtype."""
 
     loads_while_generating = False  # a sync copies into the tensors a running batch reads

@@ -49,7 +49,7 @@ from asyncrl.checkpoint import ADAPTER_WEIGHTS_FILE
 from asyncrl.config import RunConfig
 from asyncrl.data import build_task
 from asyncrl.environments.context import request_bound
-from asyncrl.generation.base import SampleRequest, SamplingParams, check_vocabulary
+from asyncrl.generation.base import GeneratorBase, SampleRequest, SamplingParams, check_vocabulary
 from asyncrl.generation.vllm_env import checked_python
 from asyncrl.generation.vllm_process import ServerError, VLLMServer, http_json
 from asyncrl.models.lora import adapter_tensors, apply_lora, peft_config
@@ -282,7 +282,7 @@ class ServedAdapters:
         return list(self.loaded)[: max(0, len(self.loaded) - self.slots)]
 
 
-class VLLMGenerator:
+class VLLMGenerator(GeneratorBase):
     """Drives one server: ``server`` (started here) or the one at ``url`` (someone else's).
 
     ``collective``: the group backend ("gloo", "nccl") of a collective weight transfer, whose

@@ -474,12 +474,12 @@ def test_a_pickled_runner_scores_the_same_in_its_own_processes(name):
 
 def test_the_rollout_worker_scores_the_overlong_penalty_on_response_token_counts():
     from asyncrl.data import Prompt
-    from asyncrl.generation import SamplingParams
+    from asyncrl.generation import GeneratorBase, SamplingParams
     from asyncrl.models import build_char_tokenizer
     from asyncrl.rollout import RolloutWorker
     from asyncrl.types import Rollout
 
-    class FixedLengths:  # a generator whose i-th response has lengths[i] tokens
+    class FixedLengths(GeneratorBase):  # a generator whose i-th response has lengths[i] tokens
         version = 0
 
         def generate(self, requests, sampling):

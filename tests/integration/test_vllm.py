@@ -73,6 +73,7 @@ def one_line_error(capsys, *argv) -> str:
     return err
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the head-size check is for vLLM's CPU attention only")
 def test_a_head_size_vllms_cpu_attention_lacks_is_a_one_line_error(capsys, tmp_path):
     err = one_line_error(capsys, "train", "--output-dir", str(tmp_path / "run"), *SMALL, "generation.backend=vllm")
     assert "model.num_heads: head size 8" in err
@@ -93,12 +94,19 @@ def test_a_missing_or_unusable_vllm_environment_is_a_one_line_error_naming_the_f
     assert "No module named 'vllm'" in err
 
 
-def test_weight_transfer_auto_is_a_file_without_cuda_and_a_bad_value_is_a_one_line_error(capsys, tmp_path):
-    assert not torch.cuda.is_available()
+def test_weight_transfer_auto_is_a_file_without_cuda_and_a_bad_value_is_a_one_line_error(capsys, tmp_path, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # what a CPU-only machine sees
     assert collective_backend("auto", "auto") is None and collective_backend("file", "auto") is None
     assert collective_backend("collective", "cpu") == "gloo"
+    monkeypatch.undo()
     err = one_line_error(capsys, "train", "--output-dir", str(tmp_path / "run"), "vllm.weight_transfer=ipc")
     assert err.startswith("error: vllm.weight_transfer")
+
+
+@pytest.mark.gpu
+def test_weight_transfer_auto_is_an_nccl_group_from_a_cuda_trainer_and_a_file_from_a_cpu_one():
+    assert collective_backend("auto", "auto") == "nccl" and collective_backend("auto", "cuda") == "nccl"
+    assert collective_backend("auto", "cpu") is None and collective_backend("file", "auto") is None
 
 
 def tiny(seed: int, **overrides):

@@ -1,5 +1,6 @@
 """Config loading, overrides and every cross-field rule, each reported as one line naming the field."""
 
+import json
 import subprocess
 import sys
 
@@ -7,7 +8,7 @@ import pytest
 from helpers import ROOT
 
 from asyncrl.cli import main
-from asyncrl.config import ConfigError, RunConfig, dump_config, load_config
+from asyncrl.config import ConfigError, RunConfig, config_keys, dump_config, load_config
 from asyncrl.run_sampler import build_run_sampler
 
 
@@ -212,6 +213,30 @@ def test_every_key_is_documented_and_the_reference_is_current():
     assert "| `max_lag` | int | `1` |" in reference
     committed = ROOT / "docs" / "configuration.md"
     assert committed.read_text() == reference, "regenerate with: asyncrl config --reference > docs/configuration.md"
+
+
+FROZEN_KEYS = ROOT / "tests" / "data" / "config_keys.json"
+REGENERATE_KEYS = (
+    'python -c "import json; from asyncrl.config import config_keys; print(json.dumps(config_keys(), indent=1))" '
+    "> tests/data/config_keys.json"
+)
+
+
+def test_every_key_its_type_and_default_are_frozen():
+    """A renamed or removed key breaks users' configs, and a new default changes their runs: each
+    is a deliberate act, made by regenerating the frozen file in the same commit."""
+    frozen, current = json.loads(FROZEN_KEYS.read_text()), config_keys()
+    changed = [
+        f"{key}: {frozen.get(key, 'absent')} -> {current.get(key, 'absent')}"
+        for key in sorted(frozen.keys() | current.keys())
+        if frozen.get(key) != current.get(key)
+    ]
+    assert not changed, (
+        "config keys changed against tests/data/config_keys.json:\n"
+        + "\n".join(changed)
+        + f"\nif deliberate, regenerate it with: {REGENERATE_KEYS}"
+    )
+    assert current["seed"] == {"type": "int", "default": 0} and current["model.arch"]["type"] == "qwen2 | llama"
 
 
 def test_loading_a_config_stays_light():

@@ -16,7 +16,7 @@ from asyncrl.data import Prompt
 from asyncrl.environments import Environment, Turn
 from asyncrl.environments.episode import EpisodeLimits, MultiTurn, turn_seed
 from asyncrl.environments.feedback import FeedbackEnvironment
-from asyncrl.generation import SampleRequest, SamplingParams, sample_seed
+from asyncrl.generation import GeneratorBase, SampleRequest, SamplingParams, sample_seed
 from asyncrl.generation.hf import HFGenerator
 from asyncrl.models.tiny import build_tiny_model
 from asyncrl.models.tokenizer import build_char_tokenizer
@@ -35,11 +35,9 @@ def ids(text: str) -> list[int]:
     return TOKENIZER(text, add_special_tokens=False)["input_ids"]
 
 
-class ScriptedGenerator:
+class ScriptedGenerator(GeneratorBase):
     """Answers turn t of the episode with seed s with ``script[s][t]`` (a request's seed names
     both, through ``turn_seed``), with logprobs -0.1 * (position + 1)."""
-
-    loads_while_generating = False
 
     def __init__(self, script: dict[int, list[list[int]]]) -> None:
         self.by_seed = {turn_seed(seed, t): out for seed, turns in script.items() for t, out in enumerate(turns)}

@@ -4,7 +4,7 @@ so the length it is held against is the episode's longest turn, never the turns'
 from asyncrl.data import Prompt
 from asyncrl.environments.episode import EpisodeLimits, MultiTurn
 from asyncrl.environments.feedback import FeedbackEnvironment
-from asyncrl.generation import SamplingParams
+from asyncrl.generation import GeneratorBase, SamplingParams
 from asyncrl.models.tokenizer import build_char_tokenizer
 from asyncrl.rewards import RewardResult
 from asyncrl.rewards.functions import OverlongPenalty
@@ -16,12 +16,11 @@ EOS = TOKENIZER.eos_token_id
 LIMIT, CACHE = 6, 2
 
 
-class _WrongAnswers:
+class _WrongAnswers(GeneratorBase):
     """Every turn answers ``turn_text`` and stops: the feedback environment never ends the episode,
     so its turn limit does and the run's rewards score it."""
 
     version = 0
-    loads_while_generating = False
 
     def __init__(self, turn_text: str) -> None:
         self.out = TOKENIZER(turn_text, add_special_tokens=False)["input_ids"] + [EOS]

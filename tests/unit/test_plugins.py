@@ -19,6 +19,7 @@ PLUGINS = '''
 from pydantic import BaseModel
 
 from asyncrl.data import Prompt, Task
+from asyncrl.generation import GeneratorBase
 from asyncrl.generation.hf import build_hf_generator
 from asyncrl.control.sampler import InOrderSampler
 
@@ -77,6 +78,25 @@ class _InflightOptions(BaseModel):
 
 
 hf_inflight.Options = _InflightOptions
+
+
+class Bare:
+    """A generator with the members every backend writes and none of the capabilities."""
+
+    version = 0
+
+    def __init__(self, config, model, tokenizer, stop_token_ids):
+        self.stop_token_ids = stop_token_ids
+
+    def generate(self, requests, params):
+        return []
+
+    def load_weights(self, state_dict, version):
+        self.version = version
+
+
+class Based(GeneratorBase, Bare):
+    """The same generator, with every capability at its default."""
 '''
 
 PARTS = [
@@ -155,6 +175,22 @@ def test_bad_backend_options_stop_the_run_in_one_line(my_parts, capsys, tmp_path
         capsys, "train", "--output-dir", str(tmp_path / "run"), *SMALL, *PARTS, "generation.backend_options={}"
     )
     assert message == "generation.backend_options.loads_while_generating: Field required"
+
+
+def test_a_generator_lacking_capabilities_is_refused_and_generator_base_gives_their_defaults(my_parts):
+    config = load_config(None, [*SMALL, "generation.backend=my_parts:Bare"])
+    tokenizer = build_tokenizer(config)
+    model = build_model(config, tokenizer)
+    with pytest.raises(ValueError) as refused:
+        build_generator(config, model, tokenizer)
+    assert str(refused.value) == (
+        "generation.backend: 'my_parts:Bare' built a Bare without close, concurrent_calls, loads_while_generating, "
+        "score of the Generator protocol; derive it from asyncrl.generation.GeneratorBase, which gives every "
+        "capability its default (docs/generation.md)"
+    )
+    based = build_generator(load_config(None, [*SMALL, "generation.backend=my_parts:Based"]), model, tokenizer)
+    assert not based.loads_while_generating and not based.concurrent_calls
+    assert based.score([[1, 2]], None) is None and based.close() is None
 
 
 def test_lora_needs_a_backend_that_declares_it_takes_adapters(my_parts, capsys, tmp_path, monkeypatch):
