@@ -51,6 +51,8 @@ from typing import TYPE_CHECKING, Any
 
 from asyncrl.config import ConfigError, RunConfig, dump_config
 from asyncrl.control.buffer import ReplayBuffer
+from asyncrl.control.changes import Changes
+from asyncrl.control.gate import RolloutGate
 from asyncrl.control.handles import RolloutHandle, TrainerHandle
 from asyncrl.control.interrupts import Interrupts
 from asyncrl.control.refill import DynamicSampling
@@ -70,7 +72,7 @@ from asyncrl.errors import (
 )
 from asyncrl.metrics import StepClock, step_record
 from asyncrl.types import RolloutGroup, RolloutJob
-from asyncrl.weights.sync import Changes, RolloutGate, SyncReport, SyncTimeoutError, WeightLoadError, WeightSync
+from asyncrl.weights.sync import SyncReport, SyncTimeoutError, WeightLoadError, WeightSync
 
 if TYPE_CHECKING:
     from asyncrl.types import RolloutBatch, StepReport

@@ -15,8 +15,8 @@ import threading
 from collections.abc import Awaitable, Callable, Iterator
 from typing import TypeVar
 
+from asyncrl.control.changes import Changes
 from asyncrl.errors import RunInterrupted
-from asyncrl.weights.sync import Changes
 
 T = TypeVar("T")
 _SIGNALS = (signal.SIGINT, signal.SIGTERM)

@@ -1,6 +1,6 @@
 """WeightSync: move the trainer's weights into every generator, under the rollout gate.
 
-The gate is the only place admission and weight versions meet. The rollout loop stamps each
+The gate (``RolloutGate``, control/gate.py: the controller's) is the only place admission and weight versions meet. The rollout loop stamps each
 admitted prompt with ``gate.version`` and dispatches it at once, so "admitted" and "dispatched"
 never drift apart. A sync then:
 
@@ -28,10 +28,11 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from asyncrl.control.gate import RolloutGate
 from asyncrl.control.handles import RolloutHandle, TrainerHandle
 
 
@@ -61,97 +62,6 @@ class SyncReport:
         """A sync that stopped the run (it ``failed``, or a signal ``interrupted`` it): the step
         before it is still logged, with this in its place."""
         return cls(version=held_version, pause_s=seconds, transfer_s=seconds, bytes=0, transport=transport)
-
-
-class Changes:
-    """Wakes every waiter when shared state changes; a waiter re-checks its own condition.
-
-    Asyncio is single-threaded, so checking a condition and then waiting on the current event,
-    with no ``await`` in between, can never miss a change.
-    """
-
-    def __init__(self) -> None:
-        self._event = asyncio.Event()
-
-    def notify(self) -> None:
-        self._event.set()
-        self._event = asyncio.Event()
-
-    async def wait_for(self, predicate: Callable[[], bool]) -> None:
-        while not predicate():
-            await self._event.wait()
-
-    async def next(self) -> None:
-        """Wait for the next change, whatever it is."""
-        await self._event.wait()
-
-
-class RolloutGate:
-    """Admission control shared by the rollout loop, weight sync and checkpoints.
-
-    ``closing`` lets the rollout loop finish admitting under the current version; the loop calls
-    ``settled()`` once the sampler (or the data) refuses further admissions, and only then is the
-    gate closed. ``in_flight`` counts dispatched groups that are neither committed nor cancelled;
-    at ``max_in_flight`` the rollout loop admits nothing until a batch finishes.
-    """
-
-    def __init__(
-        self, version: int, changes: Changes, *, wait_for_admissions: bool, max_in_flight: int | None = None
-    ) -> None:
-        self.version = version
-        self.changes = changes
-        self.wait_for_admissions = wait_for_admissions
-        self.max_in_flight = max_in_flight
-        self.in_flight = 0
-        self.running_batches = 0  # generation calls submitted to a worker and not yet returned
-        self.loading = False  # weights are being loaded: nothing may be dispatched until open()
-        self._state: Literal["open", "closing", "closed"] = "open"
-
-    @property
-    def admitting(self) -> bool:
-        return self._state != "closed"
-
-    @property
-    def closing_waits_for_generation(self) -> bool:
-        """Closing, and the rollout loop cannot admit what it still may until a batch finishes."""
-        return self._state == "closing" and self.max_in_flight is not None and self.in_flight >= self.max_in_flight
-
-    async def close(self) -> None:
-        """Stop admissions; with ``wait_for_admissions``, after the loop has admitted all it may."""
-        self.request_close()
-        await self.changes.wait_for(lambda: not self.admitting)
-
-    def request_close(self) -> None:
-        """Begin closing; the gate is closed once ``admitting`` is False."""
-        self._state = "closing" if self.wait_for_admissions else "closed"
-        self.changes.notify()
-
-    def settled(self) -> None:
-        """The rollout loop's admission pass ended because nothing more may be admitted now."""
-        if self._state == "closing":
-            self._state = "closed"
-            self.changes.notify()
-
-    async def drained(self) -> None:
-        await self.changes.wait_for(lambda: self.in_flight == 0)
-
-    async def generators_idle(self) -> None:
-        """No generation call is running. Once ``loading`` holds back retries, none starts."""
-        await self.changes.wait_for(lambda: self.running_batches == 0)
-
-    def open(self, version: int) -> None:
-        self.version = version
-        self.loading = False
-        self._state = "open"
-        self.changes.notify()
-
-    def add_in_flight(self, delta: int) -> None:
-        self.in_flight += delta
-        self.changes.notify()
-
-    def add_running(self, delta: int) -> None:
-        self.running_batches += delta
-        self.changes.notify()
 
 
 def state_dict_bytes(state: Any) -> int:

@@ -27,6 +27,7 @@ PLANTED = {
     "layers": ("asyncrl.control.controller", "asyncrl.run"),
     "workers": ("asyncrl.types", "asyncrl.control.controller"),
     "control-side": ("asyncrl.weights.sync", "asyncrl.models.tiny"),
+    "gate": ("asyncrl.control.gate", "asyncrl.weights.sync"),
     "torch-free": ("asyncrl.control.sampler", "torch"),
     "payloads": ("asyncrl.runtime.payloads", "asyncrl.trainer.worker"),
     "grpo": ("asyncrl.algorithms.grpo", "asyncrl.models.logprobs"),

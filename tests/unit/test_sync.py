@@ -7,9 +7,11 @@ import time
 import pytest
 import torch
 
+from asyncrl.control.changes import Changes
+from asyncrl.control.gate import RolloutGate
 from asyncrl.runtime import LocalRuntime
 from asyncrl.weights import sync as sync_module
-from asyncrl.weights.sync import Changes, RolloutGate, SyncTimeoutError, WeightSync
+from asyncrl.weights.sync import SyncTimeoutError, WeightSync
 
 
 class Recorder:
