@@ -40,6 +40,7 @@ import shutil
 from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any, TypeVar
 
 import torch
 from safetensors import safe_open
@@ -56,6 +57,9 @@ LORA_BASE_FILE = "lora_base.json"  # next to it: the base it applies to (models/
 MANIFEST_FILE = "manifest.json"
 RUN_CONFIG_FILE = "run.yaml"
 LATEST_FILE = "latest"
+
+
+T = TypeVar("T")
 
 
 class CheckpointError(ConfigError):
@@ -298,6 +302,19 @@ def _intact_hint(root: Path, option: str, skip: Path | None = None) -> str:
 def is_adapter_checkpoint(checkpoint_dir: Path) -> bool:
     """A LoRA run's checkpoint: the adapter alone, over a base saved elsewhere (docs/lora.md)."""
     return (Path(checkpoint_dir) / ADAPTER_WEIGHTS_FILE).is_file()
+
+
+def load_contents(where: str, load: Callable[..., T], *args: Any) -> T:
+    """Load checkpoint contents that passed the manifest check: contents of another shape (a
+    foreign or older file vouched for by its manifest) are a one-line error naming ``where``, not
+    a traceback."""
+    try:
+        return load(*args)
+    except ConfigError:
+        raise
+    except (KeyError, TypeError, ValueError, IndexError, RuntimeError) as err:
+        detail = " ".join(f"{type(err).__name__}: {err}".split())[:200]
+        raise CheckpointError(f"{where}: holds a state this version of asyncrl cannot load ({detail})") from None
 
 
 def load_state(checkpoint_dir: Path) -> dict:

@@ -19,12 +19,12 @@ import torch
 import transformers
 import yaml
 
-from asyncrl.algorithms import build_algorithm
 from asyncrl.checkpoint import (
     RUN_CONFIG_FILE,
     STATE_FILE,
     CheckpointError,
     is_adapter_checkpoint,
+    load_contents,
     load_run_state,
     load_weights,
     resolve_checkpoint,
@@ -35,22 +35,19 @@ from asyncrl.control.controller import SingleController
 from asyncrl.control.handles import RolloutHandle, TrainerHandle
 from asyncrl.data import PromptLoader, build_task, check_encodable, check_prompt_lengths
 from asyncrl.environments.context import first_requests
-from asyncrl.environments.episode import build_episodes, environment_class
-from asyncrl.faults import inject_rollout_faults, inject_trainer_faults
-from asyncrl.generation import Generator, SamplingParams, build_generator
+from asyncrl.environments.episode import environment_class
+from asyncrl.generation import build_generator
 from asyncrl.metrics import MetricsWriter, ProgressDisplay, read_jsonl, write_json_atomic
 from asyncrl.models.factory import DTYPES, build_model, build_tokenizer
 from asyncrl.models.hf import stop_token_ids
-from asyncrl.models.lora import generator_copy, merged_model
+from asyncrl.models.lora import merged_model
 from asyncrl.plots import write_report
 from asyncrl.rewards import RewardRunner
-from asyncrl.rollout import RolloutWorker
 from asyncrl.run_sampler import build_run_sampler
-from asyncrl.runtime import build_runtime
-from asyncrl.trainer.group import TrainerGroup, build_trainer_rank
-from asyncrl.trainer.policy import PolicyTrainer
-from asyncrl.trainer.worker import TrainerWorker
+from asyncrl.runtime import Runtime, build_runtime
+from asyncrl.trainer.group import TrainerGroup
 from asyncrl.warm_start import warm_start_policy
+from asyncrl.workers import Shared, build_rollout_worker, build_trainer_rank, rollout_worker
 
 T = TypeVar("T")
 
@@ -136,7 +133,7 @@ def _build_parts(config: RunConfig) -> _Parts:
 
 
 def _warm_start_then_run(
-    runtime: Any, config: RunConfig, context: RunContext, parts: _Parts, progress: ProgressDisplay, metrics: Any
+    runtime: Runtime, config: RunConfig, context: RunContext, parts: _Parts, progress: ProgressDisplay, metrics: Any
 ) -> int:
     """Warm-start the policy, start the workers and drive the run to the end, in this process or,
     with ``runtime.controller_actor``, in a Ray actor; returns the steps taken in total."""
@@ -159,43 +156,25 @@ def _warm_start_then_run(
 
 
 def _start_workers(
-    runtime: Any, config: RunConfig, context: RunContext, parts: _Parts
+    runtime: Runtime, config: RunConfig, context: RunContext, parts: _Parts
 ) -> tuple[TrainerHandle, list[RolloutHandle]]:
-    """The trainer and rollout worker handles: actors that build their own workers on Ray,
-    in-process objects sharing the driver's model and rewards on the local runtime (with LoRA
-    the generator's base is the trainer's, in memory once)."""
-    if runtime.name == "ray":
-        return _start_actors(runtime, config, context)
-    model, tokenizer = parts.model, parts.tokenizer
-    # the generator's model first: a LoRA trainer turns ``model`` into its adapters' base in place
-    generator_model = generator_copy(model, config.lora.rank, DTYPES[config.trainer.dtype])
-    generator = _input(build_generator, config, generator_model, tokenizer, context.run_dir)
-    trainer_worker = TrainerWorker(
-        _input(PolicyTrainer.from_config, config, model), config.grpo, tokenizer, seed=config.seed
-    )
-    if context.checkpoint_dir is not None:
-        checkpoint_dir = context.checkpoint_dir
-        _from_checkpoint(
-            str(checkpoint_dir / STATE_FILE), trainer_worker.load_checkpoint, checkpoint_dir, context.state["trainer"]
-        )
-    rollout_worker = _rollout_worker(config, generator, parts.rewards, tokenizer)
-    trainer = runtime.spawn(lambda: inject_trainer_faults(trainer_worker, config.faults), "trainer")
-    return trainer, [runtime.spawn(lambda: rollout_worker, "rollout")]
-
-
-def _start_actors(runtime: Any, config: RunConfig, context: RunContext) -> tuple[TrainerHandle, list[RolloutHandle]]:
-    """Rollout worker and trainer rank actors, started together; the broadcast group joined."""
+    """The trainer and rollout worker handles, built by asyncrl/workers.py's builders wherever the
+    runtime places them: a runtime in this process shares the driver's warm-started model,
+    tokenizer and rewards with them. Rollout workers first: with LoRA their model copies the
+    policy's base before the trainer turns the policy into its adapters' base in place."""
+    shared = Shared(parts.tokenizer, parts.model, parts.rewards) if runtime.in_process else None
     resume_from = str(context.checkpoint_dir) if context.checkpoint_dir is not None else None
-    generators = runtime.spawn_generators(
-        partial(build_rollout_worker, config, context.run_dir), config.generation.num_workers
+    generators = _input(
+        runtime.spawn_generators,
+        partial(build_rollout_worker, config, context.run_dir, shared),
+        config.generation.num_workers,
     )
-    ranks = runtime.spawn_trainer_ranks(
-        lambda rank, init_method: partial(build_trainer_rank, config, rank, init_method, resume_from),
+    ranks = _input(
+        runtime.spawn_trainer_ranks,
+        lambda rank, init_method: partial(build_trainer_rank, config, rank, init_method, resume_from, shared),
         config.parallel.world_size,
     )
-    _input(runtime.ready)  # both kinds of actors start together
-    if config.weight_transport == "broadcast":
-        runtime.connect_broadcast(ranks[0], generators, config.broadcast_backend, config.sync.timeout_s)
+    _input(runtime.ready)  # both kinds of workers start together
     return TrainerGroup(ranks), generators
 
 
@@ -214,31 +193,6 @@ def _checked_task(config: RunConfig, tokenizer: Any, model: Any) -> Any:
     max_positions = getattr(model.config, "max_position_embeddings", None)
     _input(check_prompt_lengths, first_requests(task, config, tokenizer), config, max_positions)
     return task
-
-
-def build_rollout_worker(config: RunConfig, run_dir: Path | None = None) -> Any:
-    """Inside a rollout worker's actor: its own model, generator and rewards. The weights come
-    from the trainer before the first batch, so the model is not warm-started here."""
-    tokenizer = build_tokenizer(config)
-    task = build_task(config.data, tokenizer)
-    generator = build_generator(config, build_model(config, tokenizer), tokenizer, run_dir)
-    rewards = RewardRunner.from_config(config.rewards, task, max_new_tokens=config.generation.max_new_tokens)
-    return _rollout_worker(config, generator, rewards, tokenizer)
-
-
-def _rollout_worker(config: RunConfig, generator: Generator, rewards: RewardRunner, tokenizer: Any) -> Any:
-    worker = RolloutWorker(
-        generator,
-        rewards,
-        tokenizer,
-        run_seed=config.seed,
-        group_size=config.grpo.generations_per_prompt,
-        sampling=SamplingParams.from_config(config.generation),
-        inflight=config.sync.mode == "inflight" and generator.loads_while_generating,
-        algorithm=_input(build_algorithm, config),
-        episodes=_input(build_episodes, config, generator, tokenizer),
-    )
-    return inject_rollout_faults(worker, config.faults)
 
 
 def drive(
@@ -267,7 +221,7 @@ def drive(
         run_dir=context.run_dir,
     )
     if context.state is not None:
-        _from_checkpoint(f"the resumed checkpoint's {STATE_FILE}", controller.load_state_dict, context.state["run"])
+        load_contents(f"the resumed checkpoint's {STATE_FILE}", controller.load_state_dict, context.state["run"])
     return asyncio.run(_load_weights_then_run(controller, trainer, rollout_workers))
 
 
@@ -346,18 +300,6 @@ def _checkpoint_input(load: Callable[..., T], *args: Any) -> T:
         raise ConfigError(" ".join(str(err).split())) from None
 
 
-def _from_checkpoint(where: str, load: Callable[..., T], *args: Any) -> T:
-    """Load checkpoint contents that passed the manifest check: contents of another shape (a
-    foreign or older file vouched for by its manifest) are a one-line error, not a traceback."""
-    try:
-        return load(*args)
-    except ConfigError:
-        raise
-    except (KeyError, TypeError, ValueError, IndexError, RuntimeError) as err:
-        detail = " ".join(f"{type(err).__name__}: {err}".split())[:200]
-        raise CheckpointError(f"{where}: holds a state this version of asyncrl cannot load ({detail})") from None
-
-
 def resumed_checkpoint(resume: str | Path, option: str = "--resume") -> Path:
     """The checked checkpoint directory ``--resume`` (or ``option``) names."""
     return _checkpoint_input(resolve_checkpoint, resume, option)
@@ -414,23 +356,17 @@ def evaluate(config: RunConfig, *, checkpoint: str | Path | None = None) -> dict
         model = _checkpoint_input(merged_model, model, checkpoint_dir, DTYPES[config.trainer.dtype])
         config = config.model_copy(update={"lora": LoraConfig()})
     rewards = _input(RewardRunner.from_config, config.rewards, task, config.generation.max_new_tokens)
-    worker = None
+    generator = worker = None
     try:
         generator = _input(build_generator, config, model, tokenizer)
-        worker = RolloutWorker(
-            generator,
-            rewards,
-            tokenizer,
-            run_seed=config.seed,
-            group_size=1,
-            sampling=SamplingParams.from_config(config.generation),
-            episodes=_input(build_episodes, config, generator, tokenizer),
-        )
+        worker = _input(rollout_worker, config, generator, rewards, tokenizer)
         result = worker.evaluate(list(task.heldout[: config.data.eval_size]))
     finally:
         rewards.close()
         if worker is not None:
             worker.close()
+        elif generator is not None:
+            generator.close()
     return {
         "checkpoint": str(checkpoint) if checkpoint is not None else None,
         "num_prompts": result.num_prompts,

@@ -46,14 +46,14 @@ from transformers import PreTrainedTokenizerFast, TrainerCallback
 from asyncrl.bench import trl_environment
 from asyncrl.config import ConfigError, RunConfig
 from asyncrl.data import PromptLoader, build_task
-from asyncrl.environments.episode import build_episodes
 from asyncrl.environments.tool_env import close_toolboxes
-from asyncrl.generation import SamplingParams, build_generator
+from asyncrl.generation import build_generator
 from asyncrl.models.factory import build_model, build_tokenizer, resolve_device
 from asyncrl.rewards import RewardRunner
 from asyncrl.rollout import RolloutWorker
 from asyncrl.run import local_torch_threads
 from asyncrl.warm_start import warm_start_policy
+from asyncrl.workers import rollout_worker
 
 # token-mean is DAPO's global token mean. TRL's "luspo" sums each sequence's token losses and
 # averages over sequences, which is seq-mean-token-sum as long as ratios stay per token.
@@ -186,15 +186,7 @@ def run_trl(config: RunConfig, *, seed: int, max_steps: int, eval_every_steps: i
     # The warm-started model becomes the generator's; TRL trains its own, loaded from init_dir.
     generator = build_generator(config, model, tokenizer)
     evaluator = Evaluator(
-        RolloutWorker(
-            generator,
-            rewards,
-            tokenizer,
-            run_seed=seed,
-            group_size=1,
-            sampling=SamplingParams.from_config(config.generation),
-            episodes=build_episodes(config, generator, tokenizer),
-        ),
+        rollout_worker(config.model_copy(update={"seed": seed}), generator, rewards, tokenizer),
         list(task.heldout[: config.data.eval_size]),
         every=eval_every_steps,
         samples_per_step=config.grpo.prompts_per_step * config.grpo.generations_per_prompt,

@@ -61,9 +61,12 @@ class LocalHandle:
 
 
 class LocalRuntime:
-    """Workers as in-process objects; payloads are passed by reference, nothing is serialized."""
+    """Workers as in-process objects; payloads are passed by reference, nothing is serialized.
+    Implements ``asyncrl.runtime.Runtime``: a factory runs when its worker is spawned, in the
+    driver's process, so its workers may share the driver's objects."""
 
     name = "local"
+    in_process = True
 
     def __init__(self, shutdown_timeout_s: float = SHUTDOWN_TIMEOUT_S) -> None:
         self.handles: list[LocalHandle] = []
@@ -73,6 +76,26 @@ class LocalRuntime:
         handle = LocalHandle(worker_factory(), name)
         self.handles.append(handle)
         return handle
+
+    def spawn_generators(self, factory: Callable[[], Any], count: int) -> list[LocalHandle]:
+        """``count`` rollout workers, each built by ``factory`` now."""
+        return [self.spawn(factory, "rollout" if count == 1 else f"rollout {i}") for i in range(count)]
+
+    def spawn_trainer_ranks(
+        self, build_rank: Callable[[int, str | None], Callable[[], Any]], world_size: int
+    ) -> list[LocalHandle]:
+        """The one trainer rank this process holds, built by ``build_rank(0, None)()`` now."""
+        if world_size != 1:
+            raise ValueError(
+                f"parallel.dp: {world_size} trainer ranks need runtime.name ray; the local runtime holds one"
+            )
+        return [self.spawn(build_rank(0, None), "trainer")]
+
+    def ready(self) -> None:
+        """Every worker was built when it was spawned."""
+
+    def run_controller(self, drive: Callable[[], Any]) -> Any:
+        return drive()
 
     def shutdown(self) -> None:
         """Shut every handle down, all of them within ``shutdown_timeout_s``."""

@@ -397,15 +397,28 @@ class RayRuntime:
 
     ``shutdown`` kills this run's actors; it shuts Ray down when this runtime connected to it,
     which ends the cluster when the runtime started it, and only disconnects from a joined one.
-    A cluster that was already connected (a test session's) is left running.
+    A cluster that was already connected (a test session's) is left running. Implements
+    ``asyncrl.runtime.Runtime``; ``broadcast`` (backend, timeout): ``ready`` forms the weight
+    broadcast group of trainer rank 0 and the rollout workers.
     """
 
     name = "ray"
+    in_process = False
 
-    def __init__(self, cfg: RuntimeConfig, *, num_cpus: float = 0.0, num_gpus: float = 0.0) -> None:
+    def __init__(
+        self,
+        cfg: RuntimeConfig,
+        *,
+        num_cpus: float = 0.0,
+        num_gpus: float = 0.0,
+        broadcast: tuple[str, float] | None = None,
+    ) -> None:
         import ray
 
         self.cfg = cfg
+        self.broadcast = broadcast
+        self.generators: list[RayHandle] = []
+        self.trainer_ranks: list[RayHandle] = []
         self.actors: list[Any] = []
         self.builds: list[tuple[RayHandle | None, Any]] = []  # (a generator's handle, its build): ``ready``
         self.trainer_nodes: list[str] = []  # the node address of each trainer rank, when they form a group
@@ -445,6 +458,7 @@ class RayRuntime:
         self.actors += actors
         handles = [RayHandle(actor, f"rollout worker {i}") for i, actor in enumerate(actors)]
         self.builds += [(handle, handle.actor.build.remote()) for handle in handles]
+        self.generators += handles
         return handles
 
     def spawn_trainer_ranks(
@@ -468,13 +482,16 @@ class RayRuntime:
         self.builds += [
             (None, actor.build.remote(build_rank(rank, init_method), rank)) for rank, actor in enumerate(actors)
         ]
-        return [
+        ranks = [
             RayHandle(actor, f"trainer rank {rank}", died=TrainerRankDiedError) for rank, actor in enumerate(actors)
         ]
+        self.trainer_ranks += ranks
+        return ranks
 
     def ready(self) -> None:
         """Wait until every spawned worker is built; a factory that raised raises here. A generator's
-        handle learns its worker's unordered methods (a trainer rank's calls all stay in order)."""
+        handle learns its worker's unordered methods (a trainer rank's calls all stay in order).
+        With ``broadcast``, trainer rank 0 and the rollout workers then form its group."""
         builds, self.builds = self.builds, []
         try:
             built = resolve([build for _, build in builds])
@@ -483,6 +500,8 @@ class RayRuntime:
         for (handle, _), unordered in zip(builds, built):
             if handle is not None:
                 handle.unordered = unordered
+        if self.broadcast is not None and self.trainer_ranks:
+            self.connect_broadcast(self.trainer_ranks[0], self.generators, *self.broadcast)
 
     def connect_broadcast(
         self, source: RayHandle, generators: Sequence[RayHandle], backend: str, timeout_s: float

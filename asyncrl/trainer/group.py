@@ -1,8 +1,8 @@
-"""Trainer ranks behind one handle: how a runtime builds each rank, and how the controller talks to all.
+"""Trainer ranks behind one handle: how the controller talks to all of them.
 
 A run with ``parallel.dp * parallel.cp`` trainer ranks places one process per rank (the Ray runtime:
-one actor each). Inside each, ``build_trainer_rank`` joins the ranks' process group and builds that
-rank's ``TrainerWorker``. The controller holds a ``TrainerGroup`` over the ranks' handles: every
+one actor each); inside each, ``asyncrl.workers.build_trainer_rank`` joins the ranks' process group
+and builds that rank's ``TrainerWorker``. The controller holds a ``TrainerGroup`` over the ranks' handles: every
 call goes to every rank, in the order it was made, and answers with rank 0's result, which
 describes the whole step (trainer/worker.py). See docs/parallelism.md.
 """
@@ -14,62 +14,7 @@ from collections.abc import Awaitable, Sequence
 from pathlib import Path
 from typing import Any
 
-import torch
-import torch.distributed as dist
-import transformers
-from torch import nn
-
-from asyncrl.checkpoint import load_state
-from asyncrl.config import RunConfig
 from asyncrl.errors import RunStopped
-from asyncrl.faults import inject_trainer_faults
-from asyncrl.models.factory import build_model, build_tokenizer, resolve_device
-from asyncrl.trainer.parallel import init_parallel, start_rank
-from asyncrl.trainer.policy import PolicyTrainer
-from asyncrl.trainer.worker import TrainerWorker
-from asyncrl.warm_start import warm_start_policy
-
-
-def build_trainer_rank(
-    config: RunConfig, rank: int, init_method: str | None, checkpoint_dir: str | None = None
-) -> TrainerWorker:
-    """This process's trainer rank, ready for the controller's calls.
-
-    ``init_method`` (``tcp://host:port`` or ``file://...``) is where the ranks meet; None when the
-    run has a single rank or this process already belongs to the ranks' process group. Every rank
-    builds the same model and applies the warm start, which the driver has cached beforehand; the
-    ranks then take rank 0's weights, so they start identical whatever their caches held. A CUDA
-    rank uses its current device (one visible GPU per rank). ``checkpoint_dir``: resume from it.
-    The ``faults`` section, when set, wraps the worker (asyncrl/faults.py).
-    """
-    device = resolve_device(config.trainer.device)
-    parallel = None
-    if config.parallel.world_size > 1:
-        if init_method is not None:
-            parallel = start_rank(config.parallel, rank=rank, init_method=init_method, device=device)
-        elif dist.is_initialized():
-            parallel = init_parallel(config.parallel, device)
-        else:
-            raise ValueError(f"parallel.dp: {config.parallel.world_size} trainer ranks need an init_method to meet at")
-    torch.manual_seed(config.seed)
-    transformers.utils.logging.disable_progress_bar()
-    tokenizer = build_tokenizer(config)
-    model = build_model(config, tokenizer)
-    warm_start_policy(model, tokenizer, config)
-    if parallel is not None:
-        _take_rank0_weights(model)
-    trainer = PolicyTrainer.from_config(config, model, parallel=parallel)
-    worker = TrainerWorker(trainer, config.grpo, tokenizer, rank=rank, seed=config.seed)
-    if checkpoint_dir is not None:
-        worker.load_checkpoint(checkpoint_dir, load_state(Path(checkpoint_dir))["trainer"])
-    return inject_trainer_faults(worker, config.faults)
-
-
-def _take_rank0_weights(model: nn.Module) -> None:
-    """Broadcast every parameter and buffer from rank 0 (before any wrapping shards them)."""
-    with torch.no_grad():
-        for tensor in model.state_dict().values():
-            dist.broadcast(tensor, src=0)
 
 
 class TrainerRankError(RuntimeError):

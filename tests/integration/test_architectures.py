@@ -189,5 +189,7 @@ def test_context_parallel_refuses_an_architecture_it_was_not_verified_on(checkpo
         match=r"^parallel\.cp: model\.path holds a 'falcon' model; context parallelism is verified for gemma2, ",
     ):
         load_config(None, [f"model.path={tmp_path}", *ray])
-    with pytest.raises(ConfigError, match=r"^trainer\.packing: model\.path holds a 'falcon' model; packing is verified"):
+    with pytest.raises(
+        ConfigError, match=r"^trainer\.packing: model\.path holds a 'falcon' model; packing is verified"
+    ):
         load_config(None, [f"model.path={tmp_path}", "trainer.packing=true"])

@@ -143,17 +143,18 @@ def test_lora_dropout_under_activation_checkpointing_gives_the_gradients_of_the_
 def started_workers(tmp_path, monkeypatch, *overrides):
     """The local runtime's workers for a SMALL run: (its generator, its trainer)."""
     from asyncrl import run as run_module
+    from asyncrl import workers
     from asyncrl.runtime.local import LocalRuntime
 
     built = []
-    monkeypatch.setattr(run_module, "build_generator", lambda *args: built.append(build_generator(*args)) or built[-1])
+    monkeypatch.setattr(workers, "build_generator", lambda *args: built.append(build_generator(*args)) or built[-1])
     config = load_config(None, [*SMALL, "trainer.device=cpu", *overrides])
     runtime = LocalRuntime()
     trainer, _ = run_module._start_workers(
         runtime, config, run_module.RunContext(tmp_path), run_module._build_parts(config)
     )
     runtime.shutdown()
-    return config, built[0], trainer.worker.trainer
+    return config, built[0], trainer.ranks[0].worker.trainer
 
 
 def storage(model):

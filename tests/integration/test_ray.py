@@ -135,9 +135,9 @@ def test_group_payloads_are_owned_by_the_caller_and_outlive_their_generator(ray_
     import ray
 
     from asyncrl.data.prompts import Prompt
-    from asyncrl.run import build_rollout_worker
     from asyncrl.runtime.payloads import RemoteGroup
     from asyncrl.runtime.ray import RayRuntime
+    from asyncrl.workers import build_rollout_worker
 
     config = load_config(None, [*SMALL, RAY])
     runtime = RayRuntime(config.runtime)
@@ -286,9 +286,8 @@ def test_a_generator_that_misses_a_broadcast_loads_rank0s_copy_and_the_broadcast
     import ray
 
     from asyncrl.data.prompts import Prompt
-    from asyncrl.run import build_rollout_worker
     from asyncrl.runtime.ray import RayRuntime, WorkerDiedError
-    from asyncrl.trainer.group import build_trainer_rank
+    from asyncrl.workers import build_rollout_worker, build_trainer_rank
 
     config = load_config(None, [*SMALL, RAY, "sync.transport=broadcast"])
     jobs = [RolloutJob(slot, Prompt(f"u{slot}", f"{slot}+1=", str(slot + 1)), 0, 0) for slot in range(2)]

@@ -19,11 +19,12 @@ from asyncrl.faults import InjectedFault
 from asyncrl.models.factory import build_model, build_tokenizer
 from asyncrl.runtime.local import LocalHandle
 from asyncrl.trainer import PolicyTrainer
-from asyncrl.trainer.group import TrainerGroup, TrainerRankError, build_trainer_rank
+from asyncrl.trainer.group import TrainerGroup, TrainerRankError
 from asyncrl.trainer.parallel import launch
 from asyncrl.trainer.worker import TrainerWorker
 from asyncrl.types import RolloutGroup
 from asyncrl.warm_start import warm_start
+from asyncrl.workers import build_trainer_rank
 
 # ---- TrainerGroup ---------------------------------------------------------------------------
 

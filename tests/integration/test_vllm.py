@@ -46,9 +46,9 @@ from asyncrl.models import SampledDistribution, build_char_tokenizer, build_tiny
 from asyncrl.models.example import write_example_checkpoint
 from asyncrl.models.factory import build_model, build_tokenizer
 from asyncrl.models.tiny import tiny_config
-from asyncrl.run import build_rollout_worker
 from asyncrl.types import RolloutJob
 from asyncrl.weights.broadcast import Layout
+from asyncrl.workers import build_rollout_worker
 
 # The first test to use the server may also create the vLLM environment (3 to 5 minutes).
 pytestmark = pytest.mark.timeout(1200)

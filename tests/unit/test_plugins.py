@@ -139,9 +139,9 @@ def test_the_backend_declares_whether_it_loads_while_generating(my_parts, loads)
     tokenizer = build_tokenizer(config)
     generator = build_generator(config, build_model(config, tokenizer), tokenizer)
     assert generator.loads_while_generating is loads
-    from asyncrl.run import _rollout_worker
+    from asyncrl.workers import rollout_worker
 
-    worker = _rollout_worker(config, generator, None, tokenizer)
+    worker = rollout_worker(config, generator, None, tokenizer)
     assert worker.inflight is loads  # asked of the generator, whatever its backend is called
 
 

@@ -1,0 +1,133 @@
+"""Every worker a run needs, built in one place from its config: trainer ranks and rollout workers.
+
+The local runtime, the Ray actors, ``asyncrl eval`` and the benchmarks all build through here, so
+their copies cannot disagree on the warm start (demonstrations included), the algorithm, the
+in-flight setting or fault injection. A runtime whose workers live in the driver's process
+(``Runtime.in_process``) hands the builders the driver's ``Shared`` objects, its warm-started
+model, tokenizer and rewards, instead of letting each build its own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import transformers
+from torch import nn
+
+from asyncrl.algorithms import build_algorithm
+from asyncrl.checkpoint import load_contents, load_state
+from asyncrl.config import RunConfig
+from asyncrl.data import build_task
+from asyncrl.environments.episode import build_episodes
+from asyncrl.faults import inject_rollout_faults, inject_trainer_faults
+from asyncrl.generation import Generator, SamplingParams, build_generator
+from asyncrl.models.factory import DTYPES, build_model, build_tokenizer, resolve_device
+from asyncrl.models.lora import generator_copy
+from asyncrl.rewards import RewardRunner
+from asyncrl.rollout import RolloutWorker
+from asyncrl.trainer.parallel import ParallelContext, init_parallel, start_rank
+from asyncrl.trainer.policy import PolicyTrainer
+from asyncrl.trainer.worker import TrainerWorker
+from asyncrl.warm_start import warm_start_policy
+
+
+@dataclass(frozen=True)
+class Shared:
+    """The driver's objects that workers in its own process use instead of building their own: the
+    policy (already warm-started; a LoRA trainer turns it into its adapters' base in place), its
+    tokenizer and the rewards."""
+
+    tokenizer: Any
+    model: nn.Module
+    rewards: RewardRunner
+
+
+def build_trainer_rank(
+    config: RunConfig,
+    rank: int,
+    init_method: str | None,
+    checkpoint_dir: str | None = None,
+    shared: Shared | None = None,
+) -> TrainerWorker:
+    """This process's trainer rank, ready for the controller's calls.
+
+    ``init_method`` (``tcp://host:port`` or ``file://...``) is where the ranks meet; None when the
+    run has a single rank or this process already belongs to the ranks' process group. Without
+    ``shared`` every rank builds the same model and applies the warm start, which the driver has
+    cached beforehand; the ranks then take rank 0's weights, so they start identical whatever
+    their caches held. A CUDA rank uses its current device (one visible GPU per rank).
+    ``checkpoint_dir``: resume from it. The ``faults`` section, when set, wraps the worker
+    (asyncrl/faults.py)."""
+    parallel = _rank_parallel(config, rank, init_method)
+    if shared is None:
+        torch.manual_seed(config.seed)
+        transformers.utils.logging.disable_progress_bar()
+        tokenizer = build_tokenizer(config)
+        model = build_model(config, tokenizer)
+        warm_start_policy(model, tokenizer, config)
+    else:
+        tokenizer, model = shared.tokenizer, shared.model
+    if parallel is not None:
+        _take_rank0_weights(model)
+    trainer = PolicyTrainer.from_config(config, model, parallel=parallel)
+    worker = TrainerWorker(trainer, config.grpo, tokenizer, rank=rank, seed=config.seed)
+    if checkpoint_dir is not None:
+        state = load_state(Path(checkpoint_dir))["trainer"]
+        load_contents(f"{checkpoint_dir}'s trainer state", worker.load_checkpoint, checkpoint_dir, state)
+    return inject_trainer_faults(worker, config.faults)
+
+
+def _rank_parallel(config: RunConfig, rank: int, init_method: str | None) -> ParallelContext | None:
+    """This rank's place among ``parallel.world_size`` ranks (None for one rank)."""
+    if config.parallel.world_size == 1:
+        return None
+    device = resolve_device(config.trainer.device)
+    if init_method is not None:
+        return start_rank(config.parallel, rank=rank, init_method=init_method, device=device)
+    if dist.is_initialized():
+        return init_parallel(config.parallel, device)
+    raise ValueError(f"parallel.dp: {config.parallel.world_size} trainer ranks need an init_method to meet at")
+
+
+def _take_rank0_weights(model: nn.Module) -> None:
+    """Broadcast every parameter and buffer from rank 0 (before any wrapping shards them)."""
+    with torch.no_grad():
+        for tensor in model.state_dict().values():
+            dist.broadcast(tensor, src=0)
+
+
+def build_rollout_worker(config: RunConfig, run_dir: Path | None = None, shared: Shared | None = None) -> Any:
+    """A rollout worker of the run, fault injection included. Without ``shared`` it builds its own
+    model, generator and rewards (the weights come from the trainer before the first batch, so
+    the model is not warm-started here); with it, the generator's model is a copy of the
+    driver's (with LoRA, the same base tensors, in memory once) and the rewards are the driver's."""
+    if shared is None:
+        tokenizer = build_tokenizer(config)
+        model = build_model(config, tokenizer)
+        task = build_task(config.data, tokenizer)
+        rewards = RewardRunner.from_config(config.rewards, task, max_new_tokens=config.generation.max_new_tokens)
+    else:
+        tokenizer, rewards = shared.tokenizer, shared.rewards
+        model = generator_copy(shared.model, config.lora.rank, DTYPES[config.trainer.dtype])
+    generator = build_generator(config, model, tokenizer, run_dir)
+    return inject_rollout_faults(rollout_worker(config, generator, rewards, tokenizer), config.faults)
+
+
+def rollout_worker(config: RunConfig, generator: Generator, rewards: RewardRunner, tokenizer: Any) -> RolloutWorker:
+    """The run's rollout worker over a built generator: its seed, group size, sampling, the
+    algorithm that judges its groups, its episodes, and whether weights load while it generates."""
+    return RolloutWorker(
+        generator,
+        rewards,
+        tokenizer,
+        run_seed=config.seed,
+        group_size=config.grpo.generations_per_prompt,
+        sampling=SamplingParams.from_config(config.generation),
+        inflight=config.sync.mode == "inflight" and generator.loads_while_generating,
+        algorithm=build_algorithm(config),
+        episodes=build_episodes(config, generator, tokenizer),
+    )
