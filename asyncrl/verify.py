@@ -39,7 +39,7 @@ from asyncrl.config import LossConfig, ParallelConfig, TrainerConfig
 from asyncrl.models import SampledDistribution, build_tiny_model, token_logprobs
 from asyncrl.models.lora import apply_lora
 from asyncrl.plants import PLANTS, Plant
-from asyncrl.trainer import PolicyTrainer
+from asyncrl.trainer import PolicyTrainer, normalization
 from asyncrl.trainer.context_parallel import ContextParallel, Shard, context_parallel_attention
 from asyncrl.trainer.parallel import ParallelContext, init_parallel, launch
 from asyncrl.trainer.worker import split_evenly
@@ -155,7 +155,7 @@ class PerMicrobatchMeanTrainer(PolicyTrainer):
     """The planted mistake: each micro-batch is normalized by its own count, then averaged."""
 
     def _local_weights(self, batch: TrainBatch) -> Tensor:
-        own = grpo.step_normalizer(self.loss_cfg.mode, batch.num_response_tokens, batch.num_sequences)
+        own = normalization.step_normalizer(self.loss_cfg.mode, batch.num_response_tokens, batch.num_sequences)
         return super()._local_weights(batch) / own
 
     def _step_normalizer(self, state, sums) -> float:
@@ -168,7 +168,7 @@ class WholeStepNormalizerTrainer(PolicyTrainer):
     step_counts: tuple[int, int] = (0, 0)  # (response tokens, sequences) of the whole step
 
     def _step_normalizer(self, state, sums) -> float:
-        return grpo.step_normalizer(self.loss_cfg.mode, *self.step_counts)
+        return normalization.step_normalizer(self.loss_cfg.mode, *self.step_counts)
 
 
 class ObservationTrainedTrainer(PolicyTrainer):
@@ -708,8 +708,8 @@ def _check_choices(mode: str, dtype: str, plant: str | None) -> None:
         raise ValueError(f"--dtype: '{dtype}' is not one of {', '.join(DTYPES)}")
     if plant is not None and plant not in PLANTS:
         raise ValueError(f"--plant: '{plant}' is not one of {', '.join(PLANTS)}")
-    if mode not in grpo.AGG_MODES:
-        raise ValueError(f"--mode: '{mode}' is not one of {', '.join(grpo.AGG_MODES)}")
+    if mode not in normalization.AGG_MODES:
+        raise ValueError(f"--mode: '{mode}' is not one of {', '.join(normalization.AGG_MODES)}")
 
 
 def check_layout(
@@ -754,7 +754,7 @@ def check_layout(
 
 
 def verify(
-    modes: tuple[str, ...] = grpo.AGG_MODES,
+    modes: tuple[str, ...] = normalization.AGG_MODES,
     *,
     micro_batches: int = 4,
     dtype: str = "float64",

@@ -1,40 +1,21 @@
-"""GRPO: group-relative advantages, per-token policy loss terms, the ``GRPO`` algorithm, and loss
-aggregation weights.
+"""GRPO: group-relative advantages, per-token policy loss terms, and the ``GRPO`` algorithm.
 
 Every function here is pure tensor math that works in the dtype of its inputs; ``GRPO`` binds them
 to a run's options as its ``Algorithm``.
-
-Normalization contract (docs/loss.md). For token t of sequence i in a step, with loss term l_it,
-response mask m_it, response length n_i, G sequences with n_i > 0 and N = sum_i n_i, the step
-loss is L = sum_it w_it * m_it * l_it, where w_it depends on the aggregation mode:
-
-    mode                       w_it          = local_it  /  D
-    token-mean                 1/N             1            N
-    seq-mean-token-mean        1/(G n_i)       1/n_i        G
-    seq-mean-token-sum         1/G             1            G
-    seq-mean-token-sum-norm    1/(G C)         1/C          G     (C: a configured constant)
-
-``local_it`` depends only on sequence i itself (``local_token_weights``), and ``D`` only on counts
-summed over the whole step (``step_normalizer``). Each micro-batch, data-parallel rank and
-context-parallel shard back-propagates its own sum_it local_it * m_it * l_it, gradients are
-SUMMED over all of them, and the trainer divides once by D. No piece ever divides by a count of
-its own, so any split of the step gives the same L. n_i is counted on the full sequence before
-any sharding and is never recounted from a shard's mask.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal, get_args
+from typing import Literal
 
 import torch
 from torch import Tensor
 
-from asyncrl.config import AggMode, LossConfig, RunConfig
+from asyncrl.config import LossConfig, RunConfig
 from asyncrl.types import TokenLossInputs, row_sum
 
-AGG_MODES: tuple[str, ...] = get_args(AggMode)
 ISMode = Literal["none", "tis", "icepop"]
 RatioLevel = Literal["token", "sequence"]
 
@@ -320,41 +301,3 @@ class GRPO:
             response_mask=inputs.response_mask,
             sequence_sum=inputs.sequence_sum,
         )
-
-
-# ---- aggregation -----------------------------------------------------------------------------
-
-
-def local_token_weights(
-    response_mask: Tensor, response_lengths: Tensor, mode: AggMode, norm_constant: float | None = None
-) -> Tensor:
-    """local_it * m_it as [B, T] in the mask's dtype: the part of w_it known from sequence i alone.
-
-    ``response_lengths`` is n_i of the full sequence, which a shard's mask may only partly cover.
-    Rows with n_i = 0 are padding: their mask is 0, and so is their weight.
-    """
-    lengths = response_lengths.to(response_mask.dtype)
-    if mode in ("token-mean", "seq-mean-token-sum"):
-        per_sequence = torch.ones_like(lengths)
-    elif mode == "seq-mean-token-mean":
-        per_sequence = 1 / lengths.clamp(min=1)
-    elif mode == "seq-mean-token-sum-norm":
-        if norm_constant is None or norm_constant <= 0:
-            raise ValueError(f"norm_constant: seq-mean-token-sum-norm needs a value > 0, got {norm_constant}")
-        per_sequence = torch.full_like(lengths, 1 / norm_constant)
-    else:
-        raise ValueError(f"mode: '{mode}' is not one of {', '.join(AGG_MODES)}")
-    return response_mask * per_sequence[:, None]
-
-
-def step_normalizer(mode: AggMode, num_response_tokens: int | float, num_sequences: int | float) -> float:
-    """D, the step's one divisor: N response tokens for token-mean, else G sequences with n_i > 0.
-
-    Both counts are step-global: summed over every micro-batch and data-parallel rank.
-    """
-    if mode not in AGG_MODES:
-        raise ValueError(f"mode: '{mode}' is not one of {', '.join(AGG_MODES)}")
-    normalizer = float(num_response_tokens if mode == "token-mean" else num_sequences)
-    if normalizer <= 0:
-        raise ValueError("empty step: no response tokens")
-    return normalizer

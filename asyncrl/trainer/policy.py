@@ -26,12 +26,13 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor, nn
 
-from asyncrl.algorithms import Algorithm, build_algorithm, grpo
+from asyncrl.algorithms import Algorithm, build_algorithm
 from asyncrl.config import LossConfig, RunConfig, TrainerConfig
 from asyncrl.models import SampledDistribution, token_logprobs
 from asyncrl.models.factory import DTYPES
 from asyncrl.models.logprobs import OutputHead, check_packing
 from asyncrl.models.lora import adapter_dropout, adapter_seed, adapter_tensors, apply_lora, is_lora
+from asyncrl.trainer import normalization
 from asyncrl.trainer.context_parallel import enable_context_parallel_attention
 from asyncrl.trainer.optim import build_optimizer, build_scheduler
 from asyncrl.trainer.recompute import checkpoint_activations
@@ -398,13 +399,13 @@ class PolicyTrainer:
 
     def _local_weights(self, batch: TrainBatch) -> Tensor:
         """Per-token weights that depend only on each sequence (docs/loss.md); no local counts."""
-        return grpo.local_token_weights(
+        return normalization.local_token_weights(
             batch.response_mask, batch.response_lengths, self.loss_cfg.mode, self.loss_cfg.norm_constant
         )
 
     def _step_normalizer(self, state: _StepState, sums: dict[str, float]) -> float:
         """D, the one divisor of the step, from counts summed over every micro-batch."""
-        return grpo.step_normalizer(self.loss_cfg.mode, sums["num_tokens"], sums["num_sequences"])
+        return normalization.step_normalizer(self.loss_cfg.mode, sums["num_tokens"], sums["num_sequences"])
 
     def _step_totals(self, state: _StepState) -> tuple[Tensor, tuple[Tensor, Tensor]]:
         """The step's counters and IS-weight range, over every rank when there are several."""

@@ -9,12 +9,12 @@ import torch.nn.functional as F
 import transformers
 from test_architectures import ARCHITECTURES
 
-from asyncrl.algorithms.grpo import AGG_MODES
 from asyncrl.config import LoraConfig, TrainerConfig
 from asyncrl.models import SampledDistribution, build_tiny_model, token_logprobs
 from asyncrl.models import logprobs as logprobs_module
 from asyncrl.models.logprobs import DEFAULT_CHUNK_TOKENS, OutputHead, logits_logprobs, position_ids_from_mask
 from asyncrl.models.lora import apply_lora
+from asyncrl.trainer.normalization import AGG_MODES
 from asyncrl.verify import verify
 
 VOCAB = 40

@@ -5,8 +5,8 @@ process, and dp x cp ranks), and a twin that trains the observations fails."""
 import pytest
 import torch
 
-from asyncrl.algorithms.grpo import AGG_MODES
 from asyncrl.models import build_tiny_model
+from asyncrl.trainer.normalization import AGG_MODES
 from asyncrl.verify import Case, random_batch, verify, verify_parallel
 
 

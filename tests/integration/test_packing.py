@@ -9,12 +9,13 @@ import torch
 from helpers import run
 from transformers import AttentionInterface
 
-from asyncrl.algorithms.grpo import AGG_MODES, GRPO
+from asyncrl.algorithms.grpo import GRPO
 from asyncrl.config import GRPOConfig, LossConfig, TrainerConfig
 from asyncrl.models import SampledDistribution, build_tiny_model, token_logprobs
 from asyncrl.models.packing import Packing
 from asyncrl.trainer import PolicyTrainer
 from asyncrl.trainer.context_parallel import ATTN_IMPLEMENTATION, enable_context_parallel_attention
+from asyncrl.trainer.normalization import AGG_MODES
 from asyncrl.trainer.worker import TrainerWorker
 from asyncrl.types import RolloutGroup
 from asyncrl.verify import PACKED_LEAK, Case, _packed_leak, check_layout, verify, verify_parallel

@@ -13,11 +13,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from asyncrl.algorithms.grpo import AGG_MODES, GRPO
+from asyncrl.algorithms.grpo import GRPO
 from asyncrl.cli import main
 from asyncrl.config import ConfigError, LossConfig, ParallelConfig, load_config
 from asyncrl.trainer import PolicyTrainer
 from asyncrl.trainer.context_parallel import gather_sequence, head_tail_columns
+from asyncrl.trainer.normalization import AGG_MODES
 from asyncrl.trainer.parallel import init_parallel, launch
 from asyncrl.verify import (
     LORA_PLANTS,

@@ -5,20 +5,17 @@ import math
 import pytest
 import torch
 
-from asyncrl.algorithms import grpo
 from asyncrl.algorithms.grpo import (
-    AGG_MODES,
     clipped_surrogate,
     group_advantages,
     importance_weights,
     kl_k3,
-    local_token_weights,
     sequence_ratio,
-    step_normalizer,
     token_loss,
     zero_variance_groups,
 )
 from asyncrl.config import LossConfig
+from asyncrl.trainer.normalization import AGG_MODES, local_token_weights, step_normalizer
 
 SQRT3 = math.sqrt(3.0)
 
@@ -436,4 +433,4 @@ def test_normalizing_each_piece_by_its_own_count_is_detected(mode):
 
 
 def test_module_exports_the_four_modes_in_order():
-    assert grpo.AGG_MODES == ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+    assert AGG_MODES == ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")

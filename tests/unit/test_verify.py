@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from asyncrl.algorithms.grpo import AGG_MODES
 from asyncrl.cli import main
 from asyncrl.models import build_tiny_model
+from asyncrl.trainer.normalization import AGG_MODES
 from asyncrl.verify import Case, random_batch, uneven_split, verify, verify_parallel
 
 
