@@ -175,7 +175,8 @@ def _start_workers(
         config.parallel.world_size,
     )
     _input(runtime.ready)  # both kinds of workers start together
-    return TrainerGroup(ranks), generators
+    # one rank's handle as it is: a TrainerGroup's fan-out would reorder the event loop's callbacks
+    return (ranks[0] if len(ranks) == 1 else TrainerGroup(ranks)), generators
 
 
 def local_torch_threads(config: RunConfig) -> int:

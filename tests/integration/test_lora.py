@@ -154,7 +154,7 @@ def started_workers(tmp_path, monkeypatch, *overrides):
         runtime, config, run_module.RunContext(tmp_path), run_module._build_parts(config)
     )
     runtime.shutdown()
-    return config, built[0], trainer.ranks[0].worker.trainer
+    return config, built[0], trainer.worker.trainer
 
 
 def storage(model):
