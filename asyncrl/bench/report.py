@@ -243,9 +243,13 @@ def _lora(result: dict) -> str:
     return f"{_table(list(LORA_COLUMNS), rows)}\n\n" + "; ".join(goals) + "."
 
 
+def _rows_shape(r: dict) -> str:
+    """equal, ragged (right-padded) or packed (ragged rows in one packed row)."""
+    return ("packed" if r.get("packed") else "ragged") if r["padded"] else "equal"
+
+
 def _long_context_row(r: dict) -> list[Any]:
-    shape = "ragged" if r["padded"] else "equal"
-    return [r["seq_len"], r["cp"], shape, r["vocab_size"], r["rank"], f"{r['step_peak_bytes'] / 1e9:.2f}"]
+    return [r["seq_len"], r["cp"], _rows_shape(r), r["vocab_size"], r["rank"], f"{r['step_peak_bytes'] / 1e9:.2f}"]
 
 
 def _long_context(result: dict) -> str:
@@ -255,9 +259,7 @@ def _long_context(result: dict) -> str:
         f"{name}: {_number(goal['value'], '{:.2f}')} ({_goal(goal['met'], goal['goal'])})"
         for name, goal in result["goals"].items()
     ]
-    stopped = [
-        f"cp={s['cp']} {'ragged' if s['padded'] else 'equal'} stopped at T={s['seq_len']}" for s in result["stopped"]
-    ]
+    stopped = [f"cp={s['cp']} {_rows_shape(s)} stopped at T={s['seq_len']}" for s in result["stopped"]]
     return f"{_table(header, rows)}\n\n" + "; ".join(goals + stopped) + "."
 
 

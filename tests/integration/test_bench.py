@@ -475,7 +475,9 @@ def test_long_context_reports_each_ranks_step_peak_and_time(capsys, tmp_path):
     assert result["stopped"] == []
     assert set(result["goals"]) == set(long_context.GOALS)  # on Qwen's vocabulary: not measured here
     assert all(goal["value"] is None and goal["met"] is None for goal in result["goals"].values())
-    assert "### `asyncrl bench long-context`" in report.render(tmp_path)
+    rendered = report.render(tmp_path)
+    assert "### `asyncrl bench long-context`" in rendered
+    assert {" equal ", " ragged ", " packed "} <= {cell for line in rendered.splitlines() for cell in line.split("|")}
 
 
 def test_long_context_goals_take_the_worst_rank_and_growth_stops_before_the_limit():
