@@ -230,15 +230,15 @@ class _ShiftAfterShard(Shard):
     """The planted mistake: labels and loss tensors shifted within the shard, across its chunk seam."""
 
     def loss_side(self, x: Tensor) -> Tensor:
-        local = self._pad(x)[:, self.columns]
+        local = self._pad(self._row(x))[:, self.columns]
         return F.pad(local[:, 1:], (0, 1))
 
 
 class ShiftAfterShardCP(ContextParallel):
     """Context parallelism with the shift-after-shard mistake planted in its shards."""
 
-    def shard(self, batch: TrainBatch) -> Shard:
-        return _ShiftAfterShard(self, batch)
+    def shard(self, batch: TrainBatch, packed: bool = False) -> Shard:
+        return _ShiftAfterShard(self, batch, packed)
 
 
 class DoubleCountCP(ContextParallel):
@@ -270,8 +270,9 @@ def _causal_leak(module, query, key, value, attention_mask, context_parallel_col
     """The planted mistake: context-parallel attention whose query blocks each see one key past
     the causal boundary (a query sees the token it predicts)."""
     queries, keys = context_parallel_columns
+    leaked = (queries + 1).clamp(max=len(keys) - 1)  # the row's last column has no key after it
     return context_parallel_attention(
-        module, query, key, value, attention_mask, context_parallel_columns=(queries + 1, keys), **kwargs
+        module, query, key, value, attention_mask, context_parallel_columns=(leaked, keys), **kwargs
     )
 
 

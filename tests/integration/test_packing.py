@@ -18,7 +18,7 @@ from asyncrl.trainer.context_parallel import ATTN_IMPLEMENTATION, enable_context
 from asyncrl.trainer.normalization import AGG_MODES
 from asyncrl.trainer.worker import TrainerWorker
 from asyncrl.types import RolloutGroup
-from asyncrl.verify import PACKED_LEAK, Case, _packed_leak, check_layout, verify, verify_parallel
+from asyncrl.verify import CP_PLANTS, PACKED_LEAK, Case, _packed_leak, check_layout, verify, verify_parallel
 
 
 def padded(lengths: list[int], width: int, *, left: bool = False, vocab: int = 48, seed: int = 0):
@@ -89,13 +89,15 @@ def test_verify_packed_split_steps_match_and_a_leak_across_sequences_fails():
 @pytest.mark.slow
 def test_packed_rows_on_dp2_x_cp2_match_and_their_planted_mistakes_fail():
     """Packed rows sharded by CP: every mode, the sequence ratio (summed per packed segment over the
-    group), LoRA; the leak across sequences and the per-shard sequence sum must fail."""
+    group), LoRA; the leak across sequences, the per-shard sequence sum and every other CP mistake
+    must fail on packed rows too."""
     cases = (
         [Case(mode, packing=True) for mode in AGG_MODES]
         + [Case("seq-mean-token-mean", ratio_level="sequence", packing=True)]
         + [Case("token-mean", lora=True, packing=True)]
         + [Case(mode, plant="packed-leak", packing=True) for mode in AGG_MODES]
         + [Case("token-mean", plant="cp-shard-mean", ratio_level="sequence", packing=True)]
+        + [Case("token-mean", plant=plant, packing=True) for plant in CP_PLANTS if plant != "cp-shard-mean"]
     )
     results = verify_parallel(cases, dp=2, cp=2, micro_batches=2)
     for result in results:
