@@ -19,7 +19,7 @@ import transformers
 from torch import nn
 
 from asyncrl.algorithms import build_algorithm
-from asyncrl.checkpoint import load_contents, load_state
+from asyncrl.checkpoint import STATE_FILE, load_contents, load_state
 from asyncrl.config import RunConfig
 from asyncrl.data import build_task
 from asyncrl.environments.episode import build_episodes
@@ -77,7 +77,7 @@ def build_trainer_rank(
     worker = TrainerWorker(trainer, config.grpo, tokenizer, rank=rank, seed=config.seed)
     if checkpoint_dir is not None:
         state = load_state(Path(checkpoint_dir))["trainer"]
-        load_contents(f"{checkpoint_dir}'s trainer state", worker.load_checkpoint, checkpoint_dir, state)
+        load_contents(str(Path(checkpoint_dir) / STATE_FILE), worker.load_checkpoint, checkpoint_dir, state)
     return inject_trainer_faults(worker, config.faults)
 
 
