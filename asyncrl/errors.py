@@ -72,3 +72,15 @@ class ProcessGroupError(RunStopped):
     could not reach another at the address it was given. Nothing was trained yet."""
 
     saves_checkpoint = False
+
+
+class IntegrityStop(RunStopped):
+    """A promise the run makes about what it trains was broken (the integrity guard,
+    docs/integrity.md): exit code 3, distinct from a crash (1) and bad input (2). The checkpoint is
+    the last good step's: the breach is caught before the suspect data is trained."""
+
+    exit_code = 3
+
+    def __init__(self, promise: str, evidence: str, step: int) -> None:
+        super().__init__(f"integrity: {promise} broken at step {step}: {evidence}")
+        self.promise, self.evidence, self.step = promise, evidence, step
