@@ -9,6 +9,11 @@ and measures, through the code a run uses:
 - ``weights``: the export a weight sync makes (``PolicyTrainer.export_weights``), to the GPU and to
   host memory, and ``HFGenerator.load_weights`` of it into a bfloat16 generator, in GB/s;
 - ``fsdp2``: the same steps with the policy sharded by FSDP2 over a one-rank process group;
+- ``long_context``: one step of two rows holding T tokens in all, T doubling to 128k, with
+  activation checkpointing: equal rows, ragged rows (60 % / 40 % of T) right-padded, and the same
+  packed; the step's peak GPU memory above the built trainer, and its time. This is
+  ``asyncrl bench long-context``'s cp = 1 measurement at the real model's width, on the GPU's
+  attention kernels (one GPU: cp = 2 needs two);
 - ``vllm``: the vLLM backend's generation and weight load, where its GPU environment exists.
 
 Model FLOPs per trained token follow PaLM's count: 6 N (forward and backward through N
@@ -56,6 +61,7 @@ class Workload:
     micro_batch_size: int
     steps: int  # timed steps, after one warm-up step
     repeats: int  # timed weight exports and loads (the best counts)
+    long_context_lens: tuple[int, ...] = ()  # T of the long-context steps (two rows' tokens in all)
 
     @property
     def seq_len(self) -> int:
@@ -71,7 +77,9 @@ QWEN25_05B = Workload(
     micro_batch_size=8,
     steps=5,
     repeats=3,
+    long_context_lens=tuple(8192 * 2**k for k in range(5)),  # 8k .. 128k
 )
+LONG_CONTEXT_RAGGED = (0.6, 0.4)  # the ragged rows' shares of T, as in ``asyncrl bench long-context``
 
 
 def peak_tflops(device_name: str) -> float | None:
@@ -105,16 +113,22 @@ def run(workload: Workload = QWEN25_05B, *, device: str = "cuda", peak: float | 
     result["train_packed"] = _train(_trainer(_model(workload, device), workload, device, packing=True), workload, peak)
     _empty_cache(device)
     result["fsdp2"] = _fsdp2(workload, device, peak)
+    result["long_context"] = _long_context(workload, device)
     result["vllm"] = _vllm(workload, device)
     return result
 
 
-def _model(workload: Workload, device: str, dtype: torch.dtype = torch.float32):
+def _model(workload: Workload, device: str, dtype: torch.dtype = torch.float32, positions: int | None = None):
+    """The workload's model, with room for ``positions`` (default: the workload's rows)."""
     from asyncrl.models import build_tiny_model
 
     with torch.device(device):  # initialized where it runs: a 0.5B model on the host is slow to move
         return build_tiny_model(
-            workload.vocab_size, seed=0, dtype=dtype, max_position_embeddings=workload.seq_len, **workload.model
+            workload.vocab_size,
+            seed=0,
+            dtype=dtype,
+            max_position_embeddings=positions or workload.seq_len,
+            **workload.model,
         )
 
 
@@ -173,6 +187,95 @@ def _train(trainer, workload: Workload, peak: float | None) -> dict[str, Any]:
         "mfu": achieved / (peak * 1e12) if peak else None,
         "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if trainer.device.type == "cuda" else None,
     }
+
+
+def _long_rows(seq_len: int, ragged: bool) -> list[int]:
+    if not ragged:
+        return [seq_len // 2, seq_len - seq_len // 2]
+    first = round(seq_len * LONG_CONTEXT_RAGGED[0])
+    return [first, seq_len - first]
+
+
+def _long_batch(lengths: list[int], workload: Workload, seed: int):
+    """Rows of ``lengths`` tokens right-padded to the longest: a prompt, then a response."""
+    from asyncrl.types import TrainBatch
+
+    gen = torch.Generator().manual_seed(seed)
+    width = max(lengths)
+    columns = torch.arange(width)
+    ends = torch.tensor(lengths)[:, None]
+    attention_mask = (columns < ends).long()
+    response = ((columns >= min(workload.prompt_len, min(lengths) - 1)) & (columns < ends)).float()
+    uniform = -math.log(workload.vocab_size)
+    return TrainBatch(
+        input_ids=torch.randint(1, workload.vocab_size, (len(lengths), width), generator=gen) * attention_mask,
+        attention_mask=attention_mask,
+        response_mask=response,
+        behaviour_logprobs=uniform * response,
+        advantages=torch.tensor([1.0, -1.0]),
+        response_lengths=response.sum(1).long(),
+        prox_logprobs=uniform * response,
+    )
+
+
+def _long_context(workload: Workload, device: str) -> dict[str, Any]:
+    """Per layout, one step at each T until one does not fit: its peak memory above the built
+    trainer (after a short step, so AdamW's moments exist) and its seconds; the peak's growth per
+    doubling of T, which stays near 2 when memory is linear in T."""
+    from asyncrl.algorithms.grpo import GRPO
+    from asyncrl.config import LossConfig, TrainerConfig
+    from asyncrl.trainer.policy import PolicyTrainer
+
+    lens = workload.long_context_lens
+    if not lens:
+        return {"skipped": "the workload names no long-context lengths"}
+    longest_row = max(max(_long_rows(t, ragged=True)) for t in lens)
+    rows, stopped = [], []
+    for layout, (ragged, packing) in {"equal": (False, False), "ragged": (True, False), "packed": (True, True)}.items():
+        model = _model(workload, device, positions=longest_row)
+        config = TrainerConfig(
+            dtype="bfloat16", micro_batch_size=2, device=device, packing=packing, activation_checkpointing=True
+        )
+        trainer = PolicyTrainer(model, config, GRPO(LossConfig(), "none"), total_steps=2)
+        trainer.train_step(_long_batch([16, 16], workload, seed=0))
+        peaks = []
+        for seq_len in lens:
+            lengths = _long_rows(seq_len, ragged)
+            batch = _long_batch(lengths, workload, seed=seq_len)
+            _empty_cache(device)
+            before = _memory(device, peak=False)
+            _reset_peak(device)
+            start = _now(trainer.device)
+            try:
+                trainer.begin_train_step()
+                trainer.train_microbatch(batch)
+                trainer.finish_train_step()
+            except torch.OutOfMemoryError as err:
+                trainer.abort_train_step()
+                stopped.append({"layout": layout, "seq_len": seq_len, "reason": str(err).splitlines()[0]})
+                break
+            seconds = _now(trainer.device) - start
+            peak = _memory(device, peak=True) - before
+            growth = peak / peaks[-1] if peaks and peaks[-1] else None
+            peaks.append(peak)
+            rows.append({"layout": layout, "seq_len": seq_len, "rows": lengths, "step_peak_bytes": peak,
+                         "step_seconds": seconds, "tokens_per_s": seq_len / seconds, "growth": growth})  # fmt: skip
+        del trainer, model
+        _empty_cache(device)
+    return {"activation_checkpointing": True, "rows": rows, "stopped": stopped}
+
+
+def _memory(device: str, *, peak: bool) -> int:
+    """Bytes the device's allocator holds now (or at its high-water mark); 0 off the GPU, where
+    ``asyncrl bench long-context`` measures resident memory instead."""
+    if device != "cuda":
+        return 0
+    return torch.cuda.max_memory_allocated() if peak else torch.cuda.memory_allocated()
+
+
+def _reset_peak(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
 
 
 def _weights(trainer, workload: Workload, device: str) -> dict[str, Any]:

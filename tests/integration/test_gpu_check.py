@@ -16,6 +16,7 @@ TINY = gpu.Workload(
     micro_batch_size=3,
     steps=2,
     repeats=2,
+    long_context_lens=(32, 64),
 )
 
 
@@ -60,3 +61,12 @@ def test_every_measurement_runs_on_the_cpu_with_a_tiny_model():
     assert result["fsdp2"]["sharded"] and result["fsdp2"]["backend"] == "gloo"
     assert result["fsdp2"]["export_gb_per_s"] > 0
     assert result["vllm"] == {"skipped": "the vLLM GPU backend needs a CUDA device"}
+    long_context = result["long_context"]
+    assert long_context["stopped"] == []
+    steps = [(r["layout"], r["seq_len"], r["rows"]) for r in long_context["rows"]]
+    assert steps == [
+        ("equal", 32, [16, 16]), ("equal", 64, [32, 32]),
+        ("ragged", 32, [19, 13]), ("ragged", 64, [38, 26]),
+        ("packed", 32, [19, 13]), ("packed", 64, [38, 26]),
+    ]  # fmt: skip
+    assert all(r["tokens_per_s"] == pytest.approx(r["seq_len"] / r["step_seconds"]) for r in long_context["rows"])
