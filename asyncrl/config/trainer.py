@@ -41,12 +41,13 @@ class TrainerConfig(Section):
     activation_checkpointing: bool = Field(
         False, description="recompute each transformer block's activations in the backward pass instead of keeping them"
     )
-    logprob_chunk_tokens: int = Field(
-        128,
-        ge=1,
+    logprob_chunk_tokens: int | Literal["auto"] = Field(
+        "auto",
         description="tokens whose logits are computed at once when scoring (loss, proximal and reference "
         "logprobs): the [tokens, vocab] logits exist for one chunk at a time and the backward recomputes them; "
-        "a chunk's scoring peaks at about 5 float32 [tokens, vocab] tensors (0.4 GB at 128 x 151,936)",
+        "a chunk's scoring peaks at about 5 float32 [tokens, vocab] tensors (0.4 GB at 128 x 151,936); "
+        "auto: 128 on the CPU, where memory is the host's, and 1024 on a GPU, where small chunks leave its "
+        "matrix units idle (docs/performance.md)",
     )
     packing: bool = Field(
         False,

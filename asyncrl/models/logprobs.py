@@ -26,7 +26,15 @@ from transformers import PreTrainedModel
 
 from asyncrl.models.packing import Packing
 
-DEFAULT_CHUNK_TOKENS = 128  # trainer.logprob_chunk_tokens' default
+# trainer.logprob_chunk_tokens "auto", by device type: 1024 scored a bf16 step of a 0.5B model 1.5x
+# faster than 128 on an H100 (bench gpu), for about 2.5 GB more at a 151,936-token vocabulary.
+AUTO_CHUNK_TOKENS = {"cuda": 1024}
+DEFAULT_CHUNK_TOKENS = 128  # any other device
+
+
+def chunk_tokens_for(setting: int | str, device: torch.device) -> int:
+    """The chunk ``trainer.logprob_chunk_tokens`` means on ``device``."""
+    return AUTO_CHUNK_TOKENS.get(device.type, DEFAULT_CHUNK_TOKENS) if setting == "auto" else int(setting)
 
 
 def position_ids_from_mask(attention_mask: Tensor) -> Tensor:

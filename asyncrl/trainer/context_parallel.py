@@ -50,6 +50,7 @@ from torch.utils.checkpoint import checkpoint
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+from asyncrl.models.attention import autocast_inputs
 from asyncrl.models.logprobs import (
     DEFAULT_CHUNK_TOKENS,
     SampledDistribution,
@@ -139,6 +140,7 @@ def context_parallel_attention(
     """
     if attention_mask is not None:
         raise ValueError("context-parallel attention: rows are right-padded and need no attention mask")
+    query, key, value = autocast_inputs(query, key, value)
     key = gather_sequence(key, context_parallel_group, dim=2)
     value = gather_sequence(value, context_parallel_group, dim=2)
     if context_parallel_group is None and sliding_window is None and softcap is None:

@@ -29,8 +29,9 @@ from torch import Tensor, nn
 from asyncrl.algorithms import Algorithm, build_algorithm
 from asyncrl.config import LossConfig, RunConfig, TrainerConfig
 from asyncrl.models import SampledDistribution, token_logprobs
+from asyncrl.models.attention import use_autocast_attention
 from asyncrl.models.factory import DTYPES
-from asyncrl.models.logprobs import OutputHead, check_packing
+from asyncrl.models.logprobs import OutputHead, check_packing, chunk_tokens_for
 from asyncrl.models.lora import adapter_dropout, adapter_seed, adapter_tensors, apply_lora, is_lora
 from asyncrl.trainer import normalization
 from asyncrl.trainer.context_parallel import enable_context_parallel_attention
@@ -156,6 +157,10 @@ class PolicyTrainer:
         if recompute:
             checkpoint_activations(model)
         self._autocast = self.forward_dtype is not None
+        if self._autocast:
+            for m in (model, reference_model):
+                if m is not None:
+                    use_autocast_attention(m)  # a no-op where FSDP2 casts the parameters instead
         if self.parallel is not None:
             model = self.parallel.parallelize(model, reference_model, mixed_precision=self.forward_dtype)
             self._autocast = self._autocast and not self.parallel.casts_parameters
@@ -374,7 +379,7 @@ class PolicyTrainer:
             "with_entropy": self.loss_cfg.entropy_coef > 0 or self.loss_cfg.track_entropy,
             "entropy_grad": self.loss_cfg.entropy_coef > 0,
             "distribution": self.distribution,
-            "chunk_tokens": self.cfg.logprob_chunk_tokens,
+            "chunk_tokens": chunk_tokens_for(self.cfg.logprob_chunk_tokens, self.device),
             "packed": self.cfg.packing,
         }
         weights = self._local_weights(batch)
@@ -446,7 +451,7 @@ class PolicyTrainer:
         size = micro_batch_size or self.cfg.micro_batch_size
         scoring = {
             "distribution": self.distribution,
-            "chunk_tokens": self.cfg.logprob_chunk_tokens,
+            "chunk_tokens": chunk_tokens_for(self.cfg.logprob_chunk_tokens, self.device),
             "packed": self.cfg.packing,
         }
         width = batch.input_ids.shape[1]

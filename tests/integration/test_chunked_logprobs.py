@@ -7,12 +7,19 @@ import pytest
 import torch
 import torch.nn.functional as F
 import transformers
+from pydantic import ValidationError
 from test_architectures import ARCHITECTURES
 
 from asyncrl.config import LoraConfig, TrainerConfig
 from asyncrl.models import SampledDistribution, build_tiny_model, token_logprobs
 from asyncrl.models import logprobs as logprobs_module
-from asyncrl.models.logprobs import DEFAULT_CHUNK_TOKENS, OutputHead, logits_logprobs, position_ids_from_mask
+from asyncrl.models.logprobs import (
+    DEFAULT_CHUNK_TOKENS,
+    OutputHead,
+    chunk_tokens_for,
+    logits_logprobs,
+    position_ids_from_mask,
+)
 from asyncrl.models.lora import apply_lora
 from asyncrl.trainer.normalization import AGG_MODES
 from asyncrl.verify import verify
@@ -157,8 +164,13 @@ def test_a_head_the_chunks_cannot_reproduce_is_refused():
         OutputHead(model).check(model)
 
 
-def test_the_configured_chunk_defaults_to_the_scoring_default():
-    assert TrainerConfig().logprob_chunk_tokens == DEFAULT_CHUNK_TOKENS
+def test_the_chunk_defaults_to_auto_which_is_small_on_the_cpu_and_larger_on_a_gpu():
+    assert TrainerConfig().logprob_chunk_tokens == "auto"
+    assert chunk_tokens_for("auto", torch.device("cpu")) == DEFAULT_CHUNK_TOKENS == 128
+    assert chunk_tokens_for("auto", torch.device("cuda")) == 1024
+    assert chunk_tokens_for(7, torch.device("cuda")) == 7
+    with pytest.raises(ValidationError, match="logprob_chunk_tokens"):
+        TrainerConfig(logprob_chunk_tokens="big")
 
 
 @pytest.mark.slow

@@ -66,6 +66,28 @@ def test_bfloat16_trains_float32_masters_that_move_like_a_float32_run(monkeypatc
     assert all(bare[name] == 0 for name in bare if "norm" in name)
 
 
+@pytest.mark.parametrize("packing", [False, True])
+def test_a_bfloat16_trainer_attends_in_bfloat16_though_rotary_embeddings_upcast_the_query(monkeypatch, packing):
+    """Under autocast the rotary tables (float32, like the residual stream) upcast the query and key;
+    sdpa would then run its float32 kernels. The trainer's attention casts them back."""
+    seen = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def spy(query, key, value, *args, **kwargs):
+        seen.append((torch.is_autocast_enabled("cpu"), query.dtype, key.dtype, value.dtype))
+        return sdpa(query, key, value, *args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    model = build_tiny_model(VOCAB, seed=0, hidden_size=32, num_heads=4, num_layers=1, intermediate_size=64)
+    batch = random_batch(model, num_groups=2, group_size=2, vocab_size=VOCAB, seed=0)
+    trainer_for(model, "bfloat16", packing=packing).train_step(batch)
+    assert {tuple(dtypes) for autocast, *dtypes in seen if autocast} == {(torch.bfloat16,) * 3}  # the train forwards
+    seen.clear()
+    model = build_tiny_model(VOCAB, seed=0, hidden_size=32, num_heads=4, num_layers=1, intermediate_size=64)
+    trainer_for(model, "float32", packing=packing).train_step(batch)
+    assert {tuple(dtypes) for _, *dtypes in seen} == {(torch.float32,) * 3}
+
+
 def test_bfloat16_trainer_keeps_float32_state_and_exports_bfloat16():
     model = build_tiny_model(
         VOCAB, seed=0, dtype=torch.bfloat16, hidden_size=32, num_heads=4, num_layers=1, intermediate_size=64
