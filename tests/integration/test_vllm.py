@@ -235,38 +235,53 @@ def test_greedy_evaluation_equals_the_hf_backend(vllm_generator):
         torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), rtol=0, atol=1e-5)
 
 
+ATTEMPTS = 3
+
+
+def running_or_done(url: str, worker: threading.Thread) -> bool:
+    return bool(running_requests(url)) or not worker.is_alive()
+
+
+def generate_into(client: VLLMGenerator, result: dict) -> None:
+    """600 tokens of each request into ``result["r"]``, or the error into ``result["error"]``."""
+    try:
+        result["r"] = client.generate(requests(), SamplingParams(600))
+    except Exception as err:  # shown by the caller's assertion
+        result["error"] = err
+
+
 @pytest.mark.slow
 def test_an_inflight_update_gives_responses_spanning_two_versions(vllm_generator):
     """Long responses (no stop token, through a second client of the same server), weights swapped mid-generation:
     every token's logprob is the trainer's under the version that sampled it."""
     old, new = tiny(31), tiny(32)
-    vllm_generator.load_weights(old.state_dict(), 4)
     endless = endless_client(old, vllm_generator.url)
-    endless.version = 4
-    result = {}
-
-    def generate():
-        try:
-            result["r"] = endless.generate(requests(), SamplingParams(600))
-        except Exception as err:  # shown by the assertion below
-            result["error"] = err
-
-    worker = threading.Thread(target=generate)
-    worker.start()
-    # 600 decoding steps take seconds; a load 0.1 s
-    wait_until(lambda: running_requests(vllm_generator.url) or not worker.is_alive(), 300, "the batch running")
-    assert worker.is_alive(), result
-    vllm_generator.load_weights(new.state_dict(), 5)
+    for attempt in range(ATTEMPTS):  # a loaded machine may decode the whole batch before the poll sees it
+        old_version, new_version = 4 + 2 * attempt, 5 + 2 * attempt
+        vllm_generator.load_weights(old.state_dict(), old_version)
+        endless.version = old_version
+        result: dict = {}
+        worker = threading.Thread(target=generate_into, args=(endless, result))
+        worker.start()
+        # 600 decoding steps take seconds; a load 0.1 s
+        wait_until(partial(running_or_done, vllm_generator.url, worker), 300, "the batch running")
+        if worker.is_alive():
+            vllm_generator.load_weights(new.state_dict(), new_version)
+            break
+        worker.join()
+    else:
+        pytest.fail(f"each of {ATTEMPTS} batches ended before the server's metrics showed it running")
     worker.join(timeout=600)
     assert not worker.is_alive(), "the batch did not return within 600 s"
+    assert "error" not in result, result
     rollouts = result["r"]
     assert all(r.finish_reason == "length" and len(r.response_ids) == 600 for r in rollouts)
-    spanning = [r for r in rollouts if r.versions[0] == 4 and r.versions[-1] == 5]
+    spanning = [r for r in rollouts if r.versions[0] == old_version and r.versions[-1] == new_version]
     assert spanning, [sorted(set(r.versions)) for r in rollouts]
     for rollout in rollouts:
         versions = torch.tensor(rollout.versions)
         assert (versions.diff() >= 0).all()
-        expected = torch.where(versions == 4, trainer_logprobs(old, rollout), trainer_logprobs(new, rollout))
+        expected = torch.where(versions == old_version, trainer_logprobs(old, rollout), trainer_logprobs(new, rollout))
         torch.testing.assert_close(torch.tensor(rollout.logprobs), expected, rtol=0, atol=1e-5)
 
 
