@@ -40,13 +40,16 @@ whose backward is again an all-reduce.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Hashable
 from functools import partial
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
+from torch.utils.weak import WeakIdKeyDictionary
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -167,10 +170,31 @@ def context_parallel_attention(
     return output.transpose(1, 2).contiguous(), None
 
 
+T = TypeVar("T")
+_ON_HOST = WeakIdKeyDictionary()  # an index tensor -> what was read from it to the host
+
+
+def once_per_tensor(tensor: Tensor, key: Hashable, compute: Callable[[], T]) -> T:
+    """``compute()`` once per (``tensor``, ``key``) while ``tensor`` lives. Every layer of a
+    forward, and the backward's recomputation, gets the same index tensors (a shard's columns, a
+    packed row's segment starts); reading them to the host syncs the device and walks the
+    columns in Python, so a micro-batch pays it once instead of twice per layer. A tensor in ``key``
+    is held with the value, so its identity cannot be reused while the entry lives."""
+    memo = _ON_HOST.setdefault(tensor, {})
+    held = tuple(id(k) if isinstance(k, Tensor) else k for k in key) if isinstance(key, tuple) else key
+    if held not in memo:
+        memo[held] = (key, compute())
+    return memo[held][1]
+
+
+def _segment_starts(segments: Tensor) -> list[int]:
+    return (segments == torch.arange(len(segments), device=segments.device)).nonzero().flatten().tolist()
+
+
 def per_segment(attend, query: Tensor, key: Tensor, value: Tensor, segments: Tensor) -> Tensor:
     """``attend`` (sdpa's causal path) over each segment of a packed row alone, outputs concatenated
     along the sequence ([B, T, H, D], as sdpa's forward returns them)."""
-    starts = (segments == torch.arange(len(segments), device=segments.device)).nonzero().flatten().tolist()
+    starts = once_per_tensor(segments, "starts", lambda: _segment_starts(segments))
     bounds = zip(starts, [*starts[1:], len(segments)])
     return torch.cat([attend(query[:, :, a:b], key[:, :, a:b], value[:, :, a:b], None)[0] for a, b in bounds], dim=1)
 
@@ -201,9 +225,11 @@ def blockwise_attention(
     """
     order = key_columns.argsort()
     key, value = key[:, :, order], value[:, :, order]
-    starts = None if segments is None else segments.tolist()
+    starts = None if segments is None else once_per_tensor(segments, "columns", segments.tolist)
+    block = block or QUERY_BLOCK
+    runs = once_per_tensor(query_columns, ("runs", block, segments), lambda: _runs(query_columns, block, starts))
     outputs = []
-    for start, end, column in _runs(query_columns, block or QUERY_BLOCK, starts):
+    for start, end, column in runs:
         stop = column + end - start
         first = 0 if starts is None else starts[column]
         if window is not None:

@@ -13,9 +13,10 @@ from asyncrl.algorithms.grpo import GRPO
 from asyncrl.config import GRPOConfig, LossConfig, TrainerConfig
 from asyncrl.models import SampledDistribution, build_tiny_model, token_logprobs
 from asyncrl.models.packing import Packing
-from asyncrl.trainer import PolicyTrainer
-from asyncrl.trainer.context_parallel import ATTN_IMPLEMENTATION, enable_context_parallel_attention
+from asyncrl.trainer import PolicyTrainer, context_parallel
+from asyncrl.trainer.context_parallel import ATTN_IMPLEMENTATION, blockwise_attention, enable_context_parallel_attention
 from asyncrl.trainer.normalization import AGG_MODES
+from asyncrl.trainer.recompute import checkpoint_activations
 from asyncrl.trainer.worker import TrainerWorker
 from asyncrl.types import RolloutGroup
 from asyncrl.verify import CP_PLANTS, PACKED_LEAK, Case, _packed_leak, check_layout, verify, verify_parallel
@@ -73,6 +74,32 @@ def test_packed_scores_and_gradients_equal_the_padded_rows(left):
     with torch.no_grad():
         leaked, _ = token_logprobs(packed, ids, mask, packed=True, **scoring)
     assert (leaked - plain)[scored].abs().max() > 1e-3
+
+
+def test_a_packed_forward_and_its_recomputation_read_the_segments_to_the_host_once(monkeypatch):
+    """Every layer gets the same segment starts; reading them to the host (a device sync) happens
+    once per micro-batch, not once per layer and again in the backward's recomputation. The
+    blockwise path (windows, softcaps, CP) walks its query blocks once per shard the same way."""
+    reads = []
+    for name in ("_segment_starts", "_runs"):
+        real = getattr(context_parallel, name)
+        monkeypatch.setattr(context_parallel, name, lambda *a, real=real, name=name: reads.append(name) or real(*a))
+    model = build_tiny_model(48, seed=0, hidden_size=32, num_layers=3, num_heads=4, num_kv_heads=2)
+    packed = packed_model(model)
+    checkpoint_activations(packed)
+    ids, mask = padded([7, 3, 12], 12)
+    logprobs, _ = token_logprobs(packed, ids, mask, packed=True, chunk_tokens=5)
+    logprobs.sum().backward()
+    assert reads == ["_segment_starts"]
+    reads.clear()
+    q, kv = torch.randn(1, 4, 22, 8), torch.randn(1, 2, 22, 8)
+    columns, segments = torch.arange(22), Packing.of(mask).segment_starts
+    options = {"window": 4, "softcap": None, "scaling": 0.3, "block": 5}
+    first = blockwise_attention(q, kv, kv, columns, columns, segments=segments, **options)
+    torch.testing.assert_close(blockwise_attention(q, kv, kv, columns, columns, segments=segments, **options), first)
+    assert reads == ["_runs"]
+    blockwise_attention(q, kv, kv, columns, columns, segments=segments.clone(), **options)  # another packed row
+    assert reads == ["_runs", "_runs"]
 
 
 def test_verify_packed_split_steps_match_and_a_leak_across_sequences_fails():
