@@ -251,12 +251,8 @@ class DoubleCountCP(ContextParallel):
 class ShardMeanCP(ContextParallel):
     """The planted mistake: each CP shard takes its own mean for the sequence ratio (GSPO)."""
 
-    def sequence_sum(self, values: Tensor) -> Tensor:
-        return values.sum(-1, keepdim=True).expand_as(values)
-
-    def segment_sum(self, shard: Shard, values: Tensor) -> Tensor:
-        ids = shard.segment_ids().roll(1, dims=-1)[0]
-        return values.new_zeros(len(shard.packing.lengths) + 1).index_add(0, ids, values[0])[ids][None]
+    def reduce_shard_sums(self, local: Tensor) -> Tensor:
+        return local
 
 
 class UntruncatedCP(ContextParallel):

@@ -503,14 +503,16 @@ class ContextParallel:
         """Each token's sum of ``values`` [B, L] over its whole sequence (row), on every rank of the
         group, differentiable: the building block of per-sequence terms such as sequence-level IS
         masks."""
-        local = values.sum(-1, keepdim=True)
-        total = local if self._collective_group is None else _AllReduceSum.apply(local, self.group)
-        return total.expand_as(values)
+        return self.reduce_shard_sums(values.sum(-1, keepdim=True)).expand_as(values)
 
     def segment_sum(self, shard: Shard, values: Tensor) -> Tensor:
         """``sequence_sum`` on a packed shard's loss side [1, L]: sums by segment, reduced over the
         group, given back to each slot of the segment (slots that predict nothing get segment 0's)."""
         ids = shard.segment_ids().roll(1, dims=-1)[0]  # the loss side's slot order
         local = values.new_zeros(len(shard.packing.lengths) + 1).index_add(0, ids, values[0])
-        total = local if self._collective_group is None else _AllReduceSum.apply(local, self.group)
-        return total[ids][None]
+        return self.reduce_shard_sums(local)[ids][None]
+
+    def reduce_shard_sums(self, local: Tensor) -> Tensor:
+        """This shard's per-sequence sums summed over the group (differentiable): every rank holds a
+        part of each sequence."""
+        return local if self._collective_group is None else _AllReduceSum.apply(local, self.group)
