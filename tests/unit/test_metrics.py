@@ -81,7 +81,12 @@ def test_resume_keeps_records_up_to_the_checkpoint_and_continues_the_files(tmp_p
     write_run(tmp_path, [4, 5], [4], resume_step=3)
     assert [r["step"] for r in read_jsonl(tmp_path / "metrics.jsonl")] == [1, 2, 3, 4, 5]
     assert [r["step"] for r in read_jsonl(tmp_path / "eval.jsonl")] == [0, 2, 4]
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["eval.jsonl", "groups.jsonl", "metrics.jsonl"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "eval.jsonl",
+        "groups.jsonl",
+        "metrics.jsonl",
+        "samples.jsonl",
+    ]
 
 
 def test_group_records_append_and_are_truncated_on_resume(tmp_path):
