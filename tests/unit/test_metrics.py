@@ -253,6 +253,20 @@ def test_disabled_prints_nothing():
     assert console.file.getvalue() == ""
 
 
+def test_a_warning_is_printed_whatever_the_display(capsys):
+    console = plain_console()
+    with ProgressDisplay(10, enabled=True, console=console) as progress:
+        progress.warn("raise generation.max_new_tokens")
+    assert lines(console) == ["warning: raise generation.max_new_tokens"]
+    terminal = Console(file=StringIO(), force_terminal=True, width=120)
+    with ProgressDisplay(10, enabled=True, console=terminal) as progress:
+        progress.warn("raise sampler.max_lag")
+    assert "warning: raise sampler.max_lag" in terminal.file.getvalue()
+    with ProgressDisplay(10, enabled=False, console=plain_console()) as progress:
+        progress.warn("raise rewards.timeout_s")
+    assert capsys.readouterr().err == "warning: raise rewards.timeout_s\n"
+
+
 def test_terminal_mode_renders_bar_numbers_and_status():
     console = Console(file=StringIO(), force_terminal=True, width=140, color_system=None)
     with ProgressDisplay(4, enabled=True, console=console) as progress:
