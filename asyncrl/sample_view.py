@@ -16,7 +16,7 @@ from rich.panel import Panel
 from rich.text import Text
 
 from asyncrl.metrics import read_jsonl
-from asyncrl.samples import SAMPLES_FILE, call_text, origin, role_label, scores, shows_prompt
+from asyncrl.samples import SAMPLES_FILE, call_text, origin, role_label, scores, shown_text, shows_prompt
 
 SPLITS = ("train", "eval")
 # key: (types it may hold, what it must be); every record has each
@@ -81,10 +81,9 @@ def _body(record: dict) -> Group:
         label = Text(role_label(message), style=_ROLE_STYLES.get(message["role"], "bold"))
         if message.get("finish_reason") in ("length", "max_tokens"):
             label.stylize("bold red")
-        content = message.get("content")
         lines.append(label)
-        if content not in (None, ""):
-            lines.append(Padding(Text(str(content)), (0, 0, 0, 2)))
+        if text := shown_text(message):
+            lines.append(Padding(Text(text), (0, 0, 0, 2)))
         for call in message.get("tool_calls") or []:
             lines.append(Text.assemble(("  -> call ", "magenta"), call_text(call)))
     return Group(*lines)

@@ -13,6 +13,7 @@ and prints it (asyncrl/sample_view.py).
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 
 SAMPLES_FILE = "samples.jsonl"
@@ -29,7 +30,7 @@ def as_text(record: dict) -> str:
     """The record as plain text, one block per message: what TensorBoard and W&B show."""
     lines = [headline(record)] + ([f"[prompt] {record['prompt']}"] if shows_prompt(record) else [])
     for message in record["messages"]:
-        lines.append(f"[{role_label(message)}] {message.get('content', '')}")
+        lines.append(f"[{role_label(message)}] {shown_text(message)}")
         lines += [f"  -> call {call_text(call)}" for call in message.get("tool_calls") or []]
     return "\n".join(lines)
 
@@ -81,10 +82,18 @@ def role_label(message: dict) -> str:
     return f"{label}, {message['tokens']} tokens{cut.get(message.get('finish_reason'), '')}"
 
 
+def shown_text(message: dict) -> str:
+    """What a message says: a model turn's text as sampled, where its environment parsed it into
+    something else (the tool calls are shown beside it), else its content."""
+    text = message.get("text", message.get("content"))
+    return "" if text is None else str(text)
+
+
 def call_text(call: dict) -> str:
-    """A tool call as ``name(arguments)``."""
+    """A tool call as ``name(arguments)``, the arguments as JSON."""
     function = call.get("function", call) if isinstance(call, dict) else {"name": str(call)}
-    return f"{function.get('name', '?')}({function.get('arguments', '')})"
+    arguments = function.get("arguments", "")
+    return f"{function.get('name', '?')}({arguments if isinstance(arguments, str) else json.dumps(arguments)})"
 
 
 def _number(value: object, spec: str = ".3f") -> str:

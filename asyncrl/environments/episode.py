@@ -417,13 +417,17 @@ TURN_FINISHES = {  # how one model turn ended: the ``finish_reason`` of its tran
 
 
 def annotated_transcript(messages: list[Message], turns: list[dict[str, Any]]) -> list[Message]:
-    """The episode's messages, each model turn's carrying its sampled ``tokens`` and
-    ``finish_reason`` (TURN_FINISHES); a last turn that ended the episode before the environment
-    read it (cut, or out of time) is added as the text it sampled."""
+    """The episode's messages, each model turn's carrying its sampled ``tokens``, its
+    ``finish_reason`` (TURN_FINISHES) and, where the environment parsed it into something else
+    (tool calls), the ``text`` it sampled; a last turn that ended the episode before the
+    environment read it (cut, or out of time) is added as that text."""
     transcript, turn = [], 0
     for message in messages:
         if message.get("role") == "assistant" and turn < len(turns):
-            message = {**message, "tokens": turns[turn]["tokens"], "finish_reason": turns[turn]["finish_reason"]}
+            sampled = turns[turn]
+            message = {**message, "tokens": sampled["tokens"], "finish_reason": sampled["finish_reason"]}
+            if sampled["content"] != message.get("content"):
+                message["text"] = sampled["content"]
             turn += 1
         transcript.append(message)
     transcript += [{"role": "assistant", **unread} for unread in turns[turn:]]

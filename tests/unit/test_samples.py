@@ -81,7 +81,7 @@ def test_an_episodes_transcript_holds_each_turn_its_tool_calls_and_observations_
     call = {"function": {"name": "lookup", "arguments": {"word": "ab"}}}
     assert completion.transcript == [
         {"role": "user", "content": "spell"},
-        {"role": "assistant", "content": "", "tool_calls": [call], "tokens": 4, "finish_reason": "stop"},
+        {"role": "assistant", "content": "", "tool_calls": [call], "tokens": 4, "finish_reason": "stop", "text": "?ab"},
         {"role": "tool", "name": "lookup", "content": "ba"},
         {"role": "assistant", "content": "012345", "tokens": 6, "finish_reason": "length"},
     ]
@@ -97,6 +97,7 @@ def record(step=4, split="train", uid="p0", sample=0, **changes):
             "tool_calls": [{"function": {"name": "lookup", "arguments": {"w": 1}}}],
             "tokens": 4,
             "finish_reason": "stop",
+            "text": "<call w>",
         },
         {"role": "tool", "name": "lookup", "content": "ba"},
         {"role": "assistant", "content": "0123", "tokens": 6, "finish_reason": "length"},
@@ -190,7 +191,7 @@ def test_the_view_lays_out_the_turns_tool_calls_results_and_the_cut(tmp_path):
     assert text.count("step 4 train") == 2 and text.count("step 4 eval") == 1 and "step 2" not in text
     assert text.index("step 4 train") < text.index("step 4 eval")  # training samples first
     assert "advantage -0.250" in text and "exact_match 0.000, format 1.000" in text and "version 2,3" in text
-    assert "-> call lookup({'w': 1})" in text and "tool lookup" in text
+    assert '-> call lookup({"w": 1})' in text and "tool lookup" in text and "<call w>" in text
     assert "assistant, 6 tokens, CUT at generation.max_new_tokens" in text
     assert "assistant, 4 tokens " in text and "assistant, 4 tokens," not in text
 
