@@ -5,6 +5,7 @@ turns and the groups without reward variance are given once, in the log and in s
 default config's start gives none."""
 
 import json
+import re
 
 import pytest
 from helpers import ROOT, run
@@ -16,6 +17,13 @@ from asyncrl.metrics import read_jsonl
 pytestmark = pytest.mark.slow
 
 
+def documented_record_keys() -> set[str]:
+    """The backticked names in the first column of docs/samples.md's table of the record."""
+    text = (ROOT / "docs" / "samples.md").read_text()
+    section = re.search(r"^## The record\n(.*?)(?=^### )", text, re.M | re.S).group(1)
+    return {name for cell in re.findall(r"^\| ([^|\n]+) \|", section, re.M) for name in re.findall(r"`([^`]+)`", cell)}
+
+
 def test_a_run_writes_its_samples_prints_them_and_warns_once_about_what_stops_it_learning(tmp_path, capsys):
     summary, metrics, _ = run(tmp_path, "run", "logging.health_window=2", "logging.eval_samples=3")
     samples = read_jsonl(tmp_path / "run" / "samples.jsonl")
@@ -23,6 +31,7 @@ def test_a_run_writes_its_samples_prints_them_and_warns_once_about_what_stops_it
     evals = [s for s in samples if s["split"] == "eval"]
     assert [s["step"] for s in train] == [step for step in (1, 2, 3, 4) for _ in range(4)]
     assert [s["step"] for s in evals] == [0, 0, 0, 2, 2, 2, 4, 4, 4]
+    assert {key for sample in samples for key in sample} == documented_record_keys()
     first_step = train[:4]
     assert len({s["prompt_uid"] for s in first_step}) == 4 and {s["sample"] for s in first_step} == {0}
     for sample in train:
