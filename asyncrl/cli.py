@@ -291,6 +291,22 @@ def plot(run_dir: Path = typer.Argument(..., help="a run directory holding metri
     typer.echo(str(path))
 
 
+@app.command()
+def samples(
+    run_dir: Path = typer.Argument(..., help="a run directory holding samples.jsonl"),
+    step: int | None = typer.Option(None, "--step", help="the step whose samples to show (default: the last)"),
+) -> None:
+    """Print a step's sample transcripts (training samples and that step's evaluation): each
+    episode's turns, tool calls and results, and where a turn was cut."""
+    from asyncrl.sample_view import at_step, read_samples, show
+
+    try:
+        records = at_step(read_samples(run_dir), step, str(run_dir))
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    show(records, console)
+
+
 app.add_typer(bench_app, name="bench")
 
 MAX_MESSAGE_CHARS = 2000  # a message that echoes input back is cut here, whatever the input

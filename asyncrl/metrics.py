@@ -1,8 +1,9 @@
 """Run metrics: the jsonl files every run writes, optional TensorBoard and W&B sinks, live progress.
 
-``metrics.jsonl`` (one record per optimizer step), ``eval.jsonl`` (one per evaluation) and
-``groups.jsonl`` (one per trained prompt group) are the source of truth; the report, the summary
-and resumption read them back. Keys whose values depend on wall-clock timing start with
+``metrics.jsonl`` (one record per optimizer step), ``eval.jsonl`` (one per evaluation),
+``groups.jsonl`` (one per trained prompt group) and ``samples.jsonl`` (a few transcripts per step
+and evaluation, asyncrl/samples.py) are the source of truth; the report, the summary and
+resumption read them back. Keys whose values depend on wall-clock timing start with
 ``TIMING_PREFIX``, so a determinism test can compare two runs with ``strip_timing``. The record
 schema is documented in docs/metrics.md.
 """
@@ -26,6 +27,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.text import Text
 
 from asyncrl.config import LoggingConfig
+from asyncrl.samples import SAMPLES_FILE, as_text
 
 if TYPE_CHECKING:
     from asyncrl.types import StepReport, StepResult
@@ -36,6 +38,8 @@ METRICS_FILE = "metrics.jsonl"
 EVAL_FILE = "eval.jsonl"
 GROUPS_FILE = "groups.jsonl"
 TENSORBOARD_DIR = "tensorboard"
+RECORD_FILES = (METRICS_FILE, EVAL_FILE, GROUPS_FILE, SAMPLES_FILE)
+SAMPLE_COLUMNS = ("step", "split", "prompt_uid", "sample", "transcript", "reward", "advantage", "finish_reason")
 
 
 # ---- files -----------------------------------------------------------------------------------
@@ -156,6 +160,8 @@ def _sample_keys(report: StepReport, counters: RunCounters, samples: int) -> dic
         "num_groups": data.num_groups,
         "num_filtered_groups": data.num_filtered_groups,
         "num_informative_groups": data.num_groups - data.num_filtered_groups,
+        "zero_variance_groups": data.num_zero_variance_groups,
+        "turns_cut_fraction": data.num_turns_cut / max(data.num_turns, 1),
         "refill_groups": data.num_refill_groups,
         "refill_groups_total": counters.refill_groups_total,
     }
@@ -260,9 +266,9 @@ class MetricsWriter:
         self.run_dir = run_dir
         run_dir.mkdir(parents=True, exist_ok=True)
         if resume_step is not None:
-            for name in (METRICS_FILE, EVAL_FILE, GROUPS_FILE):
+            for name in RECORD_FILES:
                 _truncate_jsonl(run_dir / name, resume_step)
-        self._files = {name: open(run_dir / name, "a") for name in (METRICS_FILE, EVAL_FILE, GROUPS_FILE)}
+        self._files = {name: open(run_dir / name, "a") for name in RECORD_FILES}
         self._tensorboard = _TensorBoard(run_dir / TENSORBOARD_DIR, resume_step) if cfg.tensorboard else None
         self._wandb = _start_wandb(run_dir, run_config) if cfg.wandb else None
         self._closed = False
@@ -278,6 +284,27 @@ class MetricsWriter:
         f = self._files[GROUPS_FILE]
         f.writelines(json.dumps(record) + "\n" for record in records)
         f.flush()
+
+    def log_samples(self, records: list[dict]) -> None:
+        """Sample transcripts of one step or evaluation (asyncrl/samples.py): a line each, and
+        per split a text on TensorBoard and a table on W&B at the records' step."""
+        f = self._files[SAMPLES_FILE]
+        f.writelines(json.dumps(record) + "\n" for record in records)
+        f.flush()
+        for split in dict.fromkeys(record["split"] for record in records):
+            chosen = [record for record in records if record["split"] == split]
+            step = chosen[0]["step"]
+            if self._tensorboard is not None:
+                text = "\n\n".join(f"```\n{as_text(record)}\n```" for record in chosen)
+                self._tensorboard.write_text(step, f"samples/{split}", text)
+            if self._wandb is not None:
+                import wandb
+
+                rows = [
+                    [record.get(c) if c != "transcript" else as_text(record) for c in SAMPLE_COLUMNS]
+                    for record in chosen
+                ]
+                self._wandb.log({f"samples/{split}": wandb.Table(columns=list(SAMPLE_COLUMNS), data=rows)}, step=step)
 
     def _log(self, name: str, record: dict, prefix: str) -> None:
         f = self._files[name]
@@ -326,6 +353,20 @@ class _TensorBoard:
         from tensorboard.compat.proto.summary_pb2 import Summary
 
         summary = Summary(value=[Summary.Value(tag=tag, simple_value=value) for tag, value in values.items()])
+        self._writer.add_event(self._event_pb2.Event(wall_time=time.time(), step=step, summary=summary))
+        self._writer.flush()
+
+    def write_text(self, step: int, tag: str, text: str) -> None:
+        """A text summary (TensorBoard's Text tab renders it as markdown)."""
+        from tensorboard.compat.proto.summary_pb2 import Summary, SummaryMetadata
+        from tensorboard.compat.proto.tensor_pb2 import TensorProto
+        from tensorboard.compat.proto.tensor_shape_pb2 import TensorShapeProto
+        from tensorboard.compat.proto.types_pb2 import DT_STRING
+
+        metadata = SummaryMetadata(plugin_data=SummaryMetadata.PluginData(plugin_name="text"))
+        shape = TensorShapeProto(dim=[TensorShapeProto.Dim(size=1)])
+        tensor = TensorProto(dtype=DT_STRING, string_val=[text.encode()], tensor_shape=shape)
+        summary = Summary(value=[Summary.Value(tag=tag, metadata=metadata, tensor=tensor)])
         self._writer.add_event(self._event_pb2.Event(wall_time=time.time(), step=step, summary=summary))
         self._writer.flush()
 
@@ -433,6 +474,14 @@ class ProgressDisplay:
             self._refresh()
         elif self.enabled and self._status_is_news(text):
             self._print(text)
+
+    def warn(self, text: str) -> None:
+        """A warning the user must see, whatever the display: above a live bar, in a log, or on
+        stderr when the display is off."""
+        if self.enabled:
+            self.console.print(f"warning: {text}", highlight=False, markup=False, soft_wrap=True)
+        else:
+            print(f"warning: {text}", file=sys.stderr, flush=True)
 
     def _status_is_news(self, text: str) -> bool:
         kind, now = re.sub(r"[\d.,]+", "#", text), time.monotonic()

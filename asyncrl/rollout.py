@@ -11,6 +11,7 @@ reward is the environment's, when it gave one, or else the run's rewards' score 
 
 from __future__ import annotations
 
+import json
 import math
 import time
 from collections.abc import Mapping, Sequence
@@ -40,10 +41,14 @@ class RolloutWorker:
         inflight: bool = False,
         algorithm: Algorithm | None = None,
         episodes: Episodes | None = None,
+        samples: int = 0,
+        eval_samples: int = 0,
     ) -> None:
         """``algorithm``: the run's, which judges whether each group is informative as it is
         tensorized (None: ``RolloutGroup``'s own default, GRPO's test). ``episodes``: how prompts
         become completions (None: ``SingleTurn``, one response to the prompt's text).
+        ``samples``: transcripts a group keeps of its first samples, ``eval_samples``: an
+        evaluation of its first prompts, for the run's sample log (asyncrl/samples.py).
 
         ``inflight``: the generator takes weights while it generates (its responses then span
         versions), so a runtime may run ``load_weights`` beside ``generate`` (``unordered_methods``)."""
@@ -58,6 +63,8 @@ class RolloutWorker:
         self.pad_id = tokenizer.pad_token_id
         self.algorithm = algorithm
         self.episodes = episodes if episodes is not None else SingleTurn(generator, tokenizer)
+        self.samples = samples
+        self.eval_samples = eval_samples
 
     def load_weights(self, state_dict: Mapping[str, Tensor], version: int) -> None:
         self.generator.load_weights(state_dict, version)
@@ -119,6 +126,10 @@ class RolloutWorker:
             reward_mean=sum(scores.rewards) / count,
             response_length_mean=sum(_sampled_tokens(r) for r in rollouts) / count,
             seconds=time.perf_counter() - start,
+            samples=[
+                _sample_record(prompts[i], 0, completions[i], scores, i, self.generator.version)
+                for i in range(min(self.eval_samples, len(prompts)))
+            ],
         )
 
     def _score(self, completions: Sequence[Completion], answers: Sequence[str]) -> RewardResult:
@@ -136,10 +147,13 @@ class RolloutWorker:
         rewards, errors = map(list, zip(*(_environment_reward(c.reward) for c in completions)))
         correct = [reward >= 1.0 for reward in rewards]  # the runner's rule: a score of 1 is a correct answer
         timeouts = [0] * len(completions)
+        parts = {name: [0.0] * len(completions) for name in scored.per_function}  # 0 where the environment scored
         for k, i in enumerate(todo):
             rewards[i], correct[i] = scored.rewards[k], scored.correct[k]
             errors[i], timeouts[i] = scored.item_errors[k], scored.item_timeouts[k]
-        return RewardResult(rewards, correct, {}, errors, timeouts)
+            for name, values in scored.per_function.items():
+                parts[name][i] = values[k]
+        return RewardResult(rewards, correct, parts, errors, timeouts)
 
     def _group(
         self, job: RolloutJob, samples: list[Completion], scores: RewardResult, rows: slice, end_version: int
@@ -159,6 +173,10 @@ class RolloutWorker:
         for completion in samples:
             for key, value in completion.metrics.items():
                 episode_metrics[key] = episode_metrics.get(key, 0.0) + value
+        records = [
+            _sample_record(job.prompt, i, samples[i], scores, rows.start + i, job.start_version)
+            for i in range(min(self.samples, len(samples)))
+        ]
         return replace(
             group,
             informative=group.informative if self.algorithm is None else self.algorithm.informative(group.rewards),
@@ -167,7 +185,44 @@ class RolloutWorker:
             reward_timeouts=sum(scores.item_timeouts[rows]),
             retries=job.retries + sum(c.retries for c in samples),
             episode_metrics=episode_metrics,
+            samples=records,
         )
+
+
+def _sample_record(
+    prompt: Prompt, index: int, completion: Completion, scores: RewardResult, row: int, version: int
+) -> dict:
+    """One sample as the sample log keeps it (docs/samples.md), JSON through and through: an
+    environment's messages may hold anything, and what cannot be JSON is kept as its text."""
+    rollout = completion.rollout
+    versions = rollout.versions or []
+    sampled = {v for v, trained in zip(versions, rollout.loss_mask or [1] * len(versions)) if trained}
+    messages = completion.transcript
+    if messages is None:
+        turn = {"tokens": len(rollout.response_ids), "finish_reason": rollout.finish_reason}
+        messages = [{"role": "assistant", "content": completion.text, **turn}]
+    record = {
+        "prompt_uid": prompt.uid,
+        "sample": index,
+        "prompt": prompt.text,
+        "answer": prompt.answer,
+        "messages": messages,
+        "reward": scores.rewards[row],
+        "reward_parts": (
+            {"environment": scores.rewards[row]}
+            if completion.reward is not None
+            else {name: values[row] for name, values in scores.per_function.items()}
+        ),
+        "correct": bool(scores.correct[row]),
+        "finish_reason": rollout.finish_reason,
+        "versions": sorted(sampled) or [version],
+        "tokens": {
+            "prompt": len(rollout.prompt_ids),
+            "response": len(rollout.response_ids),
+            "sampled": _sampled_tokens(rollout),
+        },
+    }
+    return json.loads(json.dumps(record, default=str))
 
 
 def _environment_reward(reward: float | None) -> tuple[float, int]:

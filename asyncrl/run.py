@@ -33,11 +33,12 @@ from asyncrl.config import ConfigError, LoraConfig, RunConfig, dump_config
 from asyncrl.control.buffer import ReplayBuffer
 from asyncrl.control.controller import SingleController
 from asyncrl.control.handles import RolloutHandle, TrainerHandle
+from asyncrl.control.health import run_warnings
 from asyncrl.data import PromptLoader, build_task, check_encodable, check_prompt_lengths
 from asyncrl.environments.context import first_requests
 from asyncrl.environments.episode import environment_class
 from asyncrl.generation import build_generator
-from asyncrl.metrics import MetricsWriter, ProgressDisplay, read_jsonl, write_json_atomic
+from asyncrl.metrics import METRICS_FILE, MetricsWriter, ProgressDisplay, read_jsonl, write_json_atomic
 from asyncrl.models.factory import DTYPES, build_model, build_tokenizer
 from asyncrl.models.hf import stop_token_ids
 from asyncrl.models.lora import merged_model
@@ -114,7 +115,7 @@ def train(
         parts.rewards.close()
         if metrics is not None:
             metrics.close()
-    summary = _summary(context.run_dir, steps_done, time.perf_counter() - start)
+    summary = _summary(config, context.run_dir, steps_done, time.perf_counter() - start)
     write_json_atomic(context.run_dir / "summary.json", summary)
     write_report(context.run_dir)
     return summary
@@ -223,6 +224,7 @@ def drive(
     )
     if context.state is not None:
         load_contents(f"the resumed checkpoint's {STATE_FILE}", controller.load_state_dict, context.state["run"])
+        controller.health.replay(read_jsonl(context.run_dir / METRICS_FILE))  # what was said before is not repeated
     return asyncio.run(_load_weights_then_run(controller, trainer, rollout_workers))
 
 
@@ -315,8 +317,9 @@ def resumed_config_path(checkpoint_dir: Path) -> Path:
     return path
 
 
-def _summary(run_dir: Path, steps_done: int, wall_seconds: float) -> dict:
-    """Headline numbers; eval records come from eval.jsonl so a resumed run reports the whole run."""
+def _summary(config: RunConfig, run_dir: Path, steps_done: int, wall_seconds: float) -> dict:
+    """Headline numbers and the run-health warnings; they come from the record files, so a resumed
+    run reports the whole run."""
     evals = read_jsonl(run_dir / "eval.jsonl")
     steps = read_jsonl(run_dir / "metrics.jsonl")
     summary = {
@@ -333,6 +336,7 @@ def _summary(run_dir: Path, steps_done: int, wall_seconds: float) -> dict:
         "reward_timeouts": sum(s["reward_timeouts"] for s in steps),
         "rollout_retries": sum(s["rollout_retries"] for s in steps),
         "max_lag_trained": max((int(lag) for s in steps for lag in s["lag_histogram"]), default=0),
+        "warnings": run_warnings(config, steps),
     }
     return summary
 

@@ -73,6 +73,7 @@ class RolloutGroup:
     informative: bool | None = None  # the run's algorithm's judgement (Algorithm.informative); None: see below
     token_versions: Tensor | None = None  # [n, T] int64 version that sampled each trained token, -1 elsewhere
     episode_metrics: dict[str, float] = field(default_factory=dict)  # multi-turn episodes: sums over the samples
+    samples: list[dict] = field(default_factory=list)  # transcripts of its first samples (asyncrl/samples.py)
 
     def __post_init__(self) -> None:
         n, t = self.input_ids.shape
@@ -336,6 +337,7 @@ class EvalResult:
     reward_mean: float
     response_length_mean: float
     seconds: float
+    samples: list[dict] = field(default_factory=list)  # transcripts of the first prompts (asyncrl/samples.py)
 
 
 @dataclass
@@ -364,6 +366,9 @@ class StepData:
     num_filtered_groups: int = 0
     num_refill_groups: int = 0  # of num_groups, replacements for filtered groups (set by the controller)
     num_samples: int = 0
+    num_zero_variance_groups: int = 0  # groups the algorithm judged uninformative, filtered or not
+    num_turns: float = 0.0  # model turns: an episode's, or one per single-turn sample
+    num_turns_cut: float = 0.0  # of them, cut by the generator at generation.max_new_tokens
     reward_sum: float = 0.0
     reward_sq_sum: float = 0.0
     num_correct: float = 0.0
@@ -374,10 +379,19 @@ class StepData:
     lag_histogram: Counter = field(default_factory=Counter)
     episode_metrics: Counter = field(default_factory=Counter)  # multi-turn episodes: sums over the samples
     groups: list[dict] = field(default_factory=list)  # one record per group, for groups.jsonl
+    samples: list[dict] = field(default_factory=list)  # the groups' sample transcripts, for samples.jsonl
 
-    def add(self, group: RolloutGroup, version: int) -> None:
+    def add(self, group: RolloutGroup, version: int, advantages: Tensor | None = None) -> None:
+        """Count ``group``, trained at ``version``; ``advantages``: its samples', None when it was filtered out."""
         self.num_groups += 1
         self.num_samples += group.size
+        self.num_zero_variance_groups += not group.informative
+        if "turns" in group.episode_metrics:
+            self.num_turns += group.episode_metrics["turns"]
+            self.num_turns_cut += group.episode_metrics.get("turns_cut", 0.0)
+        else:
+            self.num_turns += group.size
+            self.num_turns_cut += group.finish_reasons.count("length")
         self.reward_sum += float(group.rewards.double().sum())
         self.reward_sq_sum += float(group.rewards.double().square().sum())
         if group.correct is not None:
@@ -401,6 +415,9 @@ class StepData:
                 "num_correct": float(group.correct.sum()) if group.correct is not None else None,
             }
         )
+        for sample in group.samples:
+            advantage = None if advantages is None else float(advantages[sample["sample"]])
+            self.samples.append({"step": version + 1, "split": "train", **sample, "advantage": advantage})
 
 
 @dataclass

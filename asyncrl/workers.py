@@ -130,4 +130,6 @@ def rollout_worker(config: RunConfig, generator: Generator, rewards: RewardRunne
         inflight=config.sync.mode == "inflight" and generator.loads_while_generating,
         algorithm=build_algorithm(config),
         episodes=build_episodes(config, generator, tokenizer),
+        samples=min(config.logging.samples_per_step, config.grpo.generations_per_prompt),
+        eval_samples=config.logging.eval_samples,
     )

@@ -121,9 +121,15 @@ class NullMetrics:
     def log_groups(self, records: list[dict]) -> None:
         pass
 
+    def log_samples(self, records: list[dict]) -> None:
+        pass
+
 
 class NullProgress:
     def status(self, text: str) -> None:
+        pass
+
+    def warn(self, text: str) -> None:
         pass
 
     def update(self, record: dict) -> None:

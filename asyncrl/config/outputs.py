@@ -25,6 +25,13 @@ class LoggingConfig(Section):
     tensorboard: bool = Field(True, description="write TensorBoard event files")
     wandb: bool = Field(False, description="log to Weights & Biases when it is installed")
     progress: bool = Field(True, description="live progress display")
+    samples_per_step: int = Field(
+        4, ge=0, description="sample transcripts written per step to samples.jsonl, spread over its groups; 0: none"
+    )
+    eval_samples: int = Field(8, ge=0, description="transcripts written per evaluation, of its first prompts; 0: none")
+    health_window: int = Field(
+        10, ge=1, description="steps a run-health condition must hold before the run warns about it (once)"
+    )
 
 
 class FaultsConfig(Section):

@@ -54,6 +54,7 @@ from asyncrl.control.buffer import ReplayBuffer
 from asyncrl.control.changes import Changes
 from asyncrl.control.gate import RolloutGate
 from asyncrl.control.handles import RolloutHandle, TrainerHandle
+from asyncrl.control.health import RunHealth
 from asyncrl.control.interrupts import Interrupts
 from asyncrl.control.refill import DynamicSampling
 from asyncrl.control.run_state import RunState
@@ -71,6 +72,7 @@ from asyncrl.errors import (
     WeightLoadFailedError,
 )
 from asyncrl.metrics import StepClock, step_record
+from asyncrl.samples import spread
 from asyncrl.types import RolloutGroup, RolloutJob
 from asyncrl.weights.sync import SyncReport, SyncTimeoutError, WeightLoadError, WeightSync
 
@@ -131,6 +133,7 @@ class SingleController:
         self.clock = StepClock()
         self.start_time = time.perf_counter()
         self.evals: list[dict] = []
+        self.health = RunHealth(config)
         self._tasks: asyncio.TaskGroup | None = None
 
     @property
@@ -566,6 +569,8 @@ class SingleController:
         }
         self.evals.append(record)
         self.metrics.log_eval(record)
+        if result.samples:
+            self.metrics.log_samples([{"step": self.version, "split": "eval", **r} for r in result.samples])
         self.progress.update_eval(record)
         self.watchdog.progressed()
 
@@ -634,8 +639,12 @@ class SingleController:
         record = step_record(report, sync, counters, self.clock, step_s, wall_s, len(self.rollout_workers))
         self.clock = StepClock()
         self.metrics.log_groups(report.data.groups)
+        if samples := spread(report.data.samples, self.config.logging.samples_per_step):
+            self.metrics.log_samples(samples)
         self.metrics.log_step(record)
         self.progress.update(record)
+        for warning in self.health.observe(record):
+            self.progress.warn(f"step {warning.step}: {warning.message}")
 
 
 def _job_state(job: RolloutJob) -> dict:

@@ -60,6 +60,7 @@ class Completion:
     metrics: dict[str, float] = field(default_factory=dict)  # an episode's counts (docs/metrics.md)
     longest_turn: int | None = None  # the most tokens one model turn sampled; None: a single turn
     retries: int = 0  # attempts of the episode that its environment failed before this one
+    transcript: list[Message] | None = None  # an episode's messages, turns annotated (transcript()); None: one turn
 
 
 class Episodes(Protocol):
@@ -134,6 +135,7 @@ class _Episode:
     mask: list[int] = field(default_factory=list)
     turns: int = 0
     longest_turn: int = 0  # tokens of the longest model turn as sampled, before the token budget cut it
+    turn_log: list[dict[str, Any]] = field(default_factory=list)  # each model turn: text, tokens, how it ended
     text: str = ""
     env_s: float = 0.0
     metrics: dict[str, float] = field(default_factory=dict)
@@ -156,7 +158,9 @@ class _Episode:
             "trained_tokens": float(trained),
             "masked_tokens": float(len(self.mask) - trained),
             "truncated": float(self.finish != "stop"),
+            "cut": float(self.finish == "length"),
             "timed_out": float(self.finish == "time_limit"),
+            "turns_cut": float(sum(turn["finish_reason"] == "length" for turn in self.turn_log)),
             **self.metrics,
         }
         rollout = Rollout(
@@ -167,7 +171,8 @@ class _Episode:
             versions=self.versions,
             loss_mask=self.mask,
         )
-        return Completion(rollout, self.text, self.reward, metrics, self.longest_turn, self.retries)
+        transcript = annotated_transcript(self.messages, self.turn_log)
+        return Completion(rollout, self.text, self.reward, metrics, self.longest_turn, self.retries, transcript)
 
     def deadline(self, limits: EpisodeLimits) -> float:
         return float("inf") if limits.max_seconds is None else self.started + limits.max_seconds
@@ -343,7 +348,10 @@ class MultiTurn:
             episode.turns += 1
             episode.longest_turn = max(episode.longest_turn, len(rollout.response_ids))
             episode.text = self.tokenizer.decode(ids, skip_special_tokens=True)
-            if rollout.finish_reason != "stop" or len(rollout.response_ids) > room:
+            cut = "max_tokens" if len(rollout.response_ids) > room else None
+            finish = "length" if rollout.finish_reason != "stop" else cut or "stop"
+            episode.turn_log.append({"content": episode.text, "tokens": len(ids), "finish_reason": finish})
+            if finish != "stop":
                 episode.finish = "length"
         return episodes
 
@@ -399,6 +407,31 @@ class MultiTurn:
             messages, tools=env.tools or None, add_generation_prompt=generation_prompt, tokenize=False
         )
         return encode_prompts([text], self.tokenizer)[0]
+
+
+TURN_FINISHES = {  # how one model turn ended: the ``finish_reason`` of its transcript message
+    "stop": "the model ended it (an end token)",
+    "length": "the generator cut it at generation.max_new_tokens",
+    "max_tokens": "it did not fit the episode's environment.max_tokens and was cut there",
+}
+
+
+def annotated_transcript(messages: list[Message], turns: list[dict[str, Any]]) -> list[Message]:
+    """The episode's messages, each model turn's carrying its sampled ``tokens``, its
+    ``finish_reason`` (TURN_FINISHES) and, where the environment parsed it into something else
+    (tool calls), the ``text`` it sampled; a last turn that ended the episode before the
+    environment read it (cut, or out of time) is added as that text."""
+    transcript, turn = [], 0
+    for message in messages:
+        if message.get("role") == "assistant" and turn < len(turns):
+            sampled = turns[turn]
+            message = {**message, "tokens": sampled["tokens"], "finish_reason": sampled["finish_reason"]}
+            if sampled["content"] != message.get("content"):
+                message["text"] = sampled["content"]
+            turn += 1
+        transcript.append(message)
+    transcript += [{"role": "assistant", **unread} for unread in turns[turn:]]
+    return transcript
 
 
 def _environment(what: str, call: Callable[..., Any], *args: Any) -> Any:

@@ -40,6 +40,7 @@ class RemoteGroup:
     response_tokens: int
     sequence_lengths: list[int]
     episode_metrics: dict[str, float]
+    samples: list[dict]
     ref: Any = None  # ray.ObjectRef of the RolloutGroup; set by the caller that owns it
 
     @classmethod

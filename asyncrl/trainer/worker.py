@@ -112,11 +112,12 @@ class TrainerWorker:
     def train_groups(self, groups: Sequence[RolloutGroup]) -> int:
         """Add a chunk of the step; trains every full round. Returns sequences received so far."""
         for group in groups:
-            self._data.add(group, self.trainer.version)
-            if self.grpo.filter_zero_variance and not group.informative:
+            filtered = self.grpo.filter_zero_variance and not group.informative
+            advantages = None if filtered else self.trainer.algorithm.advantages(group.rewards)
+            self._data.add(group, self.trainer.version, advantages)
+            if filtered:
                 self._data.num_filtered_groups += 1
                 continue
-            advantages = self.trainer.algorithm.advantages(group.rewards)
             if self.collect:
                 self._collected.append((group, advantages))
             else:

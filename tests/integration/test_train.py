@@ -12,7 +12,7 @@ from helpers import SMALL, deterministic, run
 
 from asyncrl.config import load_config
 from asyncrl.errors import RolloutFailedError
-from asyncrl.metrics import strip_timing
+from asyncrl.metrics import read_jsonl, strip_timing
 
 
 @pytest.mark.slow
@@ -43,6 +43,7 @@ def test_resume_continues_exactly_like_an_uninterrupted_run(tmp_path):
     summary, resumed, resumed_groups = run(tmp_path, "part", "grpo.max_steps=5", resume=tmp_path / "part")
     assert deterministic(resumed) == deterministic(full)
     assert resumed_groups == full_groups
+    assert read_jsonl(tmp_path / "part" / "samples.jsonl") == read_jsonl(tmp_path / "full" / "samples.jsonl")
     assert summary["steps"] == 5
 
 

@@ -81,7 +81,12 @@ def test_resume_keeps_records_up_to_the_checkpoint_and_continues_the_files(tmp_p
     write_run(tmp_path, [4, 5], [4], resume_step=3)
     assert [r["step"] for r in read_jsonl(tmp_path / "metrics.jsonl")] == [1, 2, 3, 4, 5]
     assert [r["step"] for r in read_jsonl(tmp_path / "eval.jsonl")] == [0, 2, 4]
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["eval.jsonl", "groups.jsonl", "metrics.jsonl"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "eval.jsonl",
+        "groups.jsonl",
+        "metrics.jsonl",
+        "samples.jsonl",
+    ]
 
 
 def test_group_records_append_and_are_truncated_on_resume(tmp_path):
@@ -246,6 +251,20 @@ def test_disabled_prints_nothing():
         progress.update(step_record(1))
         progress.update_eval(eval_record(1))
     assert console.file.getvalue() == ""
+
+
+def test_a_warning_is_printed_whatever_the_display(capsys):
+    console = plain_console()
+    with ProgressDisplay(10, enabled=True, console=console) as progress:
+        progress.warn("raise generation.max_new_tokens")
+    assert lines(console) == ["warning: raise generation.max_new_tokens"]
+    terminal = Console(file=StringIO(), force_terminal=True, width=120)
+    with ProgressDisplay(10, enabled=True, console=terminal) as progress:
+        progress.warn("raise sampler.max_lag")
+    assert "warning: raise sampler.max_lag" in terminal.file.getvalue()
+    with ProgressDisplay(10, enabled=False, console=plain_console()) as progress:
+        progress.warn("raise rewards.timeout_s")
+    assert capsys.readouterr().err == "warning: raise rewards.timeout_s\n"
 
 
 def test_terminal_mode_renders_bar_numbers_and_status():
