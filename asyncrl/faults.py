@@ -12,9 +12,13 @@ import os
 import signal
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
+import torch
+
 from asyncrl.config import FaultsConfig
+from asyncrl.types import RolloutGroup
 
 
 class InjectedFault(RuntimeError):
@@ -30,6 +34,7 @@ def inject_rollout_faults(worker: Any, faults: FaultsConfig) -> Any:
         or faults.slow_sync_s
         or faults.load_errors
         or faults.eval_errors
+        or faults.stale_tokens
     ):
         return FaultyRolloutWorker(worker, faults)
     return worker
@@ -52,7 +57,8 @@ class _Wrapper:
 
 
 class FaultyRolloutWorker(_Wrapper):
-    """Counts generation and evaluation calls; raises, hangs or slows a weight load where the section says."""
+    """Counts generation and evaluation calls; raises, hangs or slows a weight load where the section
+    says; ages the token versions of the groups it returns."""
 
     def __init__(self, worker: Any, faults: FaultsConfig) -> None:
         super().__init__(worker, faults)
@@ -69,7 +75,10 @@ class FaultyRolloutWorker(_Wrapper):
         failing = [job.prompt.uid for job in jobs if _base_uid(job.prompt.uid) in self.faults.failing_prompts]
         if failing:
             raise InjectedFault(f"prompt {failing[0]} cannot be generated (faults.failing_prompts)")
-        return self.worker.generate(jobs)
+        result = self.worker.generate(jobs)
+        if self.faults.stale_tokens:
+            result.groups = [_aged(group, self.faults.stale_tokens) for group in result.groups]
+        return result
 
     def evaluate(self, prompts: Sequence[Any]) -> Any:
         call, self.eval_calls = self.eval_calls, self.eval_calls + 1
@@ -126,6 +135,14 @@ class _KilledAfterSaving:
     def save_pretrained(self, directory: Any) -> None:
         self.tokenizer.save_pretrained(directory)
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _aged(group: RolloutGroup, versions: int) -> RolloutGroup:
+    """The group with every trained token's weight version ``versions`` older, never below 0."""
+    sampled = group.token_versions
+    if sampled is None:
+        sampled = torch.full_like(group.input_ids, group.start_version).where(group.response_mask > 0, -1)
+    return replace(group, token_versions=(sampled - versions).clamp(min=0).where(sampled >= 0, -1))
 
 
 def _base_uid(uid: str) -> str:
