@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from asyncrl.config import FaultsConfig
+from asyncrl.rewards import RewardResult
 from asyncrl.types import RolloutGroup
 
 
@@ -35,6 +36,7 @@ def inject_rollout_faults(worker: Any, faults: FaultsConfig) -> Any:
         or faults.load_errors
         or faults.eval_errors
         or faults.stale_tokens
+        or faults.rewards_raise
     ):
         return FaultyRolloutWorker(worker, faults)
     return worker
@@ -58,10 +60,12 @@ class _Wrapper:
 
 class FaultyRolloutWorker(_Wrapper):
     """Counts generation and evaluation calls; raises, hangs or slows a weight load where the section
-    says; ages the token versions of the groups it returns."""
+    says; ages the token versions of the groups it returns, fails every reward call."""
 
     def __init__(self, worker: Any, faults: FaultsConfig) -> None:
         super().__init__(worker, faults)
+        if faults.rewards_raise:
+            worker.rewards = _RaisingRewards(worker.rewards)
         self.calls = 0
         self.eval_calls = 0
         self.load_calls = 0
@@ -135,6 +139,28 @@ class _KilledAfterSaving:
     def save_pretrained(self, directory: Any) -> None:
         self.tokenizer.save_pretrained(directory)
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+class _RaisingRewards:
+    """A reward runner whose every call fails: each completion scores 0 with one error, as the
+    runner reports a reward function that raised."""
+
+    def __init__(self, rewards: Any) -> None:
+        self.rewards = rewards
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.rewards, name)
+
+    def score(self, completions: Sequence[str], *args: Any) -> RewardResult:
+        scored = self.rewards.score(completions, *args)
+        zeros = [0.0] * len(completions)
+        return replace(
+            scored,
+            rewards=zeros,
+            correct=[False] * len(completions),
+            per_function={name: zeros for name in scored.per_function},
+            item_errors=[errors + 1 for errors in scored.item_errors],
+        )
 
 
 def _aged(group: RolloutGroup, versions: int) -> RolloutGroup:

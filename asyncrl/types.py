@@ -371,6 +371,7 @@ class StepData:
 
     num_groups: int = 0
     num_filtered_groups: int = 0
+    num_failed_groups: int = 0  # left out of the loss: a reward failed (integrity.failures)
     num_refill_groups: int = 0  # of num_groups, replacements for filtered groups (set by the controller)
     num_samples: int = 0
     reward_sum: float = 0.0

@@ -418,6 +418,7 @@ class SingleController:
         if not self.state.step_groups:
             await self.trainer.abort_step()
             return None
+        self._failures(version)
         self.watchdog.waiting["train loop"] = f"trainer.finish_step({version})"
         busy_start = time.perf_counter()
         report = await self.trainer.finish_step()
@@ -473,6 +474,20 @@ class SingleController:
             step=version,
             evidence=f"group {group.prompt_uid} (start version {group.start_version}) has a token sampled by "
             f"weights {oldest}: lag {version - oldest} > sampler.max_lag={bound}",
+        )
+
+    def _failures(self, version: int) -> None:
+        """Promise 4: the trainer leaves a group whose reward raised or was not a finite number out
+        of the loss; a step that would lose more than ``integrity.failures.threshold`` of its groups
+        so stops (or warns) before its update."""
+        groups = self.state.step_groups
+        failed = sum(1 for group in groups if group.reward_errors)
+        self.guard.check(
+            "failures",
+            failed / len(groups),
+            step=version,
+            evidence=f"{failed} of the step's {len(groups)} groups have a reward that raised or was not a finite "
+            f"number (integrity.failures.threshold={self.config.integrity.failures.threshold})",
         )
 
     def _select(self, version: int, min_k: int, max_k: int) -> list[int]:

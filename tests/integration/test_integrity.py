@@ -54,3 +54,16 @@ def test_stale_groups_are_dropped_and_counted_under_action_drop(tmp_path):
     assert [m["integrity/dropped_groups"] for m in metrics] == [0, 4, 4, 4]
     assert [m["integrity/staleness"] for m in metrics] == [0, 1, 1, 1]
     assert [m["num_groups"] for m in metrics] == [4, 0, 0, 0]  # nothing stale reached the trainer
+
+
+@pytest.mark.slow
+def test_a_step_whose_rewards_fail_stops_before_its_update_and_no_failure_is_trained(tmp_path, capsys):
+    line, step, metrics = integrity_stop(tmp_path, capsys, "faults.rewards_raise=true")
+    assert line.startswith(
+        "integrity: failures broken at step 0: 4 of the step's 4 groups have a reward that raised or was not a "
+        "finite number (integrity.failures.threshold=0.5)"
+    )
+    assert step == 0 and metrics == []
+    _, metrics, _ = run(tmp_path, "warned", "faults.rewards_raise=true", "integrity.failures.action=warn")
+    assert [m["failed_groups"] for m in metrics] == [4] * 4 and [m["integrity/failures"] for m in metrics] == [1] * 4
+    assert all(m["num_sequences"] == m["num_tokens"] == 0 for m in metrics)  # dropped, never trained as a 0
