@@ -44,7 +44,12 @@ def inject_rollout_faults(worker: Any, faults: FaultsConfig) -> Any:
 
 def inject_trainer_faults(worker: Any, faults: FaultsConfig) -> Any:
     """``worker`` itself, or a wrapper that applies the section's train-step and checkpoint faults."""
-    if faults.train_errors or faults.nonfinite_steps or faults.kill_in_checkpoint is not None:
+    if (
+        faults.train_errors
+        or faults.nonfinite_steps
+        or faults.kill_in_checkpoint is not None
+        or faults.duplicate_microbatch
+    ):
         return FaultyTrainerWorker(worker, faults)
     return worker
 
@@ -99,10 +104,13 @@ class FaultyRolloutWorker(_Wrapper):
 
 
 class FaultyTrainerWorker(_Wrapper):
-    """Fails a step's first attempt, poisons its gradients, or dies inside a checkpoint write."""
+    """Fails a step's first attempt, poisons its gradients, dies inside a checkpoint write, or
+    trains a micro-batch twice."""
 
     def __init__(self, worker: Any, faults: FaultsConfig) -> None:
         super().__init__(worker, faults)
+        if faults.duplicate_microbatch:
+            worker.trainer = _TrainsFirstMicrobatchTwice(worker.trainer)
         self.step: int | None = None
         self.failed_steps: set[int] = set()
 
@@ -130,6 +138,24 @@ class FaultyTrainerWorker(_Wrapper):
         # The tokenizer is written after the weights and before the state and the rename: die there.
         self.worker.tokenizer = _KilledAfterSaving(self.worker.tokenizer)
         return self.worker.save_checkpoint(run_dir, step, *args, **kwargs)
+
+
+class _TrainsFirstMicrobatchTwice:
+    """A policy trainer that trains each step's first micro-batch with a response twice."""
+
+    def __init__(self, trainer: Any) -> None:
+        self.trainer = trainer
+        self.doubled_at: int | None = None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.trainer, name)
+
+    def train_microbatch(self, batch: Any) -> Any:
+        result = self.trainer.train_microbatch(batch)
+        if batch.num_sequences and self.doubled_at != self.trainer.version:
+            self.doubled_at = self.trainer.version
+            self.trainer.train_microbatch(batch)
+        return result
 
 
 class _KilledAfterSaving:

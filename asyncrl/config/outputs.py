@@ -62,6 +62,9 @@ class FaultsConfig(Section):
     rewards_raise: bool = Field(
         False, description="every reward call of a rollout worker fails as if the reward function raised"
     )
+    duplicate_microbatch: bool = Field(
+        False, description="each trainer rank trains the first micro-batch of every step twice: its loss counted twice"
+    )
     kill_in_checkpoint: int | None = Field(
         None, ge=1, description="the process kills itself (SIGKILL) while writing the checkpoint of this step"
     )

@@ -423,6 +423,7 @@ class SingleController:
         busy_start = time.perf_counter()
         report = await self.trainer.finish_step()
         self.clock.train_s += time.perf_counter() - busy_start
+        self.guard.record("loss_counts", report.result.count_error)  # checked by the trainer, before its update
         return report
 
     async def _next_chunk(self, version: int) -> bool:

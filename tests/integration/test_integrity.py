@@ -67,3 +67,16 @@ def test_a_step_whose_rewards_fail_stops_before_its_update_and_no_failure_is_tra
     _, metrics, _ = run(tmp_path, "warned", "faults.rewards_raise=true", "integrity.failures.action=warn")
     assert [m["failed_groups"] for m in metrics] == [4] * 4 and [m["integrity/failures"] for m in metrics] == [1] * 4
     assert all(m["num_sequences"] == m["num_tokens"] == 0 for m in metrics)  # dropped, never trained as a 0
+
+
+@pytest.mark.slow
+def test_a_loss_counted_twice_stops_the_run_before_the_update(tmp_path, capsys):
+    line, step, metrics = integrity_stop(tmp_path, capsys, "faults.duplicate_microbatch=true")
+    assert step == 0 and metrics == []
+    counts = re.fullmatch(
+        r"integrity: loss_counts broken at step 0: the loss summed (\d+) response tokens in (\d+) sequences over its "
+        r"micro-batches and ranks, but the groups trained hold (\d+) in 16; checkpoint saved to .*",
+        line,
+    )
+    summed_tokens, summed_sequences, tokens = map(int, counts.groups())
+    assert summed_tokens > tokens and summed_sequences > 16  # the first micro-batch, twice
