@@ -37,6 +37,7 @@ def inject_rollout_faults(worker: Any, faults: FaultsConfig) -> Any:
         or faults.eval_errors
         or faults.stale_tokens
         or faults.rewards_raise
+        or faults.template_rewrites_transcript
     ):
         return FaultyRolloutWorker(worker, faults)
     return worker
@@ -65,12 +66,15 @@ class _Wrapper:
 
 class FaultyRolloutWorker(_Wrapper):
     """Counts generation and evaluation calls; raises, hangs or slows a weight load where the section
-    says; ages the token versions of the groups it returns, fails every reward call."""
+    says; ages the token versions of the groups it returns, fails every reward call, rewrites
+    multi-turn transcripts."""
 
     def __init__(self, worker: Any, faults: FaultsConfig) -> None:
         super().__init__(worker, faults)
         if faults.rewards_raise:
             worker.rewards = _RaisingRewards(worker.rewards)
+        if faults.template_rewrites_transcript:
+            worker.episodes.tokenizer = _RewritingTemplate(worker.episodes.tokenizer)
         self.calls = 0
         self.eval_calls = 0
         self.load_calls = 0
@@ -187,6 +191,27 @@ class _RaisingRewards:
             per_function={name: zeros for name in scored.per_function},
             item_errors=[errors + 1 for errors in scored.item_errors],
         )
+
+
+class _RewritingTemplate:
+    """A tokenizer whose chat template, once an assistant message is in the transcript, renders the
+    first message one character short: what follows the model's turn no longer extends the
+    transcript the model saw."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.tokenizer, name)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.tokenizer(*args, **kwargs)
+
+    def apply_chat_template(self, messages: list[dict], *args: Any, **kwargs: Any) -> Any:
+        if kwargs.get("add_generation_prompt") and any(m["role"] == "assistant" for m in messages):
+            first = messages[0]
+            messages = [{**first, "content": first["content"][1:]}, *messages[1:]]
+        return self.tokenizer.apply_chat_template(messages, *args, **kwargs)
 
 
 def _aged(group: RolloutGroup, versions: int) -> RolloutGroup:
