@@ -30,11 +30,11 @@ from asyncrl.trainer.policy import PolicyTrainer
 from asyncrl.trainer.worker import TrainerWorker
 
 # Every function a guarded run adds to a step: the controller's checks of each group and of the
-# step, the trainer's count of each round and its check before each update.
+# step, the trainer's count of what each update must sum and its check before each update.
 GUARD_WORK = (
     (SingleController, "_vouched_for"),
     (SingleController, "_failures"),
-    (TrainerWorker, "_counts"),
+    (TrainerWorker, "_expect_counts"),
     (PolicyTrainer, "_check_counts"),
 )
 
