@@ -22,6 +22,8 @@ DROPPED = "integrity/dropped_groups"
 
 
 class IntegrityGuard:
+    """The run's rule for every promise; the controller owns one, and each trainer rank its own."""
+
     def __init__(self, config: IntegrityConfig, warn: Callable[[str], None] = logger.warning) -> None:
         self.config = config
         self.warn = warn
@@ -33,7 +35,7 @@ class IntegrityGuard:
         return self.config.enabled
 
     def check(self, promise: str, value: float, *, step: int, evidence: str) -> str:
-        """ "ok", "drop" or "warn": what the caller does with what was measured; raises
+        """What the caller does with what was measured: "ok", "drop" or "warn"; raises
         ``IntegrityStop`` when the promise is broken and its action is stop."""
         self.record(promise, value)
         if not self.config.enabled:
