@@ -12,9 +12,14 @@ import os
 import signal
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
+import torch
+
 from asyncrl.config import FaultsConfig
+from asyncrl.rewards import RewardResult
+from asyncrl.types import RolloutGroup
 
 
 class InjectedFault(RuntimeError):
@@ -30,6 +35,9 @@ def inject_rollout_faults(worker: Any, faults: FaultsConfig) -> Any:
         or faults.slow_sync_s
         or faults.load_errors
         or faults.eval_errors
+        or faults.stale_tokens
+        or faults.rewards_raise
+        or faults.template_rewrites_transcript
     ):
         return FaultyRolloutWorker(worker, faults)
     return worker
@@ -37,7 +45,12 @@ def inject_rollout_faults(worker: Any, faults: FaultsConfig) -> Any:
 
 def inject_trainer_faults(worker: Any, faults: FaultsConfig) -> Any:
     """``worker`` itself, or a wrapper that applies the section's train-step and checkpoint faults."""
-    if faults.train_errors or faults.nonfinite_steps or faults.kill_in_checkpoint is not None:
+    if (
+        faults.train_errors
+        or faults.nonfinite_steps
+        or faults.kill_in_checkpoint is not None
+        or faults.duplicate_microbatch
+    ):
         return FaultyTrainerWorker(worker, faults)
     return worker
 
@@ -52,10 +65,16 @@ class _Wrapper:
 
 
 class FaultyRolloutWorker(_Wrapper):
-    """Counts generation and evaluation calls; raises, hangs or slows a weight load where the section says."""
+    """Counts generation and evaluation calls; raises, hangs or slows a weight load where the section
+    says; ages the token versions of the groups it returns, fails every reward call, rewrites
+    multi-turn transcripts."""
 
     def __init__(self, worker: Any, faults: FaultsConfig) -> None:
         super().__init__(worker, faults)
+        if faults.rewards_raise:
+            worker.rewards = _RaisingRewards(worker.rewards)
+        if faults.template_rewrites_transcript:
+            worker.episodes.tokenizer = _RewritingTemplate(worker.episodes.tokenizer)
         self.calls = 0
         self.eval_calls = 0
         self.load_calls = 0
@@ -69,7 +88,10 @@ class FaultyRolloutWorker(_Wrapper):
         failing = [job.prompt.uid for job in jobs if _base_uid(job.prompt.uid) in self.faults.failing_prompts]
         if failing:
             raise InjectedFault(f"prompt {failing[0]} cannot be generated (faults.failing_prompts)")
-        return self.worker.generate(jobs)
+        result = self.worker.generate(jobs)
+        if self.faults.stale_tokens:
+            result.groups = [_aged(group, self.faults.stale_tokens) for group in result.groups]
+        return result
 
     def evaluate(self, prompts: Sequence[Any]) -> Any:
         call, self.eval_calls = self.eval_calls, self.eval_calls + 1
@@ -86,10 +108,13 @@ class FaultyRolloutWorker(_Wrapper):
 
 
 class FaultyTrainerWorker(_Wrapper):
-    """Fails a step's first attempt, poisons its gradients, or dies inside a checkpoint write."""
+    """Fails a step's first attempt, poisons its gradients, dies inside a checkpoint write, or
+    trains a micro-batch twice."""
 
     def __init__(self, worker: Any, faults: FaultsConfig) -> None:
         super().__init__(worker, faults)
+        if faults.duplicate_microbatch:
+            worker.trainer = _TrainsFirstMicrobatchTwice(worker.trainer)
         self.step: int | None = None
         self.failed_steps: set[int] = set()
 
@@ -119,6 +144,24 @@ class FaultyTrainerWorker(_Wrapper):
         return self.worker.save_checkpoint(run_dir, step, *args, **kwargs)
 
 
+class _TrainsFirstMicrobatchTwice:
+    """A policy trainer that trains each step's first micro-batch with a response twice."""
+
+    def __init__(self, trainer: Any) -> None:
+        self.trainer = trainer
+        self.doubled_at: int | None = None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.trainer, name)
+
+    def train_microbatch(self, batch: Any) -> Any:
+        result = self.trainer.train_microbatch(batch)
+        if batch.num_sequences and self.doubled_at != self.trainer.version:
+            self.doubled_at = self.trainer.version
+            self.trainer.train_microbatch(batch)
+        return result
+
+
 class _KilledAfterSaving:
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
@@ -126,6 +169,57 @@ class _KilledAfterSaving:
     def save_pretrained(self, directory: Any) -> None:
         self.tokenizer.save_pretrained(directory)
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+class _RaisingRewards:
+    """A reward runner whose every call fails: each completion scores 0 with one error, as the
+    runner reports a reward function that raised."""
+
+    def __init__(self, rewards: Any) -> None:
+        self.rewards = rewards
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.rewards, name)
+
+    def score(self, completions: Sequence[str], *args: Any) -> RewardResult:
+        scored = self.rewards.score(completions, *args)
+        zeros = [0.0] * len(completions)
+        return replace(
+            scored,
+            rewards=zeros,
+            correct=[False] * len(completions),
+            per_function={name: zeros for name in scored.per_function},
+            item_errors=[errors + 1 for errors in scored.item_errors],
+        )
+
+
+class _RewritingTemplate:
+    """A tokenizer whose chat template, once an assistant message is in the transcript, renders the
+    first message one character short: what follows the model's turn no longer extends the
+    transcript the model saw."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.tokenizer, name)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.tokenizer(*args, **kwargs)
+
+    def apply_chat_template(self, messages: list[dict], *args: Any, **kwargs: Any) -> Any:
+        if kwargs.get("add_generation_prompt") and any(m["role"] == "assistant" for m in messages):
+            first = messages[0]
+            messages = [{**first, "content": first["content"][1:]}, *messages[1:]]
+        return self.tokenizer.apply_chat_template(messages, *args, **kwargs)
+
+
+def _aged(group: RolloutGroup, versions: int) -> RolloutGroup:
+    """The group with every trained token's weight version ``versions`` older, never below 0."""
+    sampled = group.token_versions
+    if sampled is None:
+        sampled = torch.full_like(group.input_ids, group.start_version).where(group.response_mask > 0, -1)
+    return replace(group, token_versions=(sampled - versions).clamp(min=0).where(sampled >= 0, -1))
 
 
 def _base_uid(uid: str) -> str:

@@ -101,6 +101,20 @@ class RolloutGroup:
         return int(self.response_mask.sum())
 
     @property
+    def row_response_tokens(self) -> list[int]:
+        """Response tokens of each sample: what the loss counts for it (0: it adds no sequence)."""
+        return self.response_mask.sum(1).round().long().tolist()
+
+    @property
+    def oldest_token_version(self) -> int:
+        """The oldest weight version that sampled one of the group's trained tokens (its start
+        version where tokens carry none): what the staleness bound holds the group to."""
+        if self.token_versions is None:
+            return self.start_version
+        sampled = self.token_versions[self.token_versions >= 0]
+        return int(sampled.min()) if sampled.numel() else self.start_version
+
+    @property
     def sequence_lengths(self) -> list[int]:
         """Real tokens of each sample, prompt and response: what a token budget counts."""
         return self.attention_mask.sum(1).tolist()
@@ -353,6 +367,7 @@ class StepResult:
     num_microbatches: int
     metrics: dict[str, float] = field(default_factory=dict)
     skipped: bool = False  # non-finite loss or gradient: no update, but the step (and its data) is used up
+    count_error: float = 0.0  # largest relative difference of an update's summed counts from its groups' (integrity)
     num_updates: int = 1  # optimizer updates applied (K mini-batches: up to K); skipped and empty ones are not
 
 
@@ -364,6 +379,7 @@ class StepData:
 
     num_groups: int = 0
     num_filtered_groups: int = 0
+    num_failed_groups: int = 0  # left out of the loss: a reward failed (integrity.failures)
     num_refill_groups: int = 0  # of num_groups, replacements for filtered groups (set by the controller)
     num_samples: int = 0
     num_zero_variance_groups: int = 0  # groups the algorithm judged uninformative, filtered or not

@@ -63,6 +63,7 @@ from asyncrl.control.watchdog import Watchdog
 from asyncrl.data import Prompt, PromptLoader, Task
 from asyncrl.errors import (
     EvaluationFailedError,
+    IntegrityStop,
     NonFiniteStepsError,
     RolloutFailedError,
     RunInterrupted,
@@ -71,6 +72,7 @@ from asyncrl.errors import (
     TrainStepError,
     WeightLoadFailedError,
 )
+from asyncrl.integrity import IntegrityGuard
 from asyncrl.metrics import StepClock, step_record
 from asyncrl.samples import spread
 from asyncrl.types import RolloutGroup, RolloutJob
@@ -129,6 +131,8 @@ class SingleController:
         self.state = RunState()
         self.interrupts = Interrupts(self.changes, progress.status)
         self.watchdog = Watchdog(config.runtime.watchdog_s)
+        self.guard = IntegrityGuard(config.integrity)
+        self.verdicts: dict[int, bool] = {}  # id of a group of the open step -> the guard lets it train
         self.next_worker = 0
         self.clock = StepClock()
         self.start_time = time.perf_counter()
@@ -350,11 +354,11 @@ class SingleController:
                 sync_start = time.perf_counter()
                 try:
                     sync = await self.interrupts.interruptible(self.weight_sync.sync(), self.version)
-                except (SyncTimeoutError, WeightLoadError, RunInterrupted) as err:
-                    how = "interrupted" if isinstance(err, RunInterrupted) else "failed"
+                except (SyncTimeoutError, WeightLoadError, RunInterrupted, IntegrityStop) as err:
+                    how = {RunInterrupted: "interrupted", IntegrityStop: "refused"}.get(type(err), "failed")
                     failed = SyncReport.failed(self.version - 1, time.perf_counter() - sync_start, how)
                     self._log_step(report, failed, time.perf_counter() - step_start)  # the step itself is done
-                    if isinstance(err, RunInterrupted):
+                    if isinstance(err, (RunInterrupted, IntegrityStop)):
                         raise
                     if isinstance(err, SyncTimeoutError):
                         raise SyncTimedOut(err) from None
@@ -383,6 +387,7 @@ class SingleController:
             try:
                 report = await self._attempt_step()
                 self.state.step_groups = []
+                self.verdicts = {}
                 refills = self.refills.end_step()
                 if report is not None:
                     report.data.num_refill_groups = refills
@@ -410,16 +415,18 @@ class SingleController:
         await self.trainer.begin_step(version)
         if self.state.step_groups:
             self.watchdog.waiting["train loop"] = f"trainer.train_groups, rerunning step {version}"
-            await self.trainer.train_groups(list(self.state.step_groups))
+            await self.trainer.train_groups(self._vouched_for(self.state.step_groups, version))
         while await self._next_chunk(version):
             pass
         if not self.state.step_groups:
             await self.trainer.abort_step()
             return None
+        self._failures(version)
         self.watchdog.waiting["train loop"] = f"trainer.finish_step({version})"
         busy_start = time.perf_counter()
         report = await self.trainer.finish_step()
         self.clock.train_s += time.perf_counter() - busy_start
+        self.guard.record("loss_counts", report.result.count_error)  # checked by the trainer, before its update
         return report
 
     async def _next_chunk(self, version: int) -> bool:
@@ -448,10 +455,62 @@ class SingleController:
         self.changes.notify()
         self.watchdog.waiting["train loop"] = f"trainer.train_groups ({len(groups)} groups of step {version})"
         busy_start = time.perf_counter()
-        await self.trainer.train_groups(groups)
+        await self.trainer.train_groups(self._vouched_for(groups, version))
         self.clock.train_s += time.perf_counter() - busy_start
         self.watchdog.progressed()
         return True
+
+    def _vouched_for(self, groups: Sequence[RolloutGroup], version: int) -> list[RolloutGroup]:
+        """The groups step V may train, each checked once per step by the guard: every trained
+        token's own weight version within the staleness bound, and transcripts that only grew. A
+        group the guard drops stays with the step's groups (a rerun or a resumed run leaves it out
+        again), untrained."""
+        if not self.guard.enabled:
+            return list(groups)
+        for group in groups:
+            if id(group) not in self.verdicts:
+                verdicts = (self._staleness(group, version), self._transcripts(group, version))
+                self.verdicts[id(group)] = "drop" not in verdicts
+        return [group for group in groups if self.verdicts[id(group)]]
+
+    def _transcripts(self, group: RolloutGroup, version: int) -> str:
+        """Promise 6: no episode of the group met a chat template that rewrote its transcript (the
+        episode ended there instead, environments/episode.py)."""
+        breaks = group.episode_metrics.get("transcript_breaks", 0.0)
+        return self.guard.check(
+            "transcripts",
+            breaks,
+            step=version,
+            evidence=f"{breaks:.0f} episodes of group {group.prompt_uid} met a chat template that rendered the "
+            "transcript differently once messages were appended, so no observation could extend it",
+        )
+
+    def _staleness(self, group: RolloutGroup, version: int) -> str:
+        """Promise 3: the group's oldest trained token lags step V by at most ``sampler.max_lag``."""
+        bound, oldest = self.config.sampler.max_lag, group.oldest_token_version
+        return self.guard.check(
+            "staleness",
+            max(version - oldest - bound, 0),
+            step=version,
+            evidence=f"group {group.prompt_uid} (start version {group.start_version}) has a token sampled by "
+            f"weights {oldest}: lag {version - oldest} > sampler.max_lag={bound}",
+        )
+
+    def _failures(self, version: int) -> None:
+        """Promise 4: the trainer leaves a group whose reward raised or was not a finite number out
+        of the loss; a step that would lose more than ``integrity.failures.threshold`` of its groups
+        so stops (or warns) before its update."""
+        if not self.guard.enabled:
+            return
+        groups = self.state.step_groups
+        failed = sum(1 for group in groups if group.reward_errors)
+        self.guard.check(
+            "failures",
+            failed / len(groups),
+            step=version,
+            evidence=f"{failed} of the step's {len(groups)} groups have a reward that raised or was not a finite "
+            f"number (integrity.failures.threshold={self.config.integrity.failures.threshold})",
+        )
 
     def _select(self, version: int, min_k: int, max_k: int) -> list[int]:
         """The sampler's choice, but for a step with refills out: it takes those, and only those,
@@ -637,6 +696,7 @@ class SingleController:
         wall_s = time.perf_counter() - self.start_time
         counters = self.state.counters(self.refills.total)
         record = step_record(report, sync, counters, self.clock, step_s, wall_s, len(self.rollout_workers))
+        record.update(self.guard.step_metrics())
         self.clock = StepClock()
         self.metrics.log_groups(report.data.groups)
         if samples := spread(report.data.samples, self.config.logging.samples_per_step):

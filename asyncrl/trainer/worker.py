@@ -29,7 +29,7 @@ micro-batches hold its sequences, so rank 0 reports the whole step while fetchin
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
@@ -46,8 +46,9 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from asyncrl.checkpoint import read_weights, save_checkpoint
-from asyncrl.config import GRPOConfig
+from asyncrl.config import GRPOConfig, IntegrityConfig
 from asyncrl.generation.base import sample_seed
+from asyncrl.integrity import IntegrityGuard
 from asyncrl.models.lora import check_base, is_lora, read_adapter, save_adapter
 from asyncrl.trainer.policy import PolicyTrainer
 from asyncrl.types import RolloutGroup, StepData, StepReport, TrainBatch
@@ -73,12 +74,26 @@ MicroBatch = list[_Rows]
 
 class TrainerWorker:
     def __init__(
-        self, trainer: PolicyTrainer, grpo_cfg: GRPOConfig, tokenizer, *, rank: int = 0, seed: int = 0
+        self,
+        trainer: PolicyTrainer,
+        grpo_cfg: GRPOConfig,
+        tokenizer,
+        *,
+        rank: int = 0,
+        seed: int = 0,
+        integrity: IntegrityConfig | None = None,
     ) -> None:
         """``rank``: this trainer rank's place among all of them; rank 0 writes checkpoints and
         returns the exported weights. Its DP rank and the DP size come from ``trainer.parallel``.
-        ``seed``: the run seed, which orders the mini-batches of every pass after the first."""
+        ``seed``: the run seed, which orders the mini-batches of every pass after the first.
+        ``integrity``: the run's integrity section; with the guard on, a group whose reward failed
+        is never trained, and every update checks that its loss counted its groups' tokens and
+        sequences once (docs/integrity.md)."""
         self.trainer = trainer
+        self.guarded = integrity is not None and integrity.enabled
+        if self.guarded:
+            guard = IntegrityGuard(integrity)
+            trainer.count_check = partial(_check_loss_counts, guard)
         self.tokenizer = tokenizer
         self.grpo = grpo_cfg
         self.rank = rank
@@ -112,9 +127,13 @@ class TrainerWorker:
     def train_groups(self, groups: Sequence[RolloutGroup]) -> int:
         """Add a chunk of the step; trains every full round. Returns sequences received so far."""
         for group in groups:
-            filtered = self.grpo.filter_zero_variance and not group.informative
-            advantages = None if filtered else self.trainer.algorithm.advantages(group.rewards)
+            failed = self.guarded and bool(group.reward_errors)  # a failure is never trained as a number
+            filtered = not failed and self.grpo.filter_zero_variance and not group.informative
+            advantages = None if failed or filtered else self.trainer.algorithm.advantages(group.rewards)
             self._data.add(group, self.trainer.version, advantages)
+            if failed:
+                self._data.num_failed_groups += 1
+                continue
             if filtered:
                 self._data.num_filtered_groups += 1
                 continue
@@ -217,6 +236,7 @@ class TrainerWorker:
         for index, (minibatch_rounds, minibatch_batches) in enumerate(updates):
             for round_, round_batches in zip(minibatch_rounds, minibatch_batches):
                 self._num_microbatches += len(round_)
+                self._expect_counts(rows for micro_batch in round_ for rows in micro_batch)
                 for batch in round_batches:
                     self.trainer.train_microbatch(batch)
             if index < len(updates) - 1:
@@ -251,7 +271,10 @@ class TrainerWorker:
     def _pack(self, group: RolloutGroup, advantages: Tensor) -> None:
         """Append the group's sequences to the micro-batches, in order: a micro-batch is full at
         ``micro_batch_size`` sequences, and closes before a sequence that would take its real tokens
-        past ``micro_batch_tokens``."""
+        past ``micro_batch_tokens``. A streamed step's update must count every row packed here
+        (a collected step's updates are told theirs as they train them)."""
+        if not self.collect:
+            self._expect_counts([_Rows(group, advantages, 0, group.size)])
         lengths = group.sequence_lengths if self.micro_batch_tokens is not None else [0] * group.size
         for index, tokens in enumerate(lengths):
             if self._partial and self._over_budget(tokens):
@@ -282,6 +305,20 @@ class TrainerWorker:
             for rows in micro_batch:
                 if rows.stop == rows.group.size:
                     self._fetched.pop(id(rows.group), None)
+
+    def _expect_counts(self, rows: Iterable[_Rows]) -> None:
+        """With the guard on, tell the trainer what its next update's loss must count for ``rows``:
+        their response tokens and sequences on every rank, from their groups' metadata alone (a
+        truncated row, masked, counts nothing)."""
+        if not self.guarded:
+            return
+        tokens = sequences = 0
+        for part in rows:
+            for index in range(part.start, part.stop):
+                masked = self.grpo.mask_truncated and part.group.finish_reasons[index] == "length"
+                count = 0 if masked else part.group.row_response_tokens[index]
+                tokens, sequences = tokens + count, sequences + (count > 0)
+        self.trainer.expect_counts(tokens, sequences)
 
     def _round_batches(self, round_: list[MicroBatch]) -> list[TrainBatch]:
         """This rank's micro-batch of the round, or a padding one when the round has none for it."""
@@ -331,6 +368,11 @@ class TrainerWorker:
         if self.trainer.reference_model is not None:
             batch.ref_logprobs = self.trainer.compute_logprobs(batch, reference=True)
         self.trainer.train_microbatch(batch)
+
+
+def _check_loss_counts(guard: IntegrityGuard, error: float, evidence: str, step: int) -> None:
+    """Promise 5, on every rank alike (the sums are global): stop (or warn) before the update."""
+    guard.check("loss_counts", error, step=step, evidence=evidence)
 
 
 def split_evenly(items: list, parts: int) -> list[list]:

@@ -19,6 +19,7 @@ import torch
 from helpers import SMALL, dashboard_command_lines, ray_server_processes, wait_until_gone
 
 from asyncrl.config import ConfigError, load_config
+from asyncrl.errors import IntegrityStop
 from asyncrl.metrics import read_jsonl, strip_timing
 from asyncrl.run import train
 from asyncrl.runtime.ray import TrainerRankDiedError
@@ -116,10 +117,12 @@ def test_a_remote_group_has_every_attribute_of_a_group_but_its_token_tensors():
         "size",
         "response_tokens",
         "sequence_lengths",
+        "oldest_token_version",
+        "row_response_tokens",
     }:
         assert getattr(remote, name) is getattr(group, name) or getattr(remote, name) == getattr(group, name), name
     assert not token_tensors & set(vars(remote))
-    assert (remote.size, remote.response_tokens) == (3, 6) and remote.ref is None
+    assert (remote.size, remote.response_tokens, remote.oldest_token_version) == (3, 6, 2) and remote.ref is None
 
 
 # ---- on the session cluster --------------------------------------------------------------------
@@ -372,6 +375,20 @@ def test_trainer_ranks_match_the_single_rank_run(ray_cluster, tmp_path, local_ru
     assert len(ranks) == 3 and {m["sync_transport"] for m in ranks} == {transport.split("=")[1]}
     assert all(close(a, b) for a, b in zip(deterministic(ranks), deterministic(single)))
     assert not all(close(a, b) for a, b in zip(deterministic(other_lr), deterministic(single)))  # it can fail
+
+
+@pytest.mark.slow
+def test_an_integrity_stop_of_the_trainer_ranks_counts_both_ranks_and_stops_the_run(ray_cluster, tmp_path):
+    """The loss counts are checked on sums over the DP ranks (docs/integrity.md, promise 5): each of
+    two ranks trains its first micro-batch (6 of the step's 16 sequences) twice, so the sums hold
+    28 sequences; the stop crosses from the rank actors as itself, before the step's update."""
+    with pytest.raises(IntegrityStop) as stopped:
+        run(tmp_path, "ranks", RAY, "parallel.dp=2", "faults.duplicate_microbatch=true")
+    assert (stopped.value.promise, stopped.value.step) == ("loss_counts", 0)
+    assert re.search(
+        r"response tokens in 28 sequences over .* but the groups trained hold \d+ in 16$", str(stopped.value)
+    )
+    assert stopped.value.checkpoint.name == "step-000000"
 
 
 @pytest.mark.slow
