@@ -12,6 +12,7 @@ import os
 import signal
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 from asyncrl.config import FaultsConfig
@@ -30,6 +31,8 @@ def inject_rollout_faults(worker: Any, faults: FaultsConfig) -> Any:
         or faults.slow_sync_s
         or faults.load_errors
         or faults.eval_errors
+        or faults.sync_skips_load
+        or faults.generator_temperature is not None
     ):
         return FaultyRolloutWorker(worker, faults)
     return worker
@@ -52,13 +55,16 @@ class _Wrapper:
 
 
 class FaultyRolloutWorker(_Wrapper):
-    """Counts generation and evaluation calls; raises, hangs or slows a weight load where the section says."""
+    """Counts generation and evaluation calls; raises, hangs or slows a weight load where the section
+    says; acknowledges a load without making it; samples at another temperature than the trainer scores at."""
 
     def __init__(self, worker: Any, faults: FaultsConfig) -> None:
         super().__init__(worker, faults)
         self.calls = 0
         self.eval_calls = 0
         self.load_calls = 0
+        if faults.generator_temperature is not None:
+            worker.sampling = replace(worker.sampling, temperature=faults.generator_temperature)
 
     def generate(self, jobs: Sequence[Any]) -> Any:
         call, self.calls = self.calls, self.calls + 1
@@ -77,12 +83,15 @@ class FaultyRolloutWorker(_Wrapper):
             raise InjectedFault(f"evaluation call {call} failed (faults.eval_errors)")
         return self.worker.evaluate(prompts)
 
-    def load_weights(self, weights: Any, version: int) -> None:
+    def load_weights(self, weights: Any, version: int) -> Any:
         call, self.load_calls = self.load_calls, self.load_calls + 1
         time.sleep(self.faults.slow_sync_s)
         if call in self.faults.load_errors:
             raise InjectedFault(f"weight load {call} failed (faults.load_errors)")
-        self.worker.load_weights(weights, version)
+        if self.faults.sync_skips_load:  # the generator claims the version and keeps serving the old weights
+            self.worker.generator.version = version
+            return self.worker.served_fingerprint()
+        return self.worker.load_weights(weights, version)
 
 
 class FaultyTrainerWorker(_Wrapper):

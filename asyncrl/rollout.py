@@ -59,8 +59,20 @@ class RolloutWorker:
         self.algorithm = algorithm
         self.episodes = episodes if episodes is not None else SingleTurn(generator, tokenizer)
 
-    def load_weights(self, state_dict: Mapping[str, Tensor], version: int) -> None:
+    def load_weights(self, state_dict: Mapping[str, Tensor], version: int) -> str | None:
+        """Load ``version``; the fingerprint of what the generator serves now (None: it cannot tell)."""
         self.generator.load_weights(state_dict, version)
+        return self.served_fingerprint()
+
+    def served_fingerprint(self) -> str | None:
+        return self.generator.fingerprint()
+
+    def probe(self, prompts: Sequence[Prompt], version: int) -> RolloutGroup:
+        """One response to each prompt, sampled with the run's sampling settings as one turn, with
+        seeds of their own: the sampling probe the trainer scores after a sync (docs/integrity.md)."""
+        seeds = [sample_seed(self.run_seed, f"probe/{version}/{p.uid}", 0) for p in prompts]
+        rollouts = [c.rollout for c in SingleTurn(self.generator, self.tokenizer).run(prompts, seeds, self.sampling)]
+        return RolloutGroup.from_rollouts("probe", rollouts, pad_id=self.pad_id, start_version=version)
 
     def generate(self, jobs: Sequence[RolloutJob]) -> RolloutBatch:
         """Sample ``group_size`` completions per job, score them, tensorize one group per job."""

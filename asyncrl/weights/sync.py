@@ -28,8 +28,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from asyncrl.control.gate import RolloutGate
@@ -56,6 +56,18 @@ class SyncReport:
     transfer_s: float  # export from the trainer + load into every generator
     bytes: int
     transport: str  # in_process, object_store or broadcast (runtime/ray.py); failed, interrupted: see failed()
+    # What each generator serves after its load (None: cannot tell), and what the trainer exported,
+    # by dtype (weights/fingerprint.py): the evidence the integrity guard's ``weights`` check reads.
+    served: tuple[str | None, ...] = ()
+    exported: Mapping[str, str] = field(default_factory=dict)
+
+    def fingerprint_mismatches(self) -> list[int]:
+        """The generators whose fingerprint is not the export's in the dtype they hold it in."""
+        return [
+            index
+            for index, served in enumerate(self.served)
+            if served is not None and self.exported.get(served.split(":", 1)[0]) != served  # "<dtype>:<hex>"
+        ]
 
     @classmethod
     def failed(cls, held_version: int, seconds: float, transport: str = "failed") -> SyncReport:
@@ -107,7 +119,7 @@ class WeightSync:
         load_start = time.perf_counter()
         loads = asyncio.gather(*(g.load_weights(weights, version) for g in self.generators))
         try:
-            await self._phase(f"loading weights version {version} into the generators", loads)
+            served = tuple(await self._phase(f"loading weights version {version} into the generators", loads))
         except SyncTimeoutError:
             raise
         except Exception as err:
@@ -115,6 +127,7 @@ class WeightSync:
                 f"loading weights version {version} into the generators failed: {type(err).__name__}: {err}"
             ) from err
         transfer_s = export_s + time.perf_counter() - load_start
+        exported = await self._exported(served)
         self.gate.open(version)
         return SyncReport(
             version=version,
@@ -122,7 +135,15 @@ class WeightSync:
             transfer_s=transfer_s,
             bytes=state_dict_bytes(weights),
             transport=getattr(weights, "transport", "in_process"),
+            served=served,
+            exported=exported,
         )
+
+    async def _exported(self, served: tuple[str | None, ...]) -> dict[str, str]:
+        """The export's fingerprints, asked of the trainer only when a generator told its own."""
+        if all(fingerprint is None for fingerprint in served):
+            return {}
+        return await self._phase("fingerprinting the exported weights", self.trainer.exported_fingerprints())
 
     async def _close_gate(self) -> None:
         """Close the gate within ``sync.timeout_s``, not counting the time the rollout loop waits
