@@ -84,3 +84,7 @@ class IntegrityStop(RunStopped):
     def __init__(self, promise: str, evidence: str, step: int) -> None:
         super().__init__(f"integrity: {promise} broken at step {step}: {evidence}")
         self.promise, self.evidence, self.step = promise, evidence, step
+
+    def __reduce__(self) -> tuple:
+        """Rebuilt from its three parts when it crosses a process (a Ray trainer rank's)."""
+        return type(self), (self.promise, self.evidence, self.step)

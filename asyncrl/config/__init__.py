@@ -19,6 +19,7 @@ from asyncrl.config.control import RuntimeConfig, SamplerConfig, SyncConfig
 from asyncrl.config.data import DataConfig
 from asyncrl.config.environment import EnvironmentConfig
 from asyncrl.config.generation import MIN_TEMPERATURE, GenerationConfig, VLLMConfig
+from asyncrl.config.integrity import PROMISES, IntegrityConfig
 from asyncrl.config.loading import config_from_dict, dump_config, load_config
 from asyncrl.config.lora import LoraConfig
 from asyncrl.config.model import ModelConfig, TokenizerConfig
@@ -30,6 +31,7 @@ from asyncrl.config.trainer import ParallelConfig, TrainerConfig, WarmStartConfi
 
 __all__ = [
     "MIN_TEMPERATURE",
+    "PROMISES",
     "AggMode",
     "AlgorithmConfig",
     "CheckpointConfig",
@@ -39,6 +41,7 @@ __all__ = [
     "FaultsConfig",
     "GRPOConfig",
     "GenerationConfig",
+    "IntegrityConfig",
     "LoggingConfig",
     "LoraConfig",
     "LossConfig",

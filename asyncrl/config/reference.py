@@ -40,9 +40,22 @@ def config_keys() -> dict[str, dict[str, Any]]:
     defaults = RunConfig().model_dump(mode="json")
     keys = {"seed": {"type": _type_name(RunConfig.model_fields["seed"].annotation), "default": defaults["seed"]}}
     for name, section in _sections():
-        for key, field in section.model_fields.items():
-            keys[f"{name}.{key}"] = {"type": _type_name(field.annotation), "default": defaults[name][key]}
+        for key, field, default in _fields(section, defaults[name]):
+            keys[f"{name}.{key}"] = {"type": _type_name(field.annotation), "default": default}
     return keys
+
+
+def _fields(section: type[BaseModel], defaults: dict, prefix: str = "") -> list[tuple[str, Any, Any]]:
+    """(dotted key inside the section, field, default) of every value; a nested section's values
+    are listed under its name (``staleness.action``) rather than as one value."""
+    found = []
+    for key, field in section.model_fields.items():
+        nested = section_model(field.annotation)
+        if nested is not None:
+            found += _fields(nested, defaults[key], f"{prefix}{key}.")
+        else:
+            found.append((f"{prefix}{key}", field, defaults[key]))
+    return found
 
 
 def config_reference() -> str:
@@ -70,7 +83,7 @@ def config_reference() -> str:
             "| key | type | default | meaning |",
             "|---|---|---|---|",
         ]
-        for key, sub in section.model_fields.items():
-            default = yaml.safe_dump(defaults[name][key], default_flow_style=True).strip().removesuffix("...").strip()
+        for key, sub, value in _fields(section, defaults[name]):
+            default = yaml.safe_dump(value, default_flow_style=True).strip().removesuffix("...").strip()
             lines.append(f"| `{key}` | {_type_name(sub.annotation, MARKDOWN_BAR)} | `{default}` | {sub.description} |")
     return "\n".join(lines) + "\n"

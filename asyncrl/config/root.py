@@ -13,6 +13,7 @@ from asyncrl.config.data import DataConfig
 from asyncrl.config.derived import DerivedSettings, fill_defaults
 from asyncrl.config.environment import EnvironmentConfig
 from asyncrl.config.generation import GenerationConfig, VLLMConfig
+from asyncrl.config.integrity import IntegrityConfig
 from asyncrl.config.lora import LoraConfig
 from asyncrl.config.model import ModelConfig, TokenizerConfig
 from asyncrl.config.outputs import CheckpointConfig, FaultsConfig, LoggingConfig
@@ -42,6 +43,7 @@ class RunConfig(Section, DerivedSettings):
     sync: SyncConfig = Field(default_factory=SyncConfig)
     warm_start: WarmStartConfig = Field(default_factory=WarmStartConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    integrity: IntegrityConfig = Field(default_factory=IntegrityConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
     faults: FaultsConfig = Field(default_factory=FaultsConfig)
 

@@ -62,6 +62,7 @@ from asyncrl.control.watchdog import Watchdog
 from asyncrl.data import Prompt, PromptLoader, Task
 from asyncrl.errors import (
     EvaluationFailedError,
+    IntegrityStop,
     NonFiniteStepsError,
     RolloutFailedError,
     RunInterrupted,
@@ -70,6 +71,7 @@ from asyncrl.errors import (
     TrainStepError,
     WeightLoadFailedError,
 )
+from asyncrl.integrity import IntegrityGuard
 from asyncrl.metrics import StepClock, step_record
 from asyncrl.types import RolloutGroup, RolloutJob
 from asyncrl.weights.sync import SyncReport, SyncTimeoutError, WeightLoadError, WeightSync
@@ -127,6 +129,7 @@ class SingleController:
         self.state = RunState()
         self.interrupts = Interrupts(self.changes, progress.status)
         self.watchdog = Watchdog(config.runtime.watchdog_s)
+        self.guard = IntegrityGuard(config.integrity)
         self.next_worker = 0
         self.clock = StepClock()
         self.start_time = time.perf_counter()
@@ -347,11 +350,11 @@ class SingleController:
                 sync_start = time.perf_counter()
                 try:
                     sync = await self.interrupts.interruptible(self.weight_sync.sync(), self.version)
-                except (SyncTimeoutError, WeightLoadError, RunInterrupted) as err:
-                    how = "interrupted" if isinstance(err, RunInterrupted) else "failed"
+                except (SyncTimeoutError, WeightLoadError, RunInterrupted, IntegrityStop) as err:
+                    how = {RunInterrupted: "interrupted", IntegrityStop: "refused"}.get(type(err), "failed")
                     failed = SyncReport.failed(self.version - 1, time.perf_counter() - sync_start, how)
                     self._log_step(report, failed, time.perf_counter() - step_start)  # the step itself is done
-                    if isinstance(err, RunInterrupted):
+                    if isinstance(err, (RunInterrupted, IntegrityStop)):
                         raise
                     if isinstance(err, SyncTimeoutError):
                         raise SyncTimedOut(err) from None
@@ -632,6 +635,7 @@ class SingleController:
         wall_s = time.perf_counter() - self.start_time
         counters = self.state.counters(self.refills.total)
         record = step_record(report, sync, counters, self.clock, step_s, wall_s, len(self.rollout_workers))
+        record.update(self.guard.step_metrics())
         self.clock = StepClock()
         self.metrics.log_groups(report.data.groups)
         self.metrics.log_step(record)
