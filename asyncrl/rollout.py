@@ -46,10 +46,11 @@ class RolloutWorker:
         become completions (None: ``SingleTurn``, one response to the prompt's text).
 
         ``inflight``: the generator takes weights while it generates (its responses then span
-        versions), so a runtime may run ``load_weights`` beside ``generate`` (``unordered_methods``)."""
+        versions), so a runtime may run ``load_weights`` and the sampling ``probe`` beside ``generate``
+        (``unordered_methods``)."""
         self.generator = generator
         self.inflight = inflight
-        self.unordered_methods = ("load_weights",) if inflight else ()
+        self.unordered_methods = ("load_weights", "probe") if inflight else ()
         self.rewards = rewards
         self.tokenizer = tokenizer
         self.run_seed = run_seed
