@@ -34,13 +34,13 @@ class SamplingCheck(Section):
 
     action: Literal["stop", "warn"] = Field("stop", description=STOP_OR_WARN)
     threshold: float = Field(
-        0.05,
+        0.01,
         ge=0.0,
         description="mean absolute difference between the trainer's and the generator's logprobs of the post-sync "
         "probe's sampled tokens, in nats per token, for a generator holding float32 (or float64) weights",
     )
     half_precision_threshold: float = Field(
-        0.15,
+        0.1,
         ge=0.0,
         description="the same, for a generator holding bfloat16 or float16 weights (or not saying which)",
     )

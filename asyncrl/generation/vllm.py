@@ -64,6 +64,7 @@ CPU_KV_CACHE_CAP = 4 * 2**30  # an auto-sized CPU cache holds a step's sequences
 SERVER_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 SERVED_REQUEST_PREFIX = "generate-tokens-"  # vLLM's id of a generate request is this + its request_id
 TEMP_PREFIX = "asyncrl-vllm-"  # what a generator leaves for its server is named asyncrl-vllm-<pid>-...
+NO_ADAPTER = "float32:none, the base alone"  # the fingerprint of a LoRA server that lists no adapter
 
 
 LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the --max-lora-rank values vLLM 0.32 accepts
@@ -439,22 +440,22 @@ class VLLMGenerator(GeneratorBase):
                 self._restart_locked()  # it died during the update: a new one gets this version
                 self._update(version, None if self.collective is None else state_dict)
 
-    def fingerprint(self) -> str | None:
-        """The server's own sample of the weights its worker loaded last (``vllm_server.py``), with
-        the tied names it was not sent; a LoRA run's: the newest adapter the server lists, read back
-        from the files it loaded it from. None before the first sync (the server's initial weights)."""
+    def fingerprint(self) -> str:
+        """The server's own sample of the weights its worker loaded last (``vllm_server.py``: the
+        last update's, else its initial checkpoint's), with the tied names it was not sent.
+
+        A LoRA run's: the newest adapter the server lists, read back from the files it loaded it
+        from; ``NO_ADAPTER`` while it lists none (it serves the base alone, which no sync exports)."""
         if self.adapters is not None:
             return self._adapter_fingerprint()
         served = self._call("/collective_rpc", {"method": "asyncrl_served_weights"})["results"][0]
-        if served is None:
-            return None
         return Sample.from_json(served["sample"]).with_aliases(self.aliases).digest(served["dtype"])
 
-    def _adapter_fingerprint(self) -> str | None:
+    def _adapter_fingerprint(self) -> str:
         listed = {model["id"] for model in self._call("/v1/models")["data"]}
         served = [version for version in self.adapters.loaded if self.adapters.name(version) in listed]
         if not served:
-            return None
+            return NO_ADAPTER
         return fingerprint(load_file(str(self.adapters.loaded[max(served)] / ADAPTER_WEIGHTS_FILE)))
 
     def _load_adapter(self, adapter: Mapping[str, Tensor], version: int) -> None:

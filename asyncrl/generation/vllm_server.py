@@ -161,11 +161,18 @@ WeightTransferEngineFactory.register_engine("asyncrl_file", FileWeightTransferEn
 WeightTransferEngineFactory.register_engine("asyncrl_collective", CollectiveWeightTransferEngine)
 
 
-def served_weights(worker) -> dict | None:
-    """The fingerprint sample of what the worker's model loaded last (None: nothing since its
-    start), for the client's ``/collective_rpc`` with ``method`` ``asyncrl_served_weights``."""
+def served_weights(worker) -> dict:
+    """The fingerprint sample of what the worker's model loaded last, for the client's
+    ``/collective_rpc`` with ``method`` ``asyncrl_served_weights``: the last update's, else the
+    checkpoint the server started from (the files in its model directory)."""
     engine = getattr(worker, "weight_transfer_engine", None)
-    return getattr(engine, "served", None)
+    if getattr(engine, "served", None) is not None:
+        return engine.served
+    config = worker.model_config
+    weights = {}
+    for path in sorted(Path(config.model).glob("*.safetensors")):
+        weights.update(load_file(str(path)))
+    return {"dtype": fingerprint.dtype_name(config.dtype), "sample": fingerprint.sample(weights).to_json()}
 
 
 WorkerBase.asyncrl_served_weights = served_weights
