@@ -19,6 +19,12 @@ original parameter emptied, so the update runs vLLM's layerwise reload around ``
 A tied ``lm_head`` shares the embedding's parameter but keeps its own packed copy, which the
 reload does not revisit (it processes a tied parameter through one parent only), so every
 output head is repacked afterwards, or logits would stay on the old weights.
+
+After each load the engine keeps the fingerprint sample (``weights/fingerprint.py``, also loaded by
+path) of the tensors it loaded, in the dtype the model holds them in; the client asks for it with
+``/collective_rpc`` (``asyncrl_served_weights``, a method added to vLLM's workers here) to prove
+which weights the server serves. vLLM fuses and repacks its parameters, so the checkpoint-named
+tensors cannot be read back from them.
 """
 
 from __future__ import annotations
