@@ -15,7 +15,11 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
+import torch
+
 from asyncrl.config import FaultsConfig
+from asyncrl.rewards import RewardResult
+from asyncrl.types import RolloutGroup
 
 
 class InjectedFault(RuntimeError):
@@ -33,6 +37,8 @@ def inject_rollout_faults(worker: Any, faults: FaultsConfig) -> Any:
         or faults.eval_errors
         or faults.sync_skips_load
         or faults.generator_temperature is not None
+        or faults.stale_tokens
+        or faults.rewards_raise
     ):
         return FaultyRolloutWorker(worker, faults)
     return worker
@@ -56,10 +62,13 @@ class _Wrapper:
 
 class FaultyRolloutWorker(_Wrapper):
     """Counts generation and evaluation calls; raises, hangs or slows a weight load where the section
-    says; acknowledges a load without making it; samples at another temperature than the trainer scores at."""
+    says; acknowledges a load without making it; samples at another temperature than the trainer scores at;
+    ages the token versions of the groups it returns, fails every reward call."""
 
     def __init__(self, worker: Any, faults: FaultsConfig) -> None:
         super().__init__(worker, faults)
+        if faults.rewards_raise:
+            worker.rewards = _RaisingRewards(worker.rewards)
         self.calls = 0
         self.eval_calls = 0
         self.load_calls = 0
@@ -75,7 +84,10 @@ class FaultyRolloutWorker(_Wrapper):
         failing = [job.prompt.uid for job in jobs if _base_uid(job.prompt.uid) in self.faults.failing_prompts]
         if failing:
             raise InjectedFault(f"prompt {failing[0]} cannot be generated (faults.failing_prompts)")
-        return self.worker.generate(jobs)
+        result = self.worker.generate(jobs)
+        if self.faults.stale_tokens:
+            result.groups = [_aged(group, self.faults.stale_tokens) for group in result.groups]
+        return result
 
     def evaluate(self, prompts: Sequence[Any]) -> Any:
         call, self.eval_calls = self.eval_calls, self.eval_calls + 1
@@ -135,6 +147,36 @@ class _KilledAfterSaving:
     def save_pretrained(self, directory: Any) -> None:
         self.tokenizer.save_pretrained(directory)
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+class _RaisingRewards:
+    """A reward runner whose every call fails: each completion scores 0 with one error, as the
+    runner reports a reward function that raised."""
+
+    def __init__(self, rewards: Any) -> None:
+        self.rewards = rewards
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.rewards, name)
+
+    def score(self, completions: Sequence[str], *args: Any) -> RewardResult:
+        scored = self.rewards.score(completions, *args)
+        zeros = [0.0] * len(completions)
+        return replace(
+            scored,
+            rewards=zeros,
+            correct=[False] * len(completions),
+            per_function={name: zeros for name in scored.per_function},
+            item_errors=[errors + 1 for errors in scored.item_errors],
+        )
+
+
+def _aged(group: RolloutGroup, versions: int) -> RolloutGroup:
+    """The group with every trained token's weight version ``versions`` older, never below 0."""
+    sampled = group.token_versions
+    if sampled is None:
+        sampled = torch.full_like(group.input_ids, group.start_version).where(group.response_mask > 0, -1)
+    return replace(group, token_versions=(sampled - versions).clamp(min=0).where(sampled >= 0, -1))
 
 
 def _base_uid(uid: str) -> str:

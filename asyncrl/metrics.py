@@ -155,7 +155,7 @@ def _sample_keys(report: StepReport, counters: RunCounters, samples: int) -> dic
         "response_length_mean": data.response_tokens / samples,
         "num_groups": data.num_groups,
         "num_filtered_groups": data.num_filtered_groups,
-        "num_informative_groups": data.num_groups - data.num_filtered_groups,
+        "num_informative_groups": data.num_groups - data.num_filtered_groups - data.num_failed_groups,
         "refill_groups": data.num_refill_groups,
         "refill_groups_total": counters.refill_groups_total,
     }
@@ -187,6 +187,7 @@ def _fault_keys(report: StepReport, counters: RunCounters) -> dict:
         "lag_mean": sum(lag * count for lag, count in lags.items()) / max(sum(lags.values()), 1),
         "reward_errors": data.reward_errors,
         "reward_timeouts": data.reward_timeouts,
+        "failed_groups": data.num_failed_groups,
         "rollout_retries": data.rollout_retries,
         "evicted_groups": counters.evicted_groups,
         "skipped_prompts": counters.skipped_prompts,

@@ -100,6 +100,15 @@ class RolloutGroup:
         return int(self.response_mask.sum())
 
     @property
+    def oldest_token_version(self) -> int:
+        """The oldest weight version that sampled one of the group's trained tokens (its start
+        version where tokens carry none): what the staleness bound holds the group to."""
+        if self.token_versions is None:
+            return self.start_version
+        sampled = self.token_versions[self.token_versions >= 0]
+        return int(sampled.min()) if sampled.numel() else self.start_version
+
+    @property
     def sequence_lengths(self) -> list[int]:
         """Real tokens of each sample, prompt and response: what a token budget counts."""
         return self.attention_mask.sum(1).tolist()
@@ -362,6 +371,7 @@ class StepData:
 
     num_groups: int = 0
     num_filtered_groups: int = 0
+    num_failed_groups: int = 0  # left out of the loss: a reward failed (integrity.failures)
     num_refill_groups: int = 0  # of num_groups, replacements for filtered groups (set by the controller)
     num_samples: int = 0
     reward_sum: float = 0.0

@@ -74,7 +74,7 @@ def build_trainer_rank(
     if parallel is not None:
         _take_rank0_weights(model)
     trainer = PolicyTrainer.from_config(config, model, parallel=parallel)
-    worker = TrainerWorker(trainer, config.grpo, tokenizer, rank=rank, seed=config.seed)
+    worker = TrainerWorker(trainer, config.grpo, tokenizer, rank=rank, seed=config.seed, integrity=config.integrity)
     if checkpoint_dir is not None:
         state = load_state(Path(checkpoint_dir))["trainer"]
         load_contents(str(Path(checkpoint_dir) / STATE_FILE), worker.load_checkpoint, checkpoint_dir, state)

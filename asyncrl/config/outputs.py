@@ -53,6 +53,15 @@ class FaultsConfig(Section):
     load_errors: list[int] = Field(
         default_factory=list, description="weight loads into a rollout worker (0-based, in call order) that raise"
     )
+    stale_tokens: int = Field(
+        0,
+        ge=0,
+        description="every trained token of a rollout worker's groups carries a weight version this many versions "
+        "older (never below 0), as from a generator serving part of its responses from older weights",
+    )
+    rewards_raise: bool = Field(
+        False, description="every reward call of a rollout worker fails as if the reward function raised"
+    )
     kill_in_checkpoint: int | None = Field(
         None, ge=1, description="the process kills itself (SIGKILL) while writing the checkpoint of this step"
     )

@@ -139,6 +139,7 @@ class SingleController:
         self.state = RunState()
         self.interrupts = Interrupts(self.changes, progress.status)
         self.watchdog = Watchdog(config.runtime.watchdog_s)
+        self.verdicts: dict[int, bool] = {}  # id of a group of the open step -> the guard lets it train
         self.next_worker = 0
         self.clock = StepClock()
         self.start_time = time.perf_counter()
@@ -394,6 +395,7 @@ class SingleController:
             try:
                 report = await self._attempt_step()
                 self.state.step_groups = []
+                self.verdicts = {}
                 refills = self.refills.end_step()
                 if report is not None:
                     report.data.num_refill_groups = refills
@@ -421,12 +423,13 @@ class SingleController:
         await self.trainer.begin_step(version)
         if self.state.step_groups:
             self.watchdog.waiting["train loop"] = f"trainer.train_groups, rerunning step {version}"
-            await self.trainer.train_groups(list(self.state.step_groups))
+            await self.trainer.train_groups(self._vouched_for(self.state.step_groups, version))
         while await self._next_chunk(version):
             pass
         if not self.state.step_groups:
             await self.trainer.abort_step()
             return None
+        self._failures(version)
         self.watchdog.waiting["train loop"] = f"trainer.finish_step({version})"
         busy_start = time.perf_counter()
         report = await self.trainer.finish_step()
@@ -459,10 +462,44 @@ class SingleController:
         self.changes.notify()
         self.watchdog.waiting["train loop"] = f"trainer.train_groups ({len(groups)} groups of step {version})"
         busy_start = time.perf_counter()
-        await self.trainer.train_groups(groups)
+        await self.trainer.train_groups(self._vouched_for(groups, version))
         self.clock.train_s += time.perf_counter() - busy_start
         self.watchdog.progressed()
         return True
+
+    def _vouched_for(self, groups: Sequence[RolloutGroup], version: int) -> list[RolloutGroup]:
+        """The groups step V may train, each checked once per step by the guard: every trained
+        token's own weight version within the staleness bound. A group the guard drops stays with
+        the step's groups (a rerun or a resumed run leaves it out again), untrained."""
+        for group in groups:
+            if id(group) not in self.verdicts:
+                self.verdicts[id(group)] = self._staleness(group, version) != "drop"
+        return [group for group in groups if self.verdicts[id(group)]]
+
+    def _staleness(self, group: RolloutGroup, version: int) -> str:
+        """Promise 3: the group's oldest trained token lags step V by at most ``sampler.max_lag``."""
+        bound, oldest = self.config.sampler.max_lag, group.oldest_token_version
+        return self.guard.check(
+            "staleness",
+            max(version - oldest - bound, 0),
+            step=version,
+            evidence=f"group {group.prompt_uid} (start version {group.start_version}) has a token sampled by "
+            f"weights {oldest}: lag {version - oldest} > sampler.max_lag={bound}",
+        )
+
+    def _failures(self, version: int) -> None:
+        """Promise 4: the trainer leaves a group whose reward raised or was not a finite number out
+        of the loss; a step that would lose more than ``integrity.failures.threshold`` of its groups
+        so stops (or warns) before its update."""
+        groups = self.state.step_groups
+        failed = sum(1 for group in groups if group.reward_errors)
+        self.guard.check(
+            "failures",
+            failed / len(groups),
+            step=version,
+            evidence=f"{failed} of the step's {len(groups)} groups have a reward that raised or was not a finite "
+            f"number (integrity.failures.threshold={self.config.integrity.failures.threshold})",
+        )
 
     def _select(self, version: int, min_k: int, max_k: int) -> list[int]:
         """The sampler's choice, but for a step with refills out: it takes those, and only those,

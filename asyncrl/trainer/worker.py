@@ -46,7 +46,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from asyncrl.checkpoint import read_weights, save_checkpoint
-from asyncrl.config import GRPOConfig
+from asyncrl.config import GRPOConfig, IntegrityConfig
 from asyncrl.generation.base import sample_seed
 from asyncrl.models.lora import check_base, is_lora, read_adapter, save_adapter
 from asyncrl.trainer.policy import PolicyTrainer
@@ -74,12 +74,22 @@ MicroBatch = list[_Rows]
 
 class TrainerWorker:
     def __init__(
-        self, trainer: PolicyTrainer, grpo_cfg: GRPOConfig, tokenizer, *, rank: int = 0, seed: int = 0
+        self,
+        trainer: PolicyTrainer,
+        grpo_cfg: GRPOConfig,
+        tokenizer,
+        *,
+        rank: int = 0,
+        seed: int = 0,
+        integrity: IntegrityConfig | None = None,
     ) -> None:
         """``rank``: this trainer rank's place among all of them; rank 0 writes checkpoints and
         returns the exported weights. Its DP rank and the DP size come from ``trainer.parallel``.
-        ``seed``: the run seed, which orders the mini-batches of every pass after the first."""
+        ``seed``: the run seed, which orders the mini-batches of every pass after the first.
+        ``integrity``: the run's integrity section; with the guard on, a group whose reward failed
+        is never trained (docs/integrity.md)."""
         self.trainer = trainer
+        self.drop_failed = integrity is not None and integrity.enabled
         self.tokenizer = tokenizer
         self.grpo = grpo_cfg
         self.rank = rank
@@ -115,6 +125,9 @@ class TrainerWorker:
         """Add a chunk of the step; trains every full round. Returns sequences received so far."""
         for group in groups:
             self._data.add(group, self.trainer.version)
+            if self.drop_failed and group.reward_errors:  # a failure is never trained as a number
+                self._data.num_failed_groups += 1
+                continue
             if self.grpo.filter_zero_variance and not group.informative:
                 self._data.num_filtered_groups += 1
                 continue

@@ -116,10 +116,11 @@ def test_a_remote_group_has_every_attribute_of_a_group_but_its_token_tensors():
         "size",
         "response_tokens",
         "sequence_lengths",
+        "oldest_token_version",
     }:
         assert getattr(remote, name) is getattr(group, name) or getattr(remote, name) == getattr(group, name), name
     assert not token_tensors & set(vars(remote))
-    assert (remote.size, remote.response_tokens) == (3, 6) and remote.ref is None
+    assert (remote.size, remote.response_tokens, remote.oldest_token_version) == (3, 6, 2) and remote.ref is None
 
 
 # ---- on the session cluster --------------------------------------------------------------------

@@ -55,19 +55,35 @@ def test_the_end_of_the_data_stops_the_run_cleanly(tmp_path):
 
 
 @pytest.mark.slow
-def test_rewards_that_raise_or_hang_score_zero_and_are_counted(tmp_path):
+def test_rewards_that_raise_drop_their_group_and_rewards_that_hang_score_zero_and_are_counted(tmp_path):
+    """A reward that raised fails its group, which is never trained (docs/integrity.md, promise 4;
+    the share of failed groups here is 1, so the run is told to warn); one that timed out on its
+    input scores 0 and is trained."""
     summary, metrics, _ = run(
         tmp_path,
         "faulty",
         "grpo.max_steps=2",
         "rewards.functions=[exact_match, reward_functions:raising_reward, reward_functions:hanging_reward]",
         "rewards.timeout_s=0.1",
+        "integrity.failures.action=warn",
     )
     samples_per_step = 4 * 4
     assert [m["reward_errors"] for m in metrics] == [samples_per_step] * 2
     assert [m["reward_timeouts"] for m in metrics] == [samples_per_step] * 2
+    assert [m["failed_groups"] for m in metrics] == [4] * 2 and all(m["num_tokens"] == 0 for m in metrics)
     assert summary["reward_errors"] == summary["reward_timeouts"] == 2 * samples_per_step
     assert max(m["reward_mean"] for m in metrics) <= 1.0  # only exact_match can score
+    _, metrics, _ = run(
+        tmp_path,
+        "hanging",
+        "grpo.max_steps=1",
+        "grpo.prompts_per_step=1",
+        "grpo.generations_per_prompt=2",
+        "rewards.functions=[exact_match, reward_functions:hanging_reward]",
+        "rewards.timeout_s=0.1",
+    )
+    assert metrics[0]["reward_timeouts"] == 2 and metrics[0]["failed_groups"] == 0
+    assert metrics[0]["num_sequences"] == 2  # a timed-out call is a 0 the step trains
 
 
 def fail_some_generations(monkeypatch, failing_calls: set[int]):

@@ -42,6 +42,7 @@ from asyncrl.control.buffer import ReplayBuffer
 from asyncrl.control.controller import SingleController
 from asyncrl.control.sampler import Admission, InOrderSampler, WeightFifoSampler, WindowedSampler
 from asyncrl.data import Prompt, PromptLoader, Task
+from asyncrl.errors import IntegrityStop
 from asyncrl.types import EvalResult, RolloutBatch, RolloutGroup, StepData, StepReport, StepResult
 
 FUZZ_SEED = int(os.environ.get("ASYNCRL_FUZZ_SEED", "20250611"))
@@ -687,16 +688,17 @@ class NeverSelectsInOrder(InOrderSampler):
 
 
 @pytest.mark.parametrize(
-    "sampler_cls, buffer_cls, failure",
+    "sampler_cls, buffer_cls, error, failure",
     [
-        (OneVersionTooStaleWindowed, CheckedBuffer, "lag"),
-        (WindowedSampler, DropsFirstCommit, "lost"),
-        (WindowedSampler, KeepsTakenGroups, "duplicated"),
-        (WindowedSampler, ForgetsReservedSlots, "capacity"),
-        (NeverSelectsInOrder, CheckedBuffer, "deadlock"),
+        # a stale selection is caught by the run itself first: the integrity guard's staleness promise
+        (OneVersionTooStaleWindowed, CheckedBuffer, IntegrityStop, "staleness broken"),
+        (WindowedSampler, DropsFirstCommit, AssertionError, "lost"),
+        (WindowedSampler, KeepsTakenGroups, AssertionError, "duplicated"),
+        (WindowedSampler, ForgetsReservedSlots, AssertionError, "capacity"),
+        (NeverSelectsInOrder, CheckedBuffer, AssertionError, "deadlock"),
     ],
     ids=["stale-selection", "dropped-commit", "kept-taken-group", "overfilled-buffer", "deadlock"],
 )
-def test_planted_mistakes_fail_the_checks(sampler_cls, buffer_cls, failure):
-    with pytest.raises(AssertionError, match=failure):
+def test_planted_mistakes_fail_the_checks(sampler_cls, buffer_cls, error, failure):
+    with pytest.raises(error, match=failure):
         fuzz(sampler_cls, 100, buffer_cls, shrink=False)
