@@ -418,7 +418,7 @@ def test_a_ray_rollout_worker_loads_weights_while_it_generates(ray_cluster, vllm
     try:
         [handle] = runtime.spawn_generators(partial(endless_rollout_worker, config, started), 1)
         runtime.ready()
-        assert handle.unordered == ("load_weights",)
+        assert handle.unordered == ("load_weights", "probe")
         batch = asyncio.run(load_while_generating(handle))
     finally:
         http_json(f"{vllm_generator.url}/resume", {}, timeout=30)
