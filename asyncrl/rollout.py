@@ -40,6 +40,7 @@ class RolloutWorker:
         inflight: bool = False,
         algorithm: Algorithm | None = None,
         episodes: Episodes | None = None,
+        fingerprints: bool = True,
     ) -> None:
         """``algorithm``: the run's, which judges whether each group is informative as it is
         tensorized (None: ``RolloutGroup``'s own default, GRPO's test). ``episodes``: how prompts
@@ -47,8 +48,10 @@ class RolloutWorker:
 
         ``inflight``: the generator takes weights while it generates (its responses then span
         versions), so a runtime may run ``load_weights`` and the sampling ``probe`` beside ``generate``
-        (``unordered_methods``)."""
+        (``unordered_methods``). ``fingerprints``: a load answers with the generator's fingerprint
+        of what it serves (the integrity guard's weight check); off, with None."""
         self.generator = generator
+        self.fingerprints = fingerprints
         self.inflight = inflight
         self.unordered_methods = ("load_weights", "probe") if inflight else ()
         self.rewards = rewards
@@ -61,12 +64,13 @@ class RolloutWorker:
         self.episodes = episodes if episodes is not None else SingleTurn(generator, tokenizer)
 
     def load_weights(self, state_dict: Mapping[str, Tensor], version: int) -> str | None:
-        """Load ``version``; the fingerprint of what the generator serves now (None: it cannot tell)."""
+        """Load ``version``; the fingerprint of what the generator serves now (None: it cannot
+        tell, or ``fingerprints`` is off: the integrity guard is)."""
         self.generator.load_weights(state_dict, version)
         return self.served_fingerprint()
 
     def served_fingerprint(self) -> str | None:
-        return self.generator.fingerprint()
+        return self.generator.fingerprint() if self.fingerprints else None
 
     def probe(self, prompts: Sequence[Prompt], version: int) -> RolloutGroup:
         """One response to each prompt, sampled with the run's sampling settings as one turn, with

@@ -130,4 +130,5 @@ def rollout_worker(config: RunConfig, generator: Generator, rewards: RewardRunne
         inflight=config.sync.mode == "inflight" and generator.loads_while_generating,
         algorithm=build_algorithm(config),
         episodes=build_episodes(config, generator, tokenizer),
+        fingerprints=config.integrity.enabled,
     )

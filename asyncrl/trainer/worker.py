@@ -87,9 +87,10 @@ class TrainerWorker:
         returns the exported weights. Its DP rank and the DP size come from ``trainer.parallel``.
         ``seed``: the run seed, which orders the mini-batches of every pass after the first.
         ``integrity``: the run's integrity section; with the guard on, a group whose reward failed
-        is never trained (docs/integrity.md)."""
+        is never trained, and each export is fingerprinted (docs/integrity.md)."""
         self.trainer = trainer
         self.drop_failed = integrity is not None and integrity.enabled
+        self.fingerprints = self.drop_failed  # a sample of each export, for the weight sync's check
         self.tokenizer = tokenizer
         self.grpo = grpo_cfg
         self.rank = rank
@@ -168,7 +169,7 @@ class TrainerWorker:
         version, weights = self.trainer.export_weights(copy=False, device=device)
         if self.rank != 0:
             return version, {}
-        self.exported = sample(weights)
+        self.exported = sample(weights) if self.fingerprints else None
         return version, weights
 
     def exported_fingerprints(self) -> dict[str, str]:
