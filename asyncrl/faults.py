@@ -39,6 +39,7 @@ def inject_rollout_faults(worker: Any, faults: FaultsConfig) -> Any:
         or faults.generator_temperature is not None
         or faults.stale_tokens
         or faults.rewards_raise
+        or faults.template_rewrites_transcript
     ):
         return FaultyRolloutWorker(worker, faults)
     return worker
@@ -46,7 +47,12 @@ def inject_rollout_faults(worker: Any, faults: FaultsConfig) -> Any:
 
 def inject_trainer_faults(worker: Any, faults: FaultsConfig) -> Any:
     """``worker`` itself, or a wrapper that applies the section's train-step and checkpoint faults."""
-    if faults.train_errors or faults.nonfinite_steps or faults.kill_in_checkpoint is not None:
+    if (
+        faults.train_errors
+        or faults.nonfinite_steps
+        or faults.kill_in_checkpoint is not None
+        or faults.duplicate_microbatch
+    ):
         return FaultyTrainerWorker(worker, faults)
     return worker
 
@@ -63,12 +69,14 @@ class _Wrapper:
 class FaultyRolloutWorker(_Wrapper):
     """Counts generation and evaluation calls; raises, hangs or slows a weight load where the section
     says; acknowledges a load without making it; samples at another temperature than the trainer scores at;
-    ages the token versions of the groups it returns, fails every reward call."""
+    ages the token versions of the groups it returns, fails every reward call, rewrites multi-turn transcripts."""
 
     def __init__(self, worker: Any, faults: FaultsConfig) -> None:
         super().__init__(worker, faults)
         if faults.rewards_raise:
             worker.rewards = _RaisingRewards(worker.rewards)
+        if faults.template_rewrites_transcript:
+            worker.episodes.tokenizer = _RewritingTemplate(worker.episodes.tokenizer)
         self.calls = 0
         self.eval_calls = 0
         self.load_calls = 0
@@ -107,10 +115,13 @@ class FaultyRolloutWorker(_Wrapper):
 
 
 class FaultyTrainerWorker(_Wrapper):
-    """Fails a step's first attempt, poisons its gradients, or dies inside a checkpoint write."""
+    """Fails a step's first attempt, poisons its gradients, dies inside a checkpoint write, or
+    trains a micro-batch twice."""
 
     def __init__(self, worker: Any, faults: FaultsConfig) -> None:
         super().__init__(worker, faults)
+        if faults.duplicate_microbatch:
+            worker.trainer = _TrainsFirstMicrobatchTwice(worker.trainer)
         self.step: int | None = None
         self.failed_steps: set[int] = set()
 
@@ -138,6 +149,24 @@ class FaultyTrainerWorker(_Wrapper):
         # The tokenizer is written after the weights and before the state and the rename: die there.
         self.worker.tokenizer = _KilledAfterSaving(self.worker.tokenizer)
         return self.worker.save_checkpoint(run_dir, step, *args, **kwargs)
+
+
+class _TrainsFirstMicrobatchTwice:
+    """A policy trainer that trains each step's first micro-batch with a response twice."""
+
+    def __init__(self, trainer: Any) -> None:
+        self.trainer = trainer
+        self.doubled_at: int | None = None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.trainer, name)
+
+    def train_microbatch(self, batch: Any) -> Any:
+        result = self.trainer.train_microbatch(batch)
+        if batch.num_sequences and self.doubled_at != self.trainer.version:
+            self.doubled_at = self.trainer.version
+            self.trainer.train_microbatch(batch)
+        return result
 
 
 class _KilledAfterSaving:
@@ -169,6 +198,27 @@ class _RaisingRewards:
             per_function={name: zeros for name in scored.per_function},
             item_errors=[errors + 1 for errors in scored.item_errors],
         )
+
+
+class _RewritingTemplate:
+    """A tokenizer whose chat template, once an assistant message is in the transcript, renders the
+    first message one character short: what follows the model's turn no longer extends the
+    transcript the model saw."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.tokenizer, name)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.tokenizer(*args, **kwargs)
+
+    def apply_chat_template(self, messages: list[dict], *args: Any, **kwargs: Any) -> Any:
+        if kwargs.get("add_generation_prompt") and any(m["role"] == "assistant" for m in messages):
+            first = messages[0]
+            messages = [{**first, "content": first["content"][1:]}, *messages[1:]]
+        return self.tokenizer.apply_chat_template(messages, *args, **kwargs)
 
 
 def _aged(group: RolloutGroup, versions: int) -> RolloutGroup:

@@ -100,6 +100,11 @@ class RolloutGroup:
         return int(self.response_mask.sum())
 
     @property
+    def row_response_tokens(self) -> list[int]:
+        """Response tokens of each sample: what the loss counts for it (0: it adds no sequence)."""
+        return self.response_mask.sum(1).round().long().tolist()
+
+    @property
     def oldest_token_version(self) -> int:
         """The oldest weight version that sampled one of the group's trained tokens (its start
         version where tokens carry none): what the staleness bound holds the group to."""
@@ -360,6 +365,7 @@ class StepResult:
     num_microbatches: int
     metrics: dict[str, float] = field(default_factory=dict)
     skipped: bool = False  # non-finite loss or gradient: no update, but the step (and its data) is used up
+    count_error: float = 0.0  # largest relative difference of an update's summed counts from its groups' (integrity)
     num_updates: int = 1  # optimizer updates applied (K mini-batches: up to K); skipped and empty ones are not
 
 

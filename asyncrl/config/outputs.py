@@ -62,6 +62,14 @@ class FaultsConfig(Section):
     rewards_raise: bool = Field(
         False, description="every reward call of a rollout worker fails as if the reward function raised"
     )
+    duplicate_microbatch: bool = Field(
+        False, description="each trainer rank trains the first micro-batch of every step twice: its loss counted twice"
+    )
+    template_rewrites_transcript: bool = Field(
+        False,
+        description="multi-turn episodes: once the model has spoken, the chat template renders the transcript's "
+        "first message one character short, so the transcript is rewritten instead of extended",
+    )
     kill_in_checkpoint: int | None = Field(
         None, ge=1, description="the process kills itself (SIGKILL) while writing the checkpoint of this step"
     )

@@ -434,6 +434,7 @@ class SingleController:
         busy_start = time.perf_counter()
         report = await self.trainer.finish_step()
         self.clock.train_s += time.perf_counter() - busy_start
+        self.guard.record("loss_counts", report.result.count_error)  # checked by the trainer, before its update
         return report
 
     async def _next_chunk(self, version: int) -> bool:
@@ -469,12 +470,26 @@ class SingleController:
 
     def _vouched_for(self, groups: Sequence[RolloutGroup], version: int) -> list[RolloutGroup]:
         """The groups step V may train, each checked once per step by the guard: every trained
-        token's own weight version within the staleness bound. A group the guard drops stays with
-        the step's groups (a rerun or a resumed run leaves it out again), untrained."""
+        token's own weight version within the staleness bound, and transcripts that only grew. A
+        group the guard drops stays with the step's groups (a rerun or a resumed run leaves it out
+        again), untrained."""
         for group in groups:
             if id(group) not in self.verdicts:
-                self.verdicts[id(group)] = self._staleness(group, version) != "drop"
+                verdicts = (self._staleness(group, version), self._transcripts(group, version))
+                self.verdicts[id(group)] = "drop" not in verdicts
         return [group for group in groups if self.verdicts[id(group)]]
+
+    def _transcripts(self, group: RolloutGroup, version: int) -> str:
+        """Promise 6: no episode of the group met a chat template that rewrote its transcript (the
+        episode ended there instead, environments/episode.py)."""
+        breaks = group.episode_metrics.get("transcript_breaks", 0.0)
+        return self.guard.check(
+            "transcripts",
+            breaks,
+            step=version,
+            evidence=f"{breaks:.0f} episodes of group {group.prompt_uid} met a chat template that rendered the "
+            "transcript differently once messages were appended, so no observation could extend it",
+        )
 
     def _staleness(self, group: RolloutGroup, version: int) -> str:
         """Promise 3: the group's oldest trained token lags step V by at most ``sampler.max_lag``."""

@@ -4,7 +4,10 @@
 ``MultiTurn`` runs episodes against an environment. The tokens the trainer sees are exactly the
 ones sampled, with their logprobs and weight versions; an environment's answer is appended as the
 chat template's delta for the new messages (template(messages + new) minus template(messages),
-checked to be a prefix), never by re-templating the transcript, and masked out of the loss.
+checked to be a prefix), never by re-templating the transcript, and masked out of the loss. A
+template that rewrites the transcript instead of extending it ends the episode there, before the
+observation (finish reason ``transcript``, counted in ``transcript_breaks``): a transcript only
+grows, and the integrity guard decides what the run does about it (docs/integrity.md).
 
 Episodes run independently: every model turn that is ready goes into one generation call, and
 each environment step runs on a thread of its own, so an episode waiting on its environment never
@@ -96,6 +99,7 @@ FINISH_REASONS = {  # why an episode ended: its rollout's finish reason
     "length": "a turn was cut: at generation.max_new_tokens, or at the episode's max_tokens",
     "max_turns": "the environment had not ended it after max_turns model turns",
     "time_limit": "max_seconds of wall time (an environment call past it is abandoned)",
+    "transcript": "the chat template rewrote the transcript instead of extending it: ended before the observation",
 }
 
 
@@ -157,6 +161,7 @@ class _Episode:
             "masked_tokens": float(len(self.mask) - trained),
             "truncated": float(self.finish != "stop"),
             "timed_out": float(self.finish == "time_limit"),
+            "transcript_breaks": float(self.finish == "transcript"),
             **self.metrics,
         }
         rollout = Rollout(
@@ -185,12 +190,14 @@ class _Opened:
 
 @dataclass
 class _Answered:
-    """The environment's answer to a turn and its template delta (None when the episode ends)."""
+    """The environment's answer to a turn and its template delta (None when the episode ends, or
+    when the template rewrote the transcript: ``rewritten``)."""
 
     assistant: Message
     turn: Turn
     delta: list[int] | None
     seconds: float
+    rewritten: bool = False
 
 
 class MultiTurn:
@@ -358,7 +365,7 @@ class MultiTurn:
         seconds = time.perf_counter() - start
         going_on = not turn.done and episode.turns < self.limits.max_turns
         delta = self._delta(episode.messages + [assistant], turn.messages, env) if going_on else None
-        return _Answered(assistant, turn, delta, seconds)
+        return _Answered(assistant, turn, delta, seconds, rewritten=going_on and delta is None)
 
     def _answered(self, episode: _Episode, answer: _Answered) -> None:
         """The answer applied: the episode ends (done, or a limit), or its observation is appended
@@ -370,6 +377,8 @@ class MultiTurn:
         episode.messages = episode.messages + [answer.assistant] + turn.messages
         if turn.done:
             episode.reward, episode.finish = turn.reward, "stop"
+        elif answer.rewritten:
+            episode.finish = "transcript"
         elif answer.delta is None:
             episode.finish = "max_turns"
         elif time.perf_counter() > episode.deadline(limits):
@@ -380,16 +389,14 @@ class MultiTurn:
             delta = answer.delta
             episode.extend(delta, [0.0] * len(delta), [OBSERVATION_VERSION] * len(delta), trained=0)
 
-    def _delta(self, messages: list[Message], new: list[Message], env: Environment) -> list[int]:
+    def _delta(self, messages: list[Message], new: list[Message], env: Environment) -> list[int] | None:
         """The tokens ``new`` adds after the model's turn: what the template puts after the turn's
-        end token, then template(messages + new) past template(messages)."""
+        end token, then template(messages + new) past template(messages). None when the template
+        renders the transcript differently once messages are appended: no delta extends it."""
         base = self._template(messages, env, generation_prompt=False)
         extended = self._template(messages + new, env, generation_prompt=True)
         if extended[: len(base)] != base:
-            raise ValueError(
-                f"tokenizer {_name(self.tokenizer)}: its chat template renders the transcript differently once "
-                "messages are appended, so an observation cannot be appended as a delta"
-            )
+            return None
         ends = [i for i, token in enumerate(base) if token in self.stop_token_ids]
         after_turn = base[ends[-1] + 1 :] if ends else []
         return after_turn + extended[len(base) :]

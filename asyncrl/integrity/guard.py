@@ -35,16 +35,11 @@ class IntegrityGuard:
     def check(self, promise: str, value: float, *, step: int, evidence: str) -> str:
         """ "ok", "drop" or "warn": what the caller does with what was measured; raises
         ``IntegrityStop`` when the promise is broken and its action is stop."""
-        if promise not in PROMISES:
-            raise ValueError(f"IntegrityGuard.check: unknown promise {promise!r}; the promises are {PROMISES}")
+        self.record(promise, value)
         if not self.config.enabled:
             return "ok"
         rule = getattr(self.config, promise)
-        key = f"integrity/{promise}"
-        value = float(value)
-        previous = self._values.get(key, 0.0)
-        self._values[key] = previous if previous >= value else value  # a NaN is kept: it breaks the promise
-        if value <= rule.threshold:
+        if value <= rule.threshold:  # a NaN breaks the promise
             return "ok"
         if rule.action == "stop":
             raise IntegrityStop(promise, evidence, step)
@@ -53,6 +48,16 @@ class IntegrityGuard:
         else:
             self.warn(f"integrity: {promise} broken at step {step}: {evidence} (integrity.{promise}.action=warn)")
         return rule.action
+
+    def record(self, promise: str, value: float) -> None:
+        """Keep the step's largest value of ``promise`` for its metrics; alone, for a value checked
+        where it was measured (a trainer rank's own guard, before its update)."""
+        if promise not in PROMISES:
+            raise ValueError(f"IntegrityGuard: unknown promise {promise!r}; the promises are {PROMISES}")
+        if self.config.enabled:
+            key, value = f"integrity/{promise}", float(value)
+            previous = self._values.get(key, 0.0)
+            self._values[key] = previous if previous >= value else value  # a NaN is kept
 
     def step_metrics(self) -> dict[str, float]:
         """The step's ``integrity/<promise>`` values and the groups dropped, then a fresh step;

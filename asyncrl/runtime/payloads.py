@@ -39,6 +39,7 @@ class RemoteGroup:
     size: int
     response_tokens: int
     sequence_lengths: list[int]
+    row_response_tokens: list[int]
     oldest_token_version: int
     episode_metrics: dict[str, float]
     ref: Any = None  # ray.ObjectRef of the RolloutGroup; set by the caller that owns it

@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -68,6 +69,7 @@ class _StepState:
     is_weight_min: Tensor
     is_weight_max: Tensor
     num_microbatches: int = 0  # since the last update
+    expected: tuple[int, int] | None = None  # (tokens, sequences) of the groups since the last update, if told
     updates: list[_Update] = field(default_factory=list)
 
 
@@ -83,6 +85,7 @@ class _Update:
     num_microbatches: int
     skipped: bool  # non-finite: not applied
     empty: bool  # no response token: nothing to apply
+    count_error: float = 0.0  # relative difference of the summed counts from the expected ones
 
     @property
     def taken(self) -> bool:
@@ -135,6 +138,9 @@ class PolicyTrainer:
         self.version = 0
         self._step: _StepState | None = None
         self._step_start = StepSnapshot(self.device)  # taken before a step's first of several updates
+        # called with (count error, evidence, step) before every update that was told its counts;
+        # it raises to refuse the update (the integrity guard's loss_counts promise)
+        self.count_check: Callable[[float, str, int], object] | None = None
 
     def _prepare(
         self, model: nn.Module, reference_model: nn.Module | None, recompute: bool, packing: bool
@@ -238,6 +244,13 @@ class PolicyTrainer:
         state.num_microbatches += 1
         return {"loss_sum": counters[0], "num_tokens": counters[1]}
 
+    def expect_counts(self, tokens: int, sequences: int) -> None:
+        """The response tokens and sequences the micro-batches trained next hold, over every rank,
+        counted from their groups: the next update checks its summed counts against them."""
+        state = self._require_step("expect_counts")
+        before = state.expected or (0, 0)
+        state.expected = (before[0] + tokens, before[1] + sequences)
+
     def finish_update(self) -> None:
         """One optimizer update on the micro-batches trained since the step began or since its last
         update, normalized by their own D; the step stays open for its next mini-batch (docs/loss.md,
@@ -270,6 +283,7 @@ class PolicyTrainer:
         """Normalize the accumulated gradients once by D, clip, step; then reset the accumulators."""
         totals, is_weight_range = self._step_totals(state)
         sums = dict(zip(_COUNTERS, totals.tolist()))
+        count_error = self._check_counts(state, sums)
         lr = self.optimizer.param_groups[0]["lr"]
         if sums["num_tokens"] == 0:
             self.optimizer.zero_grad(set_to_none=True)
@@ -289,13 +303,40 @@ class PolicyTrainer:
                 self.optimizer.step()
         state.updates.append(
             _Update(
-                loss, grad_norm, lr, totals, is_weight_range, state.num_microbatches, skipped, sums["num_tokens"] == 0
+                loss,
+                grad_norm,
+                lr,
+                totals,
+                is_weight_range,
+                state.num_microbatches,
+                skipped,
+                sums["num_tokens"] == 0,
+                count_error,
             )
         )
+        state.expected = None
         state.sums = torch.zeros_like(state.sums)
         state.is_weight_min = torch.full_like(state.is_weight_min, float("inf"))
         state.is_weight_max = torch.full_like(state.is_weight_max, float("-inf"))
         state.num_microbatches = 0
+
+    def _check_counts(self, state: _StepState, sums: dict[str, float]) -> float:
+        """The update's counts, summed over micro-batches and ranks (one collective, the step's
+        own), against its groups': a loss counted twice or not at all shows here. 0 when untold."""
+        if state.expected is None:
+            return 0.0
+        tokens, sequences = state.expected
+        error = max(
+            abs(sums["num_tokens"] - tokens) / max(tokens, 1),
+            abs(sums["num_sequences"] - sequences) / max(sequences, 1),
+        )
+        if self.count_check is not None:
+            evidence = (
+                f"the loss summed {sums['num_tokens']:.0f} response tokens in {sums['num_sequences']:.0f} sequences "
+                f"over its micro-batches and ranks, but the groups trained hold {tokens} in {sequences}"
+            )
+            self.count_check(error, evidence, state.step)
+        return error
 
     def _step_result(self, updates: list[_Update]) -> StepResult:
         """The step's updates in one result: loss and gradient norm are means over the updates that
@@ -320,6 +361,7 @@ class PolicyTrainer:
             metrics=self._reduce_metrics(is_weight_range, sums),
             skipped=any(update.skipped for update in updates),
             num_updates=sum(update.taken for update in updates),
+            count_error=max(update.count_error for update in updates),
         )
 
     def abort_train_step(self) -> None:

@@ -48,6 +48,7 @@ from torch.distributed.checkpoint.state_dict import (
 from asyncrl.checkpoint import read_weights, save_checkpoint
 from asyncrl.config import GRPOConfig, IntegrityConfig
 from asyncrl.generation.base import sample_seed
+from asyncrl.integrity import IntegrityGuard
 from asyncrl.models.lora import check_base, is_lora, read_adapter, save_adapter
 from asyncrl.trainer.policy import PolicyTrainer
 from asyncrl.types import ProbeGap, RolloutGroup, StepData, StepReport, TrainBatch
@@ -87,10 +88,14 @@ class TrainerWorker:
         returns the exported weights. Its DP rank and the DP size come from ``trainer.parallel``.
         ``seed``: the run seed, which orders the mini-batches of every pass after the first.
         ``integrity``: the run's integrity section; with the guard on, a group whose reward failed
-        is never trained, and each export is fingerprinted (docs/integrity.md)."""
+        is never trained, every update checks that its loss counted its groups' tokens and
+        sequences once, and each export is fingerprinted (docs/integrity.md)."""
         self.trainer = trainer
         self.drop_failed = integrity is not None and integrity.enabled
         self.fingerprints = self.drop_failed  # a sample of each export, for the weight sync's check
+        if self.drop_failed:
+            guard = IntegrityGuard(integrity)
+            trainer.count_check = partial(_check_loss_counts, guard)
         self.tokenizer = tokenizer
         self.grpo = grpo_cfg
         self.rank = rank
@@ -254,6 +259,7 @@ class TrainerWorker:
         for index, (minibatch_rounds, minibatch_batches) in enumerate(updates):
             for round_, round_batches in zip(minibatch_rounds, minibatch_batches):
                 self._num_microbatches += len(round_)
+                self.trainer.expect_counts(*self._counts(round_))
                 for batch in round_batches:
                     self.trainer.train_microbatch(batch)
             if index < len(updates) - 1:
@@ -313,12 +319,26 @@ class TrainerWorker:
     def _train_round(self, round_: list[MicroBatch]) -> None:
         """Consecutive global micro-batches, the j-th for DP rank j; every rank trains its batches."""
         self._num_microbatches += len(round_)
+        self.trainer.expect_counts(*self._counts(round_))
         for batch in self._round_batches(round_):
             self._train(batch)
         for micro_batch in round_:  # a group's tensors are not needed after its last rows
             for rows in micro_batch:
                 if rows.stop == rows.group.size:
                     self._fetched.pop(id(rows.group), None)
+
+    def _counts(self, round_: list[MicroBatch]) -> tuple[int, int]:
+        """(response tokens, sequences) of the round's micro-batches on every rank, from their groups'
+        metadata alone: what the loss must count once (a truncated row, masked, counts nothing)."""
+        tokens = sequences = 0
+        for micro_batch in round_:
+            for rows in micro_batch:
+                group = rows.group
+                for index in range(rows.start, rows.stop):
+                    masked = self.grpo.mask_truncated and group.finish_reasons[index] == "length"
+                    count = 0 if masked else group.row_response_tokens[index]
+                    tokens, sequences = tokens + count, sequences + (count > 0)
+        return tokens, sequences
 
     def _round_batches(self, round_: list[MicroBatch]) -> list[TrainBatch]:
         """This rank's micro-batch of the round, or a padding one when the round has none for it."""
@@ -368,6 +388,11 @@ class TrainerWorker:
         if self.trainer.reference_model is not None:
             batch.ref_logprobs = self.trainer.compute_logprobs(batch, reference=True)
         self.trainer.train_microbatch(batch)
+
+
+def _check_loss_counts(guard: IntegrityGuard, error: float, evidence: str, step: int) -> None:
+    """Promise 5, on every rank alike (the sums are global): stop (or warn) before the update."""
+    guard.check("loss_counts", error, step=step, evidence=evidence)
 
 
 def split_evenly(items: list, parts: int) -> list[list]:

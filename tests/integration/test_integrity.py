@@ -6,9 +6,10 @@ import json
 import re
 
 import pytest
-from helpers import SMALL, deterministic, read_jsonl, run
+from helpers import ROOT, SMALL, deterministic, read_jsonl, run
 
 from asyncrl.cli import main
+from asyncrl.config import load_config
 
 
 def without_integrity(records):
@@ -67,3 +68,57 @@ def test_a_step_whose_rewards_fail_stops_before_its_update_and_no_failure_is_tra
     _, metrics, _ = run(tmp_path, "warned", "faults.rewards_raise=true", "integrity.failures.action=warn")
     assert [m["failed_groups"] for m in metrics] == [4] * 4 and [m["integrity/failures"] for m in metrics] == [1] * 4
     assert all(m["num_sequences"] == m["num_tokens"] == 0 for m in metrics)  # dropped, never trained as a 0
+
+
+@pytest.mark.slow
+def test_a_loss_counted_twice_stops_the_run_before_the_update(tmp_path, capsys):
+    line, step, metrics = integrity_stop(tmp_path, capsys, "faults.duplicate_microbatch=true")
+    assert step == 0 and metrics == []
+    counts = re.fullmatch(
+        r"integrity: loss_counts broken at step 0: the loss summed (\d+) response tokens in (\d+) sequences over its "
+        r"micro-batches and ranks, but the groups trained hold (\d+) in 16; checkpoint saved to .*",
+        line,
+    )
+    summed_tokens, summed_sequences, tokens = map(int, counts.groups())
+    assert summed_tokens > tokens and summed_sequences > 16  # the first micro-batch, twice
+
+
+EPISODES = (  # the multi-turn runs of tests/integration/test_episodes_run.py
+    "environment.name=feedback",
+    "environment.max_turns=3",
+    "environment.max_tokens=40",
+    "warm_start.steps=60",
+    "warm_start.lr=0.01",
+)
+
+
+@pytest.mark.slow
+def test_a_template_that_rewrites_the_transcript_stops_a_multi_turn_run(tmp_path, capsys):
+    line, step, _ = integrity_stop(tmp_path, capsys, *EPISODES, "faults.template_rewrites_transcript=true")
+    assert step <= 2 and line.startswith(f"integrity: transcripts broken at step {step}: ")
+    assert "met a chat template that rendered the transcript differently once messages were appended" in line
+
+
+TINY = [key for key in SMALL if key.startswith(("model.", "grpo.", "logging.", "trainer.micro"))]
+HEALTHY = {  # the shipped configs, at the small model's size and a few steps
+    "default": (None, ["data.eval_size=8", "warm_start.steps=0", "generation.max_new_tokens=4"]),
+    "tool-use": (
+        ROOT / "configs" / "tool-use.yaml",
+        ["data.num_problems=200", "data.eval_size=4", "warm_start.steps=20", "generation.max_new_tokens=24"],
+    ),
+    "multi-turn": (ROOT / "configs" / "multi-turn.yaml", ["data.eval_size=4", *EPISODES[2:]]),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", HEALTHY)
+def test_healthy_runs_of_the_shipped_configs_never_trip_the_guard(tmp_path, name):
+    from asyncrl.run import train
+
+    path, overrides = HEALTHY[name]
+    train(load_config(path, [*TINY, "grpo.max_steps=3", f"logging.output_dir={tmp_path}", *overrides]))
+    metrics = read_jsonl(tmp_path / "metrics.jsonl")
+    assert len(metrics) == 3
+    assert [key for m in metrics for key, value in m.items() if key.startswith("integrity/") and value] == []
+    if name == "multi-turn":
+        assert max(m["episode/turns"] for m in metrics) > 1  # observations were appended

@@ -117,6 +117,7 @@ def test_a_remote_group_has_every_attribute_of_a_group_but_its_token_tensors():
         "response_tokens",
         "sequence_lengths",
         "oldest_token_version",
+        "row_response_tokens",
     }:
         assert getattr(remote, name) is getattr(group, name) or getattr(remote, name) == getattr(group, name), name
     assert not token_tensors & set(vars(remote))

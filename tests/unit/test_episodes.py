@@ -124,14 +124,16 @@ def test_limits_truncate_an_episode_by_turns_and_by_tokens():
     assert cut.rollout.response_ids == ids("123") and cut.rollout.finish_reason == "length"
 
 
-def test_a_template_that_rewrites_the_transcript_is_an_error_naming_the_tokenizer():
+def test_a_template_that_rewrites_the_transcript_ends_the_episode_before_the_observation():
     tokenizer = build_char_tokenizer(chat=True)
     tokenizer.chat_template = "{% for m in messages[-1:] %}{{ m.content }}{% endfor %}"  # only the last message
     generator = ScriptedGenerator({1: [ids("9") + [EOS], ids("4") + [EOS]]})
     episodes = MultiTurn(generator, tokenizer, FeedbackEnvironment, stop_token_ids=[EOS], limits=EpisodeLimits(4, 99))
-    with pytest.raises(ValueError, match=r"^tokenizer .*chat template renders the transcript differently"):
-        episodes.run([Prompt("p", "2+2=", "4")], [1], PARAMS)
+    [completion] = episodes.run([Prompt("p", "2+2=", "4")], [1], PARAMS)
     episodes.close()
+    assert completion.rollout.finish_reason == "transcript" and completion.metrics["transcript_breaks"] == 1
+    assert completion.rollout.response_ids == ids("9") + [EOS]  # the first turn alone: nothing was appended
+    assert completion.metrics["turns"] == 1 and completion.rollout.loss_mask == [1] * 2
 
 
 class _Blocking(Environment):
