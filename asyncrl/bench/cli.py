@@ -206,6 +206,25 @@ def bench_e2e(
     common.write_result(name, settings, result, output)
 
 
+@bench_app.command("integrity")
+def bench_integrity(
+    quick: bool = typer.Option(False, "--quick", help="a smoke run: a tiny model, 3 steps, one pair"),
+    pairs: int = typer.Option(3, "--pairs", min=1, help="pairs of runs, guard on and off (the median pair counts)"),
+    steps: int | None = typer.Option(None, "--steps", min=2, help="steps per run (default 20)"),
+    config: Path | None = typer.Option(
+        None, "--config", help="YAML run config every run starts from (default: the embedded one)"
+    ),
+    output: Path | None = typer.Option(None, "--output", help=OUTPUT_HELP),
+    overrides: list[str] | None = typer.Argument(None, help="config overrides applied to every run"),
+) -> None:
+    """Step time with the integrity guard over step time without it, in one bench run."""
+    from asyncrl.bench import common, integrity
+
+    settings = integrity.settings(config=config, overrides=list(overrides or ()), quick=quick, pairs=pairs, steps=steps)
+    load_config(config, settings["overrides"])  # a bad file or override fails here, before any run
+    common.write_result("integrity", settings, integrity.run(settings, config), output)
+
+
 def _lags(lags: str) -> tuple[int, ...]:
     """``--lags`` as sorted, distinct max_lag values."""
     try:

@@ -263,6 +263,29 @@ def _long_context(result: dict) -> str:
     return f"{_table(header, rows)}\n\n" + "; ".join(goals + stopped) + "."
 
 
+def _integrity(result: dict) -> str:
+    r = result["results"]
+    rows = [
+        [index + 1, f"{p['on_s']:.3f}", f"{p['off_s']:.3f}", f"{p['ratio']:.3f}", f"{100 * p['guard_share']:.3f} %"]
+        for index, p in enumerate(r["pairs"])
+    ]
+    rows.append(
+        [
+            "median",
+            f"{r['step_s_on']:.3f}",
+            f"{r['step_s_off']:.3f}",
+            f"**{r['ratio']:.3f}**",
+            f"**{100 * r['guard_share']:.3f} %**",
+        ]
+    )
+    header = ["pair", "step s, guard on", "step s, guard off", "on / off", "guard's own work / step time"]
+    goal = _goal(r["goal_met"], f"< {r['goal_ratio']:g}")
+    return (
+        f"{_table(header, rows)}\n\nStep time with the guard over without it: {r['overhead_percent']:+.1f} % "
+        f"({goal}); the guard's own work: {100 * r['guard_share']:.3f} % of step time."
+    )
+
+
 SECTIONS: dict[str, Callable[[dict], str]] = {
     "overlap": _overlap,
     "controller": _controller,
@@ -270,6 +293,7 @@ SECTIONS: dict[str, Callable[[dict], str]] = {
     "backends": _backends,
     "lora": _lora,
     "long-context": _long_context,
+    "integrity": _integrity,
     "e2e": _e2e,
     "e2e-trl": _e2e,
     "e2e-trl-reasoning-gym": _e2e,

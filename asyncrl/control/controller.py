@@ -473,6 +473,8 @@ class SingleController:
         token's own weight version within the staleness bound, and transcripts that only grew. A
         group the guard drops stays with the step's groups (a rerun or a resumed run leaves it out
         again), untrained."""
+        if not self.guard.enabled:
+            return list(groups)
         for group in groups:
             if id(group) not in self.verdicts:
                 verdicts = (self._staleness(group, version), self._transcripts(group, version))
@@ -506,6 +508,8 @@ class SingleController:
         """Promise 4: the trainer leaves a group whose reward raised or was not a finite number out
         of the loss; a step that would lose more than ``integrity.failures.threshold`` of its groups
         so stops (or warns) before its update."""
+        if not self.guard.enabled:
+            return
         groups = self.state.step_groups
         failed = sum(1 for group in groups if group.reward_errors)
         self.guard.check(

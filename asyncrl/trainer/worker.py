@@ -91,9 +91,9 @@ class TrainerWorker:
         is never trained, every update checks that its loss counted its groups' tokens and
         sequences once, and each export is fingerprinted (docs/integrity.md)."""
         self.trainer = trainer
-        self.drop_failed = integrity is not None and integrity.enabled
-        self.fingerprints = self.drop_failed  # a sample of each export, for the weight sync's check
-        if self.drop_failed:
+        self.guarded = integrity is not None and integrity.enabled
+        self.fingerprints = self.guarded  # a sample of each export, for the weight sync's check
+        if self.guarded:
             guard = IntegrityGuard(integrity)
             trainer.count_check = partial(_check_loss_counts, guard)
         self.tokenizer = tokenizer
@@ -131,7 +131,7 @@ class TrainerWorker:
         """Add a chunk of the step; trains every full round. Returns sequences received so far."""
         for group in groups:
             self._data.add(group, self.trainer.version)
-            if self.drop_failed and group.reward_errors:  # a failure is never trained as a number
+            if self.guarded and group.reward_errors:  # a failure is never trained as a number
                 self._data.num_failed_groups += 1
                 continue
             if self.grpo.filter_zero_variance and not group.informative:
@@ -259,7 +259,7 @@ class TrainerWorker:
         for index, (minibatch_rounds, minibatch_batches) in enumerate(updates):
             for round_, round_batches in zip(minibatch_rounds, minibatch_batches):
                 self._num_microbatches += len(round_)
-                self.trainer.expect_counts(*self._counts(round_))
+                self._expect_counts(round_)
                 for batch in round_batches:
                     self.trainer.train_microbatch(batch)
             if index < len(updates) - 1:
@@ -319,13 +319,18 @@ class TrainerWorker:
     def _train_round(self, round_: list[MicroBatch]) -> None:
         """Consecutive global micro-batches, the j-th for DP rank j; every rank trains its batches."""
         self._num_microbatches += len(round_)
-        self.trainer.expect_counts(*self._counts(round_))
+        self._expect_counts(round_)
         for batch in self._round_batches(round_):
             self._train(batch)
         for micro_batch in round_:  # a group's tensors are not needed after its last rows
             for rows in micro_batch:
                 if rows.stop == rows.group.size:
                     self._fetched.pop(id(rows.group), None)
+
+    def _expect_counts(self, round_: list[MicroBatch]) -> None:
+        """With the guard on, tell the trainer what the round's loss must count."""
+        if self.guarded:
+            self.trainer.expect_counts(*self._counts(round_))
 
     def _counts(self, round_: list[MicroBatch]) -> tuple[int, int]:
         """(response tokens, sequences) of the round's micro-batches on every rank, from their groups'

@@ -497,3 +497,20 @@ def test_long_context_goals_take_the_worst_rank_and_growth_stops_before_the_limi
     lens = [1024, 2048, 4096]
     assert long_context._next_fits(lens, [1e9], 2.1e9)
     assert not long_context._next_fits(lens, [1e9, 3e9], 8e9)  # grew 3x: 9e9 expected next
+
+
+def test_integrity_reports_the_step_time_ratio_of_runs_with_and_without_the_guard(capsys, tmp_path):
+    result = bench(capsys, tmp_path, "integrity")
+    results = result["results"]
+    assert result["settings"]["pairs"] == 1 and result["settings"]["steps"] == 3
+    [pair] = results["pairs"]
+    assert pair["on_s"] > 0 and pair["off_s"] > 0 and pair["ratio"] == pytest.approx(pair["on_s"] / pair["off_s"])
+    assert results["ratio"] == pytest.approx(pair["ratio"])
+    assert results["overhead_percent"] == pytest.approx(100 * (results["ratio"] - 1))
+    assert results["goal_met"] == (results["ratio"] < results["goal_ratio"] == 1.03)
+    (tmp_path / "results").mkdir()
+    (tmp_path / "integrity.json").rename(tmp_path / "results" / "integrity.json")
+    text = report.render(tmp_path / "results")
+    assert "### `asyncrl bench integrity`" in text and f"| median | {results['step_s_on']:.3f} |" in text
+    assert f"Step time with the guard over without it: {results['overhead_percent']:+.1f} %" in text
+    assert 0 < pair["guard_share"] == results["guard_share"] < 1  # the guarded run timed the guard's work

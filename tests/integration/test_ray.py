@@ -19,6 +19,7 @@ import torch
 from helpers import SMALL, dashboard_command_lines, ray_server_processes, wait_until_gone
 
 from asyncrl.config import ConfigError, load_config
+from asyncrl.errors import IntegrityStop
 from asyncrl.metrics import read_jsonl, strip_timing
 from asyncrl.run import train
 from asyncrl.runtime.ray import TrainerRankDiedError
@@ -374,6 +375,20 @@ def test_trainer_ranks_match_the_single_rank_run(ray_cluster, tmp_path, local_ru
     assert len(ranks) == 3 and {m["sync_transport"] for m in ranks} == {transport.split("=")[1]}
     assert all(close(a, b) for a, b in zip(deterministic(ranks), deterministic(single)))
     assert not all(close(a, b) for a, b in zip(deterministic(other_lr), deterministic(single)))  # it can fail
+
+
+@pytest.mark.slow
+def test_an_integrity_stop_of_the_trainer_ranks_counts_both_ranks_and_stops_the_run(ray_cluster, tmp_path):
+    """The loss counts are checked on sums over the DP ranks (docs/integrity.md, promise 5): each of
+    two ranks trains its first micro-batch (6 of the step's 16 sequences) twice, so the sums hold
+    28 sequences; the stop crosses from the rank actors as itself, before the step's update."""
+    with pytest.raises(IntegrityStop) as stopped:
+        run(tmp_path, "ranks", RAY, "parallel.dp=2", "faults.duplicate_microbatch=true")
+    assert (stopped.value.promise, stopped.value.step) == ("loss_counts", 0)
+    assert re.search(
+        r"response tokens in 28 sequences over .* but the groups trained hold \d+ in 16$", str(stopped.value)
+    )
+    assert stopped.value.checkpoint.name == "step-000000"
 
 
 @pytest.mark.slow
