@@ -34,13 +34,13 @@ from asyncrl.trainer.policy import PolicyTrainer
 from asyncrl.trainer.worker import TrainerWorker
 
 # Every function a guarded run adds to a step: the controller's checks of each group and of the
-# step, the trainer's count of each round and its check before each update; the weight sync's
-# fingerprints (the trainer's sample of its export, its digests, the generator's read-back) and
-# its checks, the sampling probe included (``SyncChecks.__call__``, a coroutine).
+# step, the trainer's count of what each update must sum and its check before each update; the
+# weight sync's fingerprints (the trainer's sample of its export, its digests, the generator's
+# read-back) and its checks, the sampling probe included (``SyncChecks.__call__``, a coroutine).
 GUARD_WORK = (
     (SingleController, "_vouched_for"),
     (SingleController, "_failures"),
-    (TrainerWorker, "_counts"),
+    (TrainerWorker, "_expect_counts"),
     (PolicyTrainer, "_check_counts"),
     (trainer_worker, "sample"),
     (TrainerWorker, "exported_fingerprints"),

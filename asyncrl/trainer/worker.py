@@ -29,7 +29,7 @@ micro-batches hold its sequences, so rank 0 reports the whole step while fetchin
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
@@ -259,7 +259,7 @@ class TrainerWorker:
         for index, (minibatch_rounds, minibatch_batches) in enumerate(updates):
             for round_, round_batches in zip(minibatch_rounds, minibatch_batches):
                 self._num_microbatches += len(round_)
-                self._expect_counts(round_)
+                self._expect_counts(rows for micro_batch in round_ for rows in micro_batch)
                 for batch in round_batches:
                     self.trainer.train_microbatch(batch)
             if index < len(updates) - 1:
@@ -294,7 +294,10 @@ class TrainerWorker:
     def _pack(self, group: RolloutGroup, advantages: Tensor) -> None:
         """Append the group's sequences to the micro-batches, in order: a micro-batch is full at
         ``micro_batch_size`` sequences, and closes before a sequence that would take its real tokens
-        past ``micro_batch_tokens``."""
+        past ``micro_batch_tokens``. A streamed step's update must count every row packed here
+        (a collected step's updates are told theirs as they train them)."""
+        if not self.collect:
+            self._expect_counts([_Rows(group, advantages, 0, group.size)])
         lengths = group.sequence_lengths if self.micro_batch_tokens is not None else [0] * group.size
         for index, tokens in enumerate(lengths):
             if self._partial and self._over_budget(tokens):
@@ -319,7 +322,6 @@ class TrainerWorker:
     def _train_round(self, round_: list[MicroBatch]) -> None:
         """Consecutive global micro-batches, the j-th for DP rank j; every rank trains its batches."""
         self._num_microbatches += len(round_)
-        self._expect_counts(round_)
         for batch in self._round_batches(round_):
             self._train(batch)
         for micro_batch in round_:  # a group's tensors are not needed after its last rows
@@ -327,23 +329,19 @@ class TrainerWorker:
                 if rows.stop == rows.group.size:
                     self._fetched.pop(id(rows.group), None)
 
-    def _expect_counts(self, round_: list[MicroBatch]) -> None:
-        """With the guard on, tell the trainer what the round's loss must count."""
-        if self.guarded:
-            self.trainer.expect_counts(*self._counts(round_))
-
-    def _counts(self, round_: list[MicroBatch]) -> tuple[int, int]:
-        """(response tokens, sequences) of the round's micro-batches on every rank, from their groups'
-        metadata alone: what the loss must count once (a truncated row, masked, counts nothing)."""
+    def _expect_counts(self, rows: Iterable[_Rows]) -> None:
+        """With the guard on, tell the trainer what its next update's loss must count for ``rows``:
+        their response tokens and sequences on every rank, from their groups' metadata alone (a
+        truncated row, masked, counts nothing)."""
+        if not self.guarded:
+            return
         tokens = sequences = 0
-        for micro_batch in round_:
-            for rows in micro_batch:
-                group = rows.group
-                for index in range(rows.start, rows.stop):
-                    masked = self.grpo.mask_truncated and group.finish_reasons[index] == "length"
-                    count = 0 if masked else group.row_response_tokens[index]
-                    tokens, sequences = tokens + count, sequences + (count > 0)
-        return tokens, sequences
+        for part in rows:
+            for index in range(part.start, part.stop):
+                masked = self.grpo.mask_truncated and part.group.finish_reasons[index] == "length"
+                count = 0 if masked else part.group.row_response_tokens[index]
+                tokens, sequences = tokens + count, sequences + (count > 0)
+        self.trainer.expect_counts(tokens, sequences)
 
     def _round_batches(self, round_: list[MicroBatch]) -> list[TrainBatch]:
         """This rank's micro-batch of the round, or a padding one when the round has none for it."""

@@ -6,7 +6,7 @@ import io
 import subprocess
 import sys
 import threading
-from dataclasses import fields
+from dataclasses import fields, replace
 
 import pytest
 import torch
@@ -15,6 +15,7 @@ from helpers import make_groups
 
 from asyncrl.config import load_config
 from asyncrl.data import build_task
+from asyncrl.errors import IntegrityStop
 from asyncrl.faults import InjectedFault
 from asyncrl.models.factory import build_model, build_tokenizer
 from asyncrl.runtime.local import LocalHandle
@@ -206,7 +207,7 @@ class HeldGroup:
             if f.name not in TENSORS:
                 setattr(self, f.name, getattr(group, f.name))
         self.size, self.response_tokens = group.size, group.response_tokens
-        self.sequence_lengths = group.sequence_lengths
+        self.sequence_lengths, self.row_response_tokens = group.sequence_lengths, group.row_response_tokens
         self.fetches = 0
         self._group = group
 
@@ -217,12 +218,12 @@ class HeldGroup:
 
 def step_groups(step: int) -> list:
     """Step ``step``'s five groups of four: every other one held, two of step 2 stale, one of step 1
-    with equal rewards (filtered)."""
-    groups = make_groups(100 + step, count=5, version=step)
+    with equal rewards (filtered). No reward failed: such a group is never trained (docs/integrity.md)."""
+    groups = [replace(g, reward_errors=0) for g in make_groups(100 + step, count=5, version=step)]
     if step == 1:
         groups[2] = RolloutGroup(**{**groups[2].__dict__, "rewards": torch.ones(4), "informative": False})
     if step == 2:
-        groups[:2] = make_groups(200, count=2, version=1)
+        groups[:2] = [replace(g, reward_errors=0) for g in make_groups(200, count=2, version=1)]
     return [HeldGroup(g) if i % 2 else g for i, g in enumerate(groups)]
 
 
@@ -319,10 +320,17 @@ def ranks_step_sequence(rank: int, world_size: int, overrides, rendezvous, resum
     out["weights"] = worker.export_weights()
     if save_to is not None:
         out["checkpoint"] = worker.save_checkpoint(save_to, 3, {"note": "ranks"}, keep_last=1)
+    unguarded = load_config(None, [*overrides, "integrity.enabled=false"])
     for plant in (TrainsEveryMicroBatch, DropsTheLastRound):
-        twin = build_trainer_rank(config, rank, None)
+        twin = build_trainer_rank(unguarded, rank, None)
         twin.__class__ = plant
         out[plant.__name__] = run_step(twin, 0)[0]
+        guarded = build_trainer_rank(config, rank, None)
+        guarded.__class__ = plant
+        try:  # the integrity guard's loss counts refuse the planted step before its update
+            out[f"guarded {plant.__name__}"] = run_step(guarded, 0)[0]
+        except IntegrityStop as stop:
+            out[f"guarded {plant.__name__}"] = stop.promise
     buffer = io.BytesIO()
     torch.save(out, buffer)
     return buffer.getvalue()
@@ -355,6 +363,11 @@ def check_ranks_against_single_rank(payloads, reports, weights, dp: int) -> None
         assert any("num_tokens" in p for p in mismatches(payloads[0]["TrainsEveryMicroBatch"], reports[0]))
     dropped = mismatches(payloads[0]["DropsTheLastRound"], reports[0])
     assert any(p.startswith("loss") for p in dropped) and any(p.startswith("num_sequences") for p in dropped)
+    # with the guard on, every rank refuses each planted step (docs/integrity.md, promise 5)
+    for out in payloads:
+        assert out["guarded DropsTheLastRound"] == "loss_counts"
+        every_micro_batch = out["guarded TrainsEveryMicroBatch"]
+        assert every_micro_batch == "loss_counts" if dp > 1 else every_micro_batch.result.version == 1  # no mistake
 
 
 def rank_payloads(world_size: int, *args) -> list[dict]:
