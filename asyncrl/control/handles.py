@@ -30,8 +30,8 @@ class TrainerHandle(Protocol):
     def export_weights(self) -> Awaitable[tuple[int, Any]]:
         """(version, weights): a state dict, or a runtime's reference to one."""
 
-    def exported_fingerprints(self) -> Awaitable[dict[str, str]]:
-        """The fingerprint of the weights last exported, by the dtype it is taken in
+    def exported_fingerprints(self, dtypes: Sequence[str]) -> Awaitable[dict[str, str]]:
+        """The fingerprint of the weights last exported in each of ``dtypes``, by dtype
         (weights/fingerprint.py); empty before the first export."""
 
     def probe_gap(self, group: RolloutGroup) -> Awaitable[ProbeGap]:

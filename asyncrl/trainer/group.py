@@ -56,8 +56,8 @@ class TrainerGroup:
     def export_weights(self) -> Awaitable[tuple[int, dict]]:
         return self._call("export_weights")
 
-    def exported_fingerprints(self) -> Awaitable[dict[str, str]]:
-        return self._call("exported_fingerprints")
+    def exported_fingerprints(self, dtypes: Sequence[str]) -> Awaitable[dict[str, str]]:
+        return self._call("exported_fingerprints", dtypes)
 
     def probe_gap(self, group: Any) -> Awaitable[Any]:
         return self._call("probe_gap", group)

@@ -177,12 +177,13 @@ class TrainerWorker:
         self.exported = sample(weights) if self.fingerprints else None
         return version, weights
 
-    def exported_fingerprints(self) -> dict[str, str]:
-        """The fingerprint of the last weights exported (weights/fingerprint.py), in every dtype a
-        generator may hold them in: the weight sync compares each generator's with its dtype's."""
+    def exported_fingerprints(self, dtypes: Sequence[str]) -> dict[str, str]:
+        """The fingerprint of the last weights exported (weights/fingerprint.py) in each of
+        ``dtypes``, those the generators hold them in: the weight sync compares each generator's
+        with its dtype's."""
         if self.exported is None:
             return {}
-        return {dtype: self.exported.digest(dtype) for dtype in HELD_DTYPES}
+        return {dtype: self.exported.digest(dtype) for dtype in dtypes if dtype in HELD_DTYPES}
 
     @torch.no_grad()
     def probe_gap(self, group: RolloutGroup) -> ProbeGap:

@@ -149,10 +149,12 @@ class WeightSync:
         return replace(report, pause_s=time.perf_counter() - start)
 
     async def _exported(self, served: tuple[str | None, ...]) -> dict[str, str]:
-        """The export's fingerprints, asked of the trainer only when a generator told its own."""
-        if all(fingerprint is None for fingerprint in served):
+        """The export's fingerprints in the dtypes the generators hold (``"<dtype>:<hex>"``), asked
+        of the trainer only when a generator told its own."""
+        dtypes = sorted({fingerprint.split(":", 1)[0] for fingerprint in served if fingerprint is not None})
+        if not dtypes:
             return {}
-        return await self._phase("fingerprinting the exported weights", self.trainer.exported_fingerprints())
+        return await self._phase("fingerprinting the exported weights", self.trainer.exported_fingerprints(dtypes))
 
     async def _close_gate(self) -> None:
         """Close the gate within ``sync.timeout_s``, not counting the time the rollout loop waits

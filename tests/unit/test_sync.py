@@ -11,7 +11,7 @@ from asyncrl.control.changes import Changes
 from asyncrl.control.gate import RolloutGate
 from asyncrl.runtime import LocalRuntime
 from asyncrl.weights import sync as sync_module
-from asyncrl.weights.fingerprint import HELD_DTYPES, fingerprint, sample
+from asyncrl.weights.fingerprint import fingerprint, sample
 from asyncrl.weights.sync import SyncTimeoutError, WeightSync
 
 
@@ -122,8 +122,9 @@ class Fingerprinting(Recorder):
 
 
 class Exporter(Recorder):
-    def exported_fingerprints(self) -> dict[str, str]:
-        return {dtype: sample(self.export_weights()[1]).digest(dtype) for dtype in HELD_DTYPES}
+    def exported_fingerprints(self, dtypes) -> dict[str, str]:
+        assert list(dtypes) == ["float32"]  # the dtype the generators reported, alone
+        return {dtype: sample(self.export_weights()[1]).digest(dtype) for dtype in dtypes}
 
 
 def test_the_report_carries_every_generators_fingerprint_and_verify_runs_before_the_gate_reopens():
