@@ -14,7 +14,7 @@ It still catches what goes wrong in practice:
   trained tensor, so the sampled ones differ from the previous version's;
 - a partial load: a tensor not loaded keeps its old sampled values, a missing or extra tensor
   changes the names, and a tensor loaded only in part differs at the strided positions whenever
-  the part left out spans more than ``1 / SAMPLES`` of it;
+  the part left out is contiguous and spans more than ``1 / (SAMPLES - 1)`` of it;
 - a tensor loaded under another's name (same shape): the values move to another name.
 
 Dtypes: the generator may hold a narrower dtype than the trainer exports (a bfloat16 vLLM server
