@@ -35,6 +35,8 @@ def inject_rollout_faults(worker: Any, faults: FaultsConfig) -> Any:
         or faults.slow_sync_s
         or faults.load_errors
         or faults.eval_errors
+        or faults.sync_skips_load
+        or faults.generator_temperature is not None
         or faults.stale_tokens
         or faults.rewards_raise
         or faults.template_rewrites_transcript
@@ -66,8 +68,8 @@ class _Wrapper:
 
 class FaultyRolloutWorker(_Wrapper):
     """Counts generation and evaluation calls; raises, hangs or slows a weight load where the section
-    says; ages the token versions of the groups it returns, fails every reward call, rewrites
-    multi-turn transcripts."""
+    says; acknowledges a load without making it; samples at another temperature than the trainer scores at;
+    ages the token versions of the groups it returns, fails every reward call, rewrites multi-turn transcripts."""
 
     def __init__(self, worker: Any, faults: FaultsConfig) -> None:
         super().__init__(worker, faults)
@@ -78,6 +80,8 @@ class FaultyRolloutWorker(_Wrapper):
         self.calls = 0
         self.eval_calls = 0
         self.load_calls = 0
+        if faults.generator_temperature is not None:
+            worker.sampling = replace(worker.sampling, temperature=faults.generator_temperature)
 
     def generate(self, jobs: Sequence[Any]) -> Any:
         call, self.calls = self.calls, self.calls + 1
@@ -99,12 +103,15 @@ class FaultyRolloutWorker(_Wrapper):
             raise InjectedFault(f"evaluation call {call} failed (faults.eval_errors)")
         return self.worker.evaluate(prompts)
 
-    def load_weights(self, weights: Any, version: int) -> None:
+    def load_weights(self, weights: Any, version: int) -> Any:
         call, self.load_calls = self.load_calls, self.load_calls + 1
         time.sleep(self.faults.slow_sync_s)
         if call in self.faults.load_errors:
             raise InjectedFault(f"weight load {call} failed (faults.load_errors)")
-        self.worker.load_weights(weights, version)
+        if self.faults.sync_skips_load:  # the generator claims the version and keeps serving the old weights
+            self.worker.generator.version = version
+            return self.worker.served_fingerprint()
+        return self.worker.load_weights(weights, version)
 
 
 class FaultyTrainerWorker(_Wrapper):

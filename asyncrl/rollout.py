@@ -43,6 +43,7 @@ class RolloutWorker:
         episodes: Episodes | None = None,
         samples: int = 0,
         eval_samples: int = 0,
+        fingerprints: bool = True,
     ) -> None:
         """``algorithm``: the run's, which judges whether each group is informative as it is
         tensorized (None: ``RolloutGroup``'s own default, GRPO's test). ``episodes``: how prompts
@@ -51,10 +52,13 @@ class RolloutWorker:
         evaluation of its first prompts, for the run's sample log (asyncrl/samples.py).
 
         ``inflight``: the generator takes weights while it generates (its responses then span
-        versions), so a runtime may run ``load_weights`` beside ``generate`` (``unordered_methods``)."""
+        versions), so a runtime may run ``load_weights`` and the sampling ``probe`` beside ``generate``
+        (``unordered_methods``). ``fingerprints``: a load answers with the generator's fingerprint
+        of what it serves (the integrity guard's weight check); off, with None."""
         self.generator = generator
+        self.fingerprints = fingerprints
         self.inflight = inflight
-        self.unordered_methods = ("load_weights",) if inflight else ()
+        self.unordered_methods = ("load_weights", "probe") if inflight else ()
         self.rewards = rewards
         self.tokenizer = tokenizer
         self.run_seed = run_seed
@@ -66,8 +70,21 @@ class RolloutWorker:
         self.samples = samples
         self.eval_samples = eval_samples
 
-    def load_weights(self, state_dict: Mapping[str, Tensor], version: int) -> None:
+    def load_weights(self, state_dict: Mapping[str, Tensor], version: int) -> str | None:
+        """Load ``version``; the fingerprint of what the generator serves now (None: it cannot
+        tell, or ``fingerprints`` is off: the integrity guard is)."""
         self.generator.load_weights(state_dict, version)
+        return self.served_fingerprint()
+
+    def served_fingerprint(self) -> str | None:
+        return self.generator.fingerprint() if self.fingerprints else None
+
+    def probe(self, prompts: Sequence[Prompt], version: int) -> RolloutGroup:
+        """One response to each prompt, sampled with the run's sampling settings as one turn, with
+        seeds of their own: the sampling probe the trainer scores after a sync (docs/integrity.md)."""
+        seeds = [sample_seed(self.run_seed, f"probe/{version}/{p.uid}", 0) for p in prompts]
+        rollouts = [c.rollout for c in SingleTurn(self.generator, self.tokenizer).run(prompts, seeds, self.sampling)]
+        return RolloutGroup.from_rollouts("probe", rollouts, pad_id=self.pad_id, start_version=version)
 
     def generate(self, jobs: Sequence[RolloutJob]) -> RolloutBatch:
         """Sample ``group_size`` completions per job, score them, tensorize one group per job."""

@@ -440,3 +440,13 @@ class StepData:
 class StepReport:
     result: StepResult
     data: StepData
+
+
+@dataclass(frozen=True)
+class ProbeGap:
+    """The sampling probe scored: the absolute gap between the generator's and the trainer's
+    logprob of each sampled token, its mean and max over the probe's ``tokens``."""
+
+    mean: float
+    max: float
+    tokens: int

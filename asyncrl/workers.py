@@ -132,4 +132,5 @@ def rollout_worker(config: RunConfig, generator: Generator, rewards: RewardRunne
         episodes=build_episodes(config, generator, tokenizer),
         samples=min(config.logging.samples_per_step, config.grpo.generations_per_prompt),
         eval_samples=config.logging.eval_samples,
+        fingerprints=config.integrity.enabled,
     )

@@ -15,6 +15,7 @@ report it as a share of their step time: a figure the machine's noise hardly mov
 from __future__ import annotations
 
 import functools
+import inspect
 import statistics
 import tempfile
 import time
@@ -24,18 +25,28 @@ from typing import Any
 
 from asyncrl.config import load_config
 from asyncrl.control.controller import SingleController
+from asyncrl.generation import HFGenerator
+from asyncrl.integrity.sync_checks import SyncChecks
 from asyncrl.metrics import read_jsonl
 from asyncrl.run import train
+from asyncrl.trainer import worker as trainer_worker
 from asyncrl.trainer.policy import PolicyTrainer
 from asyncrl.trainer.worker import TrainerWorker
 
 # Every function a guarded run adds to a step: the controller's checks of each group and of the
-# step, the trainer's count of what each update must sum and its check before each update.
+# step, the trainer's count of what each update must sum and its check before each update; the
+# weight sync's fingerprints (the trainer's sample of its export, its digests, the generator's
+# read-back) and its checks, the sampling probe included (``SyncChecks.__call__``, a coroutine).
 GUARD_WORK = (
     (SingleController, "_vouched_for"),
     (SingleController, "_failures"),
     (TrainerWorker, "_expect_counts"),
     (PolicyTrainer, "_check_counts"),
+    (trainer_worker, "sample"),
+    (TrainerWorker, "exported_fingerprints"),
+    (HFGenerator, "fingerprint"),
+    (SyncChecks, "__call__"),
+    (SyncChecks, "check_versions"),
 )
 
 GOAL_RATIO = 1.03  # step time with the guard over step time without it, on the default run
@@ -102,6 +113,18 @@ def _timed_run(config_path: Path | None, overrides: list[str], steps: int, guard
 
 
 def _timing(function: Callable, spent: list[float]) -> Callable:
+    if inspect.iscoroutinefunction(function):
+
+        @functools.wraps(function)
+        async def awaited(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return await function(*args, **kwargs)
+            finally:
+                spent.append(time.perf_counter() - start)
+
+        return awaited
+
     @functools.wraps(function)
     def timed(*args: Any, **kwargs: Any) -> Any:
         start = time.perf_counter()

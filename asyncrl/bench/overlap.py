@@ -50,6 +50,7 @@ def bench_config(
             "logging": {"eval_every_steps": None, "tensorboard": False, "progress": False},
             "checkpoint": {"every_steps": None},
             "warm_start": {"steps": 0},
+            "integrity": {"sampling": {"every_syncs": 0}},  # the fake generators hold no model to probe
         }
     )
 

@@ -22,7 +22,10 @@ class WeightsCheck(Section):
 
     action: Literal["stop", "warn"] = Field("stop", description=STOP_OR_WARN)
     threshold: float = Field(
-        0.0, ge=0.0, description="generators in a sync whose weights' fingerprint differs from the trainer's export"
+        0.0,
+        ge=0.0,
+        description="generators in a sync whose weights' fingerprint differs from the trainer's export, plus "
+        "generated groups that report a weight version no generator was given",
     )
 
 
@@ -31,11 +34,20 @@ class SamplingCheck(Section):
 
     action: Literal["stop", "warn"] = Field("stop", description=STOP_OR_WARN)
     threshold: float = Field(
-        0.05,
+        0.01,
         ge=0.0,
         description="mean absolute difference between the trainer's and the generator's logprobs of the post-sync "
-        "probe's sampled tokens, in nats per token",
+        "probe's sampled tokens, in nats per token, for a generator holding float32 (or float64) weights",
     )
+    half_precision_threshold: float = Field(
+        0.1,
+        ge=0.0,
+        description="the same, for a generator holding bfloat16 or float16 weights (or not saying which)",
+    )
+    every_syncs: int = Field(
+        10, ge=0, description="probe after the first weight sync and every this many after it; 0: never"
+    )
+    prompts: int = Field(4, ge=1, description="probe prompts (the first of the held-out split), one response each")
 
 
 class StalenessCheck(Section):

@@ -80,3 +80,11 @@ class FaultsConfig(Section):
     kill_in_checkpoint: int | None = Field(
         None, ge=1, description="the process kills itself (SIGKILL) while writing the checkpoint of this step"
     )
+    sync_skips_load: bool = Field(
+        False, description="every rollout worker acknowledges each weight sync (reports its version) without loading it"
+    )
+    generator_temperature: float | None = Field(
+        None,
+        ge=0.0,
+        description="the generators sample at this temperature while the trainer scores at generation.temperature",
+    )

@@ -73,6 +73,7 @@ from asyncrl.errors import (
     WeightLoadFailedError,
 )
 from asyncrl.integrity import IntegrityGuard
+from asyncrl.integrity.sync_checks import SyncChecks
 from asyncrl.metrics import StepClock, step_record
 from asyncrl.samples import spread
 from asyncrl.types import RolloutGroup, RolloutJob
@@ -121,8 +122,17 @@ class SingleController:
         self.version = 0
         self.changes = Changes()
         self.gate = RolloutGate(0, self.changes, wait_for_admissions=sampler.gated, max_in_flight=self.max_in_flight)
+        self.guard = IntegrityGuard(config.integrity)
+        self.sync_checks = SyncChecks(
+            self.guard, config.integrity, trainer, self.rollout_workers, task.heldout or task.train, self.version
+        )
         self.weight_sync = WeightSync(
-            trainer, self.rollout_workers, self.gate, mode=config.sync.mode, timeout_s=config.sync.timeout_s
+            trainer,
+            self.rollout_workers,
+            self.gate,
+            mode=config.sync.mode,
+            timeout_s=config.sync.timeout_s,
+            verify=self.sync_checks,
         )
         self.stopping = False
         self.data_exhausted = False
@@ -131,7 +141,6 @@ class SingleController:
         self.state = RunState()
         self.interrupts = Interrupts(self.changes, progress.status)
         self.watchdog = Watchdog(config.runtime.watchdog_s)
-        self.guard = IntegrityGuard(config.integrity)
         self.verdicts: dict[int, bool] = {}  # id of a group of the open step -> the guard lets it train
         self.next_worker = 0
         self.clock = StepClock()
@@ -272,6 +281,8 @@ class SingleController:
             return
         self.gate.add_running(-1)
         committed = [job for job in batch if job.slot_id not in result.failed]
+        for group in result.groups:
+            self.sync_checks.check_versions(group.prompt_uid, group.start_version, group.end_version, self.version)
         for job, group in zip(committed, result.groups):
             self.buffer.commit(job.slot_id, group)
             del self.jobs[job.slot_id]
@@ -671,6 +682,7 @@ class SingleController:
             raise ValueError(f"checkpoint state format {state.get('format')} is not {STATE_VERSION}")
         self.version = state["version"]
         self.gate.version = self.version
+        self.sync_checks.latest = self.version
         self.data_exhausted = state["data_exhausted"]
         self.state.load_state_dict(state)
         self.sampler.load_state_dict(state["sampler"])

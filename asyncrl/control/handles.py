@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:  # importing this module loads no torch
     from asyncrl.data import Prompt
-    from asyncrl.types import EvalResult, RolloutBatch, RolloutGroup, RolloutJob, StepReport
+    from asyncrl.types import EvalResult, ProbeGap, RolloutBatch, RolloutGroup, RolloutJob, StepReport
 
 
 class TrainerHandle(Protocol):
@@ -30,6 +30,13 @@ class TrainerHandle(Protocol):
     def export_weights(self) -> Awaitable[tuple[int, Any]]:
         """(version, weights): a state dict, or a runtime's reference to one."""
 
+    def exported_fingerprints(self, dtypes: Sequence[str]) -> Awaitable[dict[str, str]]:
+        """The fingerprint of the weights last exported in each of ``dtypes``, by dtype
+        (weights/fingerprint.py); empty before the first export."""
+
+    def probe_gap(self, group: RolloutGroup) -> Awaitable[ProbeGap]:
+        """How far the logprobs a generator sampled ``group`` with are from the trainer's."""
+
     def save_checkpoint(self, run_dir: str, step: int, run_state: dict, keep_last: int) -> Awaitable[Path | None]: ...
 
 
@@ -40,8 +47,13 @@ class RolloutHandle(Protocol):
 
     def evaluate(self, prompts: Sequence[Prompt]) -> Awaitable[EvalResult]: ...
 
-    def load_weights(self, weights: Any, version: int) -> Awaitable[None]:
-        """Load what ``TrainerHandle.export_weights`` returned as ``weights``."""
+    def load_weights(self, weights: Any, version: int) -> Awaitable[str | None]:
+        """Load what ``TrainerHandle.export_weights`` returned as ``weights``; the fingerprint of
+        what the generator serves afterwards, read back from it (None: its backend cannot tell,
+        or its actor died and reloads the weights when restarted)."""
+
+    def probe(self, prompts: Sequence[Prompt], version: int) -> Awaitable[RolloutGroup]:
+        """One response to each prompt with the run's sampling settings: the sampling probe."""
 
     @property
     def loads_while_generating(self) -> bool:

@@ -107,6 +107,10 @@ class Generator(Protocol):
     def score(self, sequences: Sequence[Sequence[int]], params: SamplingParams) -> list[list[float]] | None:
         """Each token's logprob given the tokens before it (0 for the first); None: cannot score."""
 
+    def fingerprint(self) -> str | None:
+        """The fingerprint of the weights it serves (``asyncrl.weights.fingerprint``), read back
+        from its own model after the last load; None: it cannot tell."""
+
     def close(self) -> None:
         """Release what the generator holds (a server, threads, files); safe to call twice."""
 
@@ -120,6 +124,10 @@ class GeneratorBase:
 
     def score(self, sequences: Sequence[Sequence[int]], params: SamplingParams) -> list[list[float]] | None:
         """None: no scorer, so multi-turn episodes keep the logprobs their turns were sampled with."""
+        return None
+
+    def fingerprint(self) -> str | None:
+        """None: the weight sync cannot check what this backend serves (docs/integrity.md)."""
         return None
 
     def close(self) -> None:

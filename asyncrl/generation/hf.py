@@ -34,6 +34,7 @@ from asyncrl.models.factory import DTYPES
 from asyncrl.models.logprobs import SampledDistribution, position_ids_from_mask, token_logprobs
 from asyncrl.models.lora import adapter_seed, adapter_tensors, apply_lora
 from asyncrl.types import Rollout
+from asyncrl.weights.fingerprint import fingerprint
 
 if TYPE_CHECKING:
     from asyncrl.config import RunConfig
@@ -102,6 +103,10 @@ class HFGenerator(GeneratorBase):
         self._targets = dict(targets) if targets is not None else self.model.state_dict()  # a sync copies into them
         # transformers 5.24 renamed the forward's ``past_key_values`` to ``cache``; a GPU image may hold an older one.
         self._cache_name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+    def fingerprint(self) -> str:
+        """Of the tensors a sync replaces (the whole model, or the adapter), as the model holds them."""
+        return fingerprint(self._targets)
 
     def generate(self, requests: Sequence[SampleRequest], params: SamplingParams) -> list[Rollout]:
         """One Rollout per request, in request order."""

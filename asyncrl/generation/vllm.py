@@ -41,7 +41,7 @@ from pathlib import Path
 
 import torch
 from peft import LoraConfig
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 from torch import Tensor
 from transformers import PreTrainedModel
 
@@ -55,6 +55,7 @@ from asyncrl.generation.vllm_process import ServerError, VLLMServer, http_json
 from asyncrl.models.lora import adapter_tensors, apply_lora, peft_config
 from asyncrl.types import Rollout
 from asyncrl.weights.broadcast import BroadcastMember, Rendezvous
+from asyncrl.weights.fingerprint import Sample, fingerprint
 
 SHM = Path("/dev/shm")
 CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256)  # what vLLM's CPU attention implements
@@ -63,6 +64,7 @@ CPU_KV_CACHE_CAP = 4 * 2**30  # an auto-sized CPU cache holds a step's sequences
 SERVER_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 SERVED_REQUEST_PREFIX = "generate-tokens-"  # vLLM's id of a generate request is this + its request_id
 TEMP_PREFIX = "asyncrl-vllm-"  # what a generator leaves for its server is named asyncrl-vllm-<pid>-...
+NO_ADAPTER = "float32:none, the base alone"  # the fingerprint of a LoRA server that lists no adapter
 
 
 LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the --max-lora-rank values vLLM 0.32 accepts
@@ -330,6 +332,7 @@ class VLLMGenerator(GeneratorBase):
         self.member: BroadcastMember | None = None  # this process's end of the group with the server
         self.joined = False  # whether the server's worker is in ``member``'s group
         self.sent_version: int | None = None  # of the weights last sent: what a restarted server gets
+        self.aliases: dict[str, str] = {}  # tied tensors the server is not sent -> the name it gets them under
         self.max_concurrency = max_concurrency
         self._pool = ThreadPoolExecutor(max_workers=max_concurrency, thread_name_prefix="vllm-request")
         self._counting = threading.Lock()
@@ -423,6 +426,7 @@ class VLLMGenerator(GeneratorBase):
             if self.adapters is not None:
                 self._load_adapter(state_dict, version)
                 return
+            self.aliases = _aliases(state_dict)
             if self.collective is None:
                 _write_weights(state_dict, self.weights_path)
             elif not self.joined:
@@ -435,6 +439,24 @@ class VLLMGenerator(GeneratorBase):
                     raise  # the server refused the update; it did not die
                 self._restart_locked()  # it died during the update: a new one gets this version
                 self._update(version, None if self.collective is None else state_dict)
+
+    def fingerprint(self) -> str:
+        """The server's own sample of the weights its worker loaded last (``vllm_server.py``: the
+        last update's, else its initial checkpoint's), with the tied names it was not sent.
+
+        A LoRA run's: the newest adapter the server lists, read back from the files it loaded it
+        from; ``NO_ADAPTER`` while it lists none (it serves the base alone, which no sync exports)."""
+        if self.adapters is not None:
+            return self._adapter_fingerprint()
+        served = self._call("/collective_rpc", {"method": "asyncrl_served_weights"})["results"][0]
+        return Sample.from_json(served["sample"]).with_aliases(self.aliases).digest(served["dtype"])
+
+    def _adapter_fingerprint(self) -> str:
+        listed = {model["id"] for model in self._call("/v1/models")["data"]}
+        served = [version for version in self.adapters.loaded if self.adapters.name(version) in listed]
+        if not served:
+            return NO_ADAPTER
+        return fingerprint(load_file(str(self.adapters.loaded[max(served)] / ADAPTER_WEIGHTS_FILE)))
 
     def _load_adapter(self, adapter: Mapping[str, Tensor], version: int) -> None:
         """Write and load ``version``'s adapter, make it the one new requests name, then unload those
@@ -642,11 +664,22 @@ def _distinct(state_dict: Mapping[str, Tensor]) -> dict[str, Tensor]:
     """The state dict without tensors tied to an earlier one (a tied head): the server loads each once."""
     tensors, seen = {}, set()
     for name, tensor in state_dict.items():
-        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape))
+        key = _storage_key(tensor)
         if key not in seen:
             seen.add(key)
             tensors[name] = tensor.detach()
     return tensors
+
+
+def _aliases(state_dict: Mapping[str, Tensor]) -> dict[str, str]:
+    """The names ``_distinct`` leaves out, each mapped to the name its tensor is sent under."""
+    kept = _distinct(state_dict)
+    by_key = {_storage_key(tensor): name for name, tensor in kept.items()}
+    return {name: by_key[_storage_key(tensor)] for name, tensor in state_dict.items() if name not in kept}
+
+
+def _storage_key(tensor: Tensor) -> tuple:
+    return (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape))
 
 
 def _write_weights(state_dict: Mapping[str, Tensor], path: Path) -> None:

@@ -19,6 +19,12 @@ original parameter emptied, so the update runs vLLM's layerwise reload around ``
 A tied ``lm_head`` shares the embedding's parameter but keeps its own packed copy, which the
 reload does not revisit (it processes a tied parameter through one parent only), so every
 output head is repacked afterwards, or logits would stay on the old weights.
+
+After each load the engine keeps the fingerprint sample (``weights/fingerprint.py``, also loaded by
+path) of the tensors it loaded, in the dtype the model holds them in; the client asks for it with
+``/collective_rpc`` (``asyncrl_served_weights``, a method added to vLLM's workers here) to prove
+which weights the server serves. vLLM fuses and repacks its parameters, so the checkpoint-named
+tensors cannot be read back from them.
 """
 
 from __future__ import annotations
@@ -43,14 +49,15 @@ from vllm.distributed.weight_transfer.base import (
 from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
 from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
+from vllm.v1.worker.worker_base import WorkerBase
 
 REMOVE_ON_EXIT = "ASYNCRL_VLLM_REMOVE_ON_EXIT"  # paths, os.pathsep-separated
 
 
-def load_broadcast():
-    """asyncrl's ``weights/broadcast.py`` as a module of its own (asyncrl itself is not installed here)."""
+def load_weights_module(name: str):
+    """asyncrl's ``weights/<name>.py`` as a module of its own (asyncrl itself is not installed here)."""
     spec = importlib.util.spec_from_file_location(
-        "asyncrl_broadcast", Path(__file__).resolve().parents[1] / "weights" / "broadcast.py"
+        f"asyncrl_{name}", Path(__file__).resolve().parents[1] / "weights" / f"{name}.py"
     )
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look their module up while the file runs
@@ -58,7 +65,8 @@ def load_broadcast():
     return module
 
 
-broadcast = load_broadcast()
+broadcast = load_weights_module("broadcast")
+fingerprint = load_weights_module("fingerprint")
 
 
 @dataclass
@@ -100,11 +108,19 @@ class FileWeightTransferEngine(WeightTransferEngine[FileInitInfo, FileUpdateInfo
     def init_transfer_engine(self, init_info: FileInitInfo) -> None:
         """Nothing to set up; the call exists so a client checks the engine is registered."""
 
+    served = None  # the sample of the last weights loaded, with the dtype the model holds them in
+
     def start_weight_update(self) -> None:
         initialize_layerwise_reload(self.model)
 
     def receive_weights(self, update_info: FileUpdateInfo) -> None:
-        self.model.load_weights(load_file(update_info.path).items())
+        self.load(load_file(update_info.path))
+
+    def load(self, weights: dict) -> None:
+        """Load ``weights`` into the model, then keep their fingerprint sample (``served_weights``)."""
+        self.model.load_weights(weights.items())
+        dtype = fingerprint.dtype_name(self.model_config.dtype)
+        self.served = {"dtype": dtype, "sample": fingerprint.sample(weights).to_json()}
 
     def finish_weight_update(self) -> None:
         finalize_layerwise_reload(self.model, self.model_config)
@@ -139,7 +155,7 @@ class CollectiveWeightTransferEngine(FileWeightTransferEngine):
             raise RuntimeError("asyncrl_collective: update_weights before init_weight_transfer_engine")
         else:
             layout = broadcast.Layout.describe(zip(update_info.names, update_info.dtype_names, update_info.shapes))
-            self.model.load_weights(self.member.receive(layout).items())
+            self.load(self.member.receive(layout))
 
     def shutdown(self) -> None:
         if self.member is not None:
@@ -149,6 +165,23 @@ class CollectiveWeightTransferEngine(FileWeightTransferEngine):
 
 WeightTransferEngineFactory.register_engine("asyncrl_file", FileWeightTransferEngine)
 WeightTransferEngineFactory.register_engine("asyncrl_collective", CollectiveWeightTransferEngine)
+
+
+def served_weights(worker) -> dict:
+    """The fingerprint sample of what the worker's model loaded last, for the client's
+    ``/collective_rpc`` with ``method`` ``asyncrl_served_weights``: the last update's, else the
+    checkpoint the server started from (the files in its model directory)."""
+    engine = getattr(worker, "weight_transfer_engine", None)
+    if getattr(engine, "served", None) is not None:
+        return engine.served
+    config = worker.model_config
+    weights = {}
+    for path in sorted(Path(config.model).glob("*.safetensors")):
+        weights.update(load_file(str(path)))
+    return {"dtype": fingerprint.dtype_name(config.dtype), "sample": fingerprint.sample(weights).to_json()}
+
+
+WorkerBase.asyncrl_served_weights = served_weights
 
 
 def exit_with_parent(remove: list[str]) -> None:

@@ -178,9 +178,11 @@ class WorkerActor:
         batch = self._ready(sent).generate(jobs)
         return (replace(batch, groups=[RemoteGroup.describe(g) for g in batch.groups]), *batch.groups)
 
-    def load_weights(self, weights: dict[str, Any], version: int) -> None:
-        self._ready(None).load_weights(_from_arrays(weights), version)
+    def load_weights(self, weights: dict[str, Any], version: int) -> str | None:
+        """Load ``weights`` as ``version``; the worker's answer (a generator's served fingerprint)."""
+        served = self._ready(None).load_weights(_from_arrays(weights), version)
         self.weights_version = version
+        return served
 
     def export_weights(self, broadcast: bool = False) -> tuple[tuple[int, int], Any]:
         """((version, bytes), rank 0's weights, or the ``Layout`` of their broadcast once it has
@@ -199,11 +201,12 @@ class WorkerActor:
     def join_broadcast(self, rendezvous: Rendezvous, rank: int) -> None:
         self.member = BroadcastMember(rendezvous, rank)
 
-    def receive_weights(self, layout: Layout, version: int) -> None:
-        """Join rank 0's broadcast of ``version`` and load it."""
+    def receive_weights(self, layout: Layout, version: int) -> str | None:
+        """Join rank 0's broadcast of ``version`` and load it; the worker's answer, as ``load_weights``."""
         worker = self._ready(None)
-        worker.load_weights(self._member().receive(layout), version)
+        served = worker.load_weights(self._member().receive(layout), version)
         self.weights_version = version
+        return served
 
     def publish_weights(self, version: int) -> dict[str, Any]:
         """Rank 0's copy of the last version it broadcast, for a generator that missed it."""
@@ -328,7 +331,7 @@ class RayHandle:
         loaded = self._method("load_weights", "load_weights").remote(weights.ref, version)
         return self._future(loaded, survive_death=True)
 
-    async def _receive(self, weights: BroadcastWeights, version: int) -> None:
+    async def _receive(self, weights: BroadcastWeights, version: int) -> str | None:
         """Join the broadcast; if that fails, stop broadcasting and load rank 0's copy instead."""
         joined = self._method("receive_weights", "load_weights").options(max_task_retries=0)
         joined = joined.remote(weights.layout, version)

@@ -56,6 +56,12 @@ class TrainerGroup:
     def export_weights(self) -> Awaitable[tuple[int, dict]]:
         return self._call("export_weights")
 
+    def exported_fingerprints(self, dtypes: Sequence[str]) -> Awaitable[dict[str, str]]:
+        return self._call("exported_fingerprints", dtypes)
+
+    def probe_gap(self, group: Any) -> Awaitable[Any]:
+        return self._call("probe_gap", group)
+
     def save_checkpoint(self, run_dir: str, step: int, run_state: dict, keep_last: int) -> Awaitable[Path]:
         return self._call("save_checkpoint", run_dir, step, run_state, keep_last)
 

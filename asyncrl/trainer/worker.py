@@ -51,7 +51,8 @@ from asyncrl.generation.base import sample_seed
 from asyncrl.integrity import IntegrityGuard
 from asyncrl.models.lora import check_base, is_lora, read_adapter, save_adapter
 from asyncrl.trainer.policy import PolicyTrainer
-from asyncrl.types import RolloutGroup, StepData, StepReport, TrainBatch
+from asyncrl.types import ProbeGap, RolloutGroup, StepData, StepReport, TrainBatch
+from asyncrl.weights.fingerprint import HELD_DTYPES, Sample, sample
 
 # Whole tensors, gathered from every rank onto rank 0's CPU (the other ranks get empty dicts).
 _FULL_ON_RANK0 = StateDictOptions(full_state_dict=True, cpu_offload=True)
@@ -87,10 +88,11 @@ class TrainerWorker:
         returns the exported weights. Its DP rank and the DP size come from ``trainer.parallel``.
         ``seed``: the run seed, which orders the mini-batches of every pass after the first.
         ``integrity``: the run's integrity section; with the guard on, a group whose reward failed
-        is never trained, and every update checks that its loss counted its groups' tokens and
-        sequences once (docs/integrity.md)."""
+        is never trained, every update checks that its loss counted its groups' tokens and
+        sequences once, and each export is fingerprinted (docs/integrity.md)."""
         self.trainer = trainer
         self.guarded = integrity is not None and integrity.enabled
+        self.fingerprints = self.guarded  # a sample of each export, for the weight sync's check
         if self.guarded:
             guard = IntegrityGuard(integrity)
             trainer.count_check = partial(_check_loss_counts, guard)
@@ -104,6 +106,7 @@ class TrainerWorker:
         self.micro_batch_tokens = trainer.cfg.micro_batch_tokens
         # K mini-batches or E passes: the step is collected first, then trained update by update
         self.collect = grpo_cfg.num_minibatches * grpo_cfg.num_epochs > 1
+        self.exported: Sample | None = None  # a sample of the last weights exported (rank 0)
         self._reset_step()
 
     def _reset_step(self) -> None:
@@ -171,7 +174,30 @@ class TrainerWorker:
         Weights already on ``device`` are views, valid until the next step: the weight sync loads
         them into every generator (or serializes or copies them) before the trainer steps again."""
         version, weights = self.trainer.export_weights(copy=False, device=device)
-        return version, weights if self.rank == 0 else {}
+        if self.rank != 0:
+            return version, {}
+        self.exported = sample(weights) if self.fingerprints else None
+        return version, weights
+
+    def exported_fingerprints(self, dtypes: Sequence[str]) -> dict[str, str]:
+        """The fingerprint of the last weights exported (weights/fingerprint.py) in each of
+        ``dtypes``, those the generators hold them in: the weight sync compares each generator's
+        with its dtype's."""
+        if self.exported is None:
+            return {}
+        return {dtype: self.exported.digest(dtype) for dtype in dtypes if dtype in HELD_DTYPES}
+
+    @torch.no_grad()
+    def probe_gap(self, group: RolloutGroup) -> ProbeGap:
+        """How far the generator's logprobs of the probe's sampled tokens are from this policy's,
+        scored as every step scores (``generation``'s temperature, top-k and top-p). Every rank
+        scores the whole probe: sharded and context-parallel forwards need them all."""
+        batch = TrainBatch.from_groups([group], [torch.zeros(group.size)])
+        scored = self.trainer.compute_logprobs(batch).to(torch.float64)
+        mask = batch.response_mask.to(torch.float64)
+        gaps = (scored - batch.behaviour_logprobs.to(torch.float64)).abs() * mask
+        tokens = int(mask.sum())
+        return ProbeGap(mean=float(gaps.sum()) / max(tokens, 1), max=float(gaps.max()), tokens=tokens)
 
     def save_checkpoint(self, run_dir: str, step: int, run_state: dict, keep_last: int) -> Path | None:
         """The whole policy as an HF model (a LoRA policy: its adapter in PEFT's format), the

@@ -15,10 +15,13 @@ never drift apart. A sync then:
    under ``inflight`` when every generator takes weights while it generates
    (``RolloutHandle.loads_while_generating``, the vLLM backend): a running batch then continues on
    the new weights, and each of its tokens records the version that produced it;
-4. reopens the gate at the new version.
+   Each load answers with the generator's fingerprint of what it now serves, which the report
+   carries beside the trainer's of what it exported (weights/fingerprint.py);
+4. hands the report to ``verify`` (the integrity guard's checks, asyncrl/integrity/sync_checks.py),
+   then reopens the gate at the new version.
 
-``sync.timeout_s`` bounds the sync's own phases, each on its own: closing the gate, the export and
-the loads. Waiting for running generation is not the sync: a long batch does not fail it, nor does
+``sync.timeout_s`` bounds the sync's own phases, each on its own: closing the gate, the export,
+the loads and the checks. Waiting for running generation is not the sync: a long batch does not fail it, nor does
 a gate that stays closing while the rollout loop waits for room under the in-flight limit (room
 comes only when a batch finishes); a generation that hangs is the watchdog's to stop
 (``runtime.watchdog_s``).
@@ -28,8 +31,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 from asyncrl.control.gate import RolloutGate
@@ -56,6 +59,18 @@ class SyncReport:
     transfer_s: float  # export from the trainer + load into every generator
     bytes: int
     transport: str  # in_process, object_store or broadcast (runtime/ray.py); failed, interrupted: see failed()
+    # What each generator serves after its load (None: cannot tell), and what the trainer exported,
+    # by dtype (weights/fingerprint.py): the evidence the integrity guard's ``weights`` check reads.
+    served: tuple[str | None, ...] = ()
+    exported: Mapping[str, str] = field(default_factory=dict)
+
+    def fingerprint_mismatches(self) -> list[int]:
+        """The generators whose fingerprint is not the export's in the dtype they hold it in."""
+        return [
+            index
+            for index, served in enumerate(self.served)
+            if served is not None and self.exported.get(served.split(":", 1)[0]) != served  # "<dtype>:<hex>"
+        ]
 
     @classmethod
     def failed(cls, held_version: int, seconds: float, transport: str = "failed") -> SyncReport:
@@ -80,7 +95,10 @@ class WeightSync:
         *,
         mode: Literal["drain", "inflight"],
         timeout_s: float,
+        verify: Callable[[SyncReport], Awaitable[None]] | None = None,
     ) -> None:
+        """``verify``: called with the sync's report after every load, before the gate reopens (the
+        integrity guard's checks of what the generators serve); what it raises ends the sync."""
         if mode not in ("drain", "inflight"):
             raise ValueError(f"sync.mode: '{mode}' is not drain or inflight")
         self.trainer = trainer
@@ -88,6 +106,7 @@ class WeightSync:
         self.gate = gate
         self.mode = mode
         self.timeout_s = timeout_s
+        self.verify = verify
 
     async def sync(self) -> SyncReport:
         """Bring every generator to the trainer's current version; see the module docstring."""
@@ -107,7 +126,7 @@ class WeightSync:
         load_start = time.perf_counter()
         loads = asyncio.gather(*(g.load_weights(weights, version) for g in self.generators))
         try:
-            await self._phase(f"loading weights version {version} into the generators", loads)
+            served = tuple(await self._phase(f"loading weights version {version} into the generators", loads))
         except SyncTimeoutError:
             raise
         except Exception as err:
@@ -115,14 +134,27 @@ class WeightSync:
                 f"loading weights version {version} into the generators failed: {type(err).__name__}: {err}"
             ) from err
         transfer_s = export_s + time.perf_counter() - load_start
-        self.gate.open(version)
-        return SyncReport(
+        report = SyncReport(
             version=version,
-            pause_s=time.perf_counter() - start,
+            pause_s=0.0,
             transfer_s=transfer_s,
             bytes=state_dict_bytes(weights),
             transport=getattr(weights, "transport", "in_process"),
+            served=served,
+            exported=await self._exported(served),
         )
+        if self.verify is not None:
+            await self._phase(f"checking what the generators serve of version {version}", self.verify(report))
+        self.gate.open(version)
+        return replace(report, pause_s=time.perf_counter() - start)
+
+    async def _exported(self, served: tuple[str | None, ...]) -> dict[str, str]:
+        """The export's fingerprints in the dtypes the generators hold (``"<dtype>:<hex>"``), asked
+        of the trainer only when a generator told its own."""
+        dtypes = sorted({fingerprint.split(":", 1)[0] for fingerprint in served if fingerprint is not None})
+        if not dtypes:
+            return {}
+        return await self._phase("fingerprinting the exported weights", self.trainer.exported_fingerprints(dtypes))
 
     async def _close_gate(self) -> None:
         """Close the gate within ``sync.timeout_s``, not counting the time the rollout loop waits

@@ -118,6 +118,9 @@ def test_healthy_runs_of_the_shipped_configs_never_trip_the_guard(tmp_path, name
     train(load_config(path, [*TINY, "grpo.max_steps=3", f"logging.output_dir={tmp_path}", *overrides]))
     metrics = read_jsonl(tmp_path / "metrics.jsonl")
     assert len(metrics) == 3
-    assert [key for m in metrics for key, value in m.items() if key.startswith("integrity/") and value] == []
+    measured = {"integrity/sampling"}  # the probe's logprob gap: rounding in a healthy float32 run
+    assert [key for m in metrics for key, value in m.items() if key.startswith("integrity/") and value
+            and key not in measured] == []  # fmt: skip
+    assert all(m["integrity/sampling"] < 1e-5 for m in metrics)
     if name == "multi-turn":
         assert max(m["episode/turns"] for m in metrics) > 1  # observations were appended

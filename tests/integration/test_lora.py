@@ -88,6 +88,7 @@ def test_a_lora_run_syncs_adapter_bytes_only(tmp_path):
     shapes = [(32, 32), (32, 16), (32, 16), (32, 32), (32, 64), (32, 64), (64, 32)]
     adapter = 2 * 4 * 4 * sum(i + o for i, o in shapes)
     assert {m["sync_bytes"] for m in metrics} == {adapter}
+    assert all(m["integrity/weights"] == 0 and m["integrity/sampling"] <= 0.01 for m in metrics)
 
 
 @pytest.mark.slow

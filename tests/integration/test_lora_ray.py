@@ -39,6 +39,7 @@ def test_a_lora_run_on_ray_syncs_the_adapter_alone_and_leaves_the_base_untouched
     # with the logprobs the trainer gives them (a stale or damaged adapter: a KL of ~1e-3).
     assert {g["start_version"] for g in groups if g["step"] == 2} == {1} and metrics[1]["grad_norm"] > 0
     assert all(m["mismatch_kl"] < 1e-9 for m in metrics)
+    assert all(m["integrity/weights"] == 0 and m["integrity/sampling"] < 1e-6 for m in metrics)
     # the adapters start from the run's seeds, not from where each process's global RNG stood
     assert [{k: v for k, v in m.items() if k != "sync_transport"} for m in deterministic(metrics)] == local_metrics
     config = load_config(None, [*SMALL, *LORA])

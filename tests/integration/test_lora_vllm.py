@@ -16,6 +16,7 @@ from asyncrl.generation.vllm_process import ServerError, http_json
 from asyncrl.metrics import read_jsonl
 from asyncrl.models import build_model, build_tokenizer, token_logprobs
 from asyncrl.trainer import PolicyTrainer
+from asyncrl.weights.fingerprint import fingerprint
 
 LORA_VLLM = ["generation.backend=vllm", "lora.rank=4", "sampler.max_lag=1", "trainer.device=cpu"]  # 3 adapter slots
 PROMPTS = ["1+1=", "12+30=", "7*8=", "(3+4)*2="]
@@ -87,7 +88,9 @@ def test_a_synced_adapter_gives_the_trainers_logprobs_and_older_ones_are_served_
     adapters = generator.adapters
     assert adapters.slots == 3 and generator.server.lora_args()[:3] == ["--enable-lora", "--max-lora-rank", "8"]
     for version in (1, 2):
-        generator.load_weights(adapter_of(trainer, version), version)
+        adapter = adapter_of(trainer, version)
+        generator.load_weights(adapter, version)
+        assert generator.fingerprint() == fingerprint(adapter)  # the newest adapter the server lists
         rollouts = generator.generate(requests_of(tokenizer), PARAMS)
         assert sum(len(r.response_ids) for r in rollouts) > 10
         for rollout in rollouts:
@@ -129,6 +132,7 @@ def test_a_lora_run_on_vllm_finishes_and_syncs_adapter_bytes_only(lora_served, t
     shapes = generator.adapters.shapes
     adapter_bytes = 4 * sum(math.prod(shape) for shape in shapes.values())
     assert len(metrics) == 2 and {m["sync_bytes"] for m in metrics} == {adapter_bytes}
+    assert all(m["integrity/weights"] == 0 and m["integrity/sampling"] <= 0.01 for m in metrics)
     assert all(".lora_A." in name or ".lora_B." in name for name in shapes)
 
 

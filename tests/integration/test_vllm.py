@@ -48,6 +48,7 @@ from asyncrl.models.factory import build_model, build_tokenizer
 from asyncrl.models.tiny import tiny_config
 from asyncrl.types import RolloutJob
 from asyncrl.weights.broadcast import Layout
+from asyncrl.weights.fingerprint import fingerprint
 from asyncrl.workers import build_rollout_worker
 
 # The first test to use the server may also create the vLLM environment (3 to 5 minutes).
@@ -164,6 +165,8 @@ def test_logprobs_equal_the_trainers_before_and_after_weight_updates(vllm_genera
         assert all(r.versions == [version] * len(r.response_ids) for r in rollouts)
         assert_trainer_logprobs(model, rollouts)
         assert http_json(f"{vllm_generator.url}/weight_info", timeout=10)["weight_version"] == str(version)
+        # the server's worker fingerprints what it loaded; the tied head it was not sent is named back
+        assert vllm_generator.fingerprint() == fingerprint(model.state_dict())
 
 
 @pytest.mark.slow
@@ -309,6 +312,7 @@ def test_an_untied_head_follows_updates_and_a_killed_server_is_restarted_and_res
             assert model.lm_head.weight.data_ptr() != model.model.embed_tokens.weight.data_ptr()
             generator.load_weights(model.state_dict(), version)
             assert_trainer_logprobs(model, generator.generate(requests(), params))
+            assert generator.fingerprint() == fingerprint(model.state_dict())
         [engine] = [pid for pid in vllm_processes() - before if engine_core(pid)]
         os.kill(engine, signal.SIGKILL)
         generator.server.process.wait(timeout=30)
@@ -317,6 +321,7 @@ def test_an_untied_head_follows_updates_and_a_killed_server_is_restarted_and_res
         assert all(r.versions == [2] * len(r.response_ids) for r in rollouts)
         assert_trainer_logprobs(model, rollouts)
         assert http_json(f"{generator.url}/weight_info", timeout=10)["weight_version"] == "2"
+        assert generator.fingerprint() == fingerprint(model.state_dict())  # resynced, as the restarted worker says
     finally:
         generator.close()
     assert not wait_for_exit(lambda: vllm_processes() - before)
@@ -344,8 +349,36 @@ def test_a_run_starts_its_server_updates_it_in_flight_and_stops_it_on_sigterm(tm
     assert process.returncode == 128 + signal.SIGTERM, err
     groups = read_jsonl(run_dir / "groups.jsonl")
     assert groups and all(g["end_version"] >= g["start_version"] for g in groups)
+    assert all(m["integrity/weights"] == 0 and m["integrity/sampling"] <= 0.01 for m in read_jsonl(metrics))
     assert [p.name.startswith("server-") for p in (run_dir / "vllm").iterdir()] == [True]
     assert not wait_for_exit(lambda: vllm_processes() - before)
+
+
+@pytest.mark.slow
+def test_a_run_whose_generator_skips_a_load_or_samples_hotter_stops_with_an_integrity_stop(
+    capsys, tmp_path, vllm_generator
+):
+    """Two runs on the session's server (``vllm.url``, weights as files, in-flight syncs): one whose
+    rollout worker acknowledges each sync without loading it, one that samples at temperature 2
+    while the trainer scores at 1. Each stops at the first sync, exit code 3, with one line: the
+    server's own fingerprint of what it serves, then the sampling probe, give them away. A run on
+    a server it did not start begins on what that server holds, so the server is given the run's
+    initial weights as version 0 first (else its groups report the version another client sent,
+    which this run's generators were never given: an integrity stop too)."""
+    args = ["generation.backend=vllm", f"vllm.url={vllm_generator.url}", "vllm.weight_transfer=file",
+            "rewards.functions=[reward_functions:digits]", "warm_start.steps=0", "grpo.prompts_per_step=4",
+            "grpo.generations_per_prompt=4", "generation.max_new_tokens=8", "data.eval_size=4",
+            "logging.progress=false", "logging.tensorboard=false"]  # fmt: skip
+    for name, fault, promise in [("skip", "faults.sync_skips_load=true", "weights"),
+                                 ("hot", "faults.generator_temperature=2.0", "sampling")]:  # fmt: skip
+        config = load_config(None, args)
+        vllm_generator.load_weights(build_model(config, build_tokenizer(config)).state_dict(), 0)
+        code = main(["train", "--output-dir", str(tmp_path / name), *args, fault])
+        err = capsys.readouterr().err
+        assert code == 3 and err.startswith(f"error: integrity: {promise} broken at step 1: "), err
+        assert err.count("\n") == 1 and "Traceback" not in err
+        [step] = read_jsonl(tmp_path / name / "metrics.jsonl")
+        assert step[f"integrity/{promise}"] > 0
 
 
 def endless_rollout_worker(config, started: Path):
@@ -400,7 +433,7 @@ def test_a_ray_rollout_worker_loads_weights_while_it_generates(ray_cluster, vllm
     try:
         [handle] = runtime.spawn_generators(partial(endless_rollout_worker, config, started), 1)
         runtime.ready()
-        assert handle.unordered == ("load_weights",)
+        assert handle.unordered == ("load_weights", "probe")
         batch = asyncio.run(load_while_generating(handle))
     finally:
         http_json(f"{vllm_generator.url}/resume", {}, timeout=30)

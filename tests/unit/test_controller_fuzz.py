@@ -481,6 +481,7 @@ def run_config(sampler_name: str, scenario: Scenario) -> RunConfig:
         checkpoint={"every_steps": s.checkpoint_every},
         logging={"eval_every_steps": s.eval_every, "tensorboard": False, "progress": False},
         data={"eval_size": 2},
+        integrity={"sampling": {"every_syncs": 0}},  # the fake generators hold no model to probe
     )
 
 

@@ -11,6 +11,7 @@ from asyncrl.control.changes import Changes
 from asyncrl.control.gate import RolloutGate
 from asyncrl.runtime import LocalRuntime
 from asyncrl.weights import sync as sync_module
+from asyncrl.weights.fingerprint import fingerprint, sample
 from asyncrl.weights.sync import SyncTimeoutError, WeightSync
 
 
@@ -104,6 +105,50 @@ def test_sync_loads_every_generator_and_reports(mode):
     assert report.version == 1 and report.bytes == 16 and report.pause_s >= report.transfer_s >= 0
     assert gate.version == 1 and gate.admitting and not gate.loading
     assert sorted(entry[:2] for entry in log) == [("load", 1), ("load", 1)]
+
+
+class Fingerprinting(Recorder):
+    """A generator that answers a load with the fingerprint of what it holds; ``skips``: it keeps its weights."""
+
+    def __init__(self, skips: bool = False) -> None:
+        super().__init__([])
+        self.held = {"w": torch.ones(4)}
+        self.skips = skips
+
+    def load_weights(self, weights: dict, version: int) -> str:
+        if not self.skips:
+            self.held = {name: tensor.clone() for name, tensor in weights.items()}
+        return fingerprint(self.held)
+
+
+class Exporter(Recorder):
+    def exported_fingerprints(self, dtypes) -> dict[str, str]:
+        assert list(dtypes) == ["float32"]  # the dtype the generators reported, alone
+        return {dtype: sample(self.export_weights()[1]).digest(dtype) for dtype in dtypes}
+
+
+def test_the_report_carries_every_generators_fingerprint_and_verify_runs_before_the_gate_reopens():
+    seen = []
+
+    async def main():
+        runtime = LocalRuntime()
+        trainer = runtime.spawn(lambda: Exporter([]), "trainer")
+        generators = [runtime.spawn(Fingerprinting, "loads"), runtime.spawn(lambda: Fingerprinting(True), "skips")]
+        gate = RolloutGate(0, Changes(), wait_for_admissions=False)
+
+        async def verify(report):
+            seen.append((report.fingerprint_mismatches(), gate.admitting))
+            if report.fingerprint_mismatches():
+                raise RuntimeError("refused")
+
+        with pytest.raises(RuntimeError, match="refused"):
+            await WeightSync(trainer, generators, gate, mode="drain", timeout_s=5, verify=verify).sync()
+        runtime.shutdown()
+        return gate
+
+    gate = asyncio.run(main())
+    assert seen == [([1], False)]  # the generator that kept its weights, seen while the gate was closed
+    assert not gate.admitting and gate.version == 0
 
 
 class Clock:

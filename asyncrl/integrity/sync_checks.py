@@ -1,0 +1,110 @@
+"""Promises 1 and 2, checked at each weight sync: the generators hold the weights they say they
+hold, and sample the distribution the trainer scores (docs/integrity.md).
+
+``SyncChecks`` runs inside the weight sync, after every generator loaded the new version and
+before the rollout gate reopens, so no rollout is admitted on weights that failed the check.
+
+1. ``weights``: each generator's fingerprint of what it serves, read back after its load, against
+   the trainer's of what it exported (weights/fingerprint.py), in the dtype the generator holds;
+   and every generated group's weight versions must be versions the generators were given (0 up
+   to the newest synced: every step syncs).
+   The value is the number of generators (or groups) that broke it.
+2. ``sampling``: after the first sync and every ``integrity.sampling.every_syncs``, each generator
+   samples one response to each of a few fixed prompts with the run's sampling settings and seeds
+   of the probe's own; the trainer scores the sampled tokens as it scores a step. The value is the
+   largest mean absolute logprob gap per token among the generators, against a threshold for the
+   dtype the generator holds (bfloat16 sampling is noisier than float32).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from asyncrl.config import IntegrityConfig
+from asyncrl.control.handles import RolloutHandle, TrainerHandle
+from asyncrl.data import Prompt
+from asyncrl.integrity.guard import IntegrityGuard
+
+if TYPE_CHECKING:
+    from asyncrl.weights.sync import SyncReport
+
+FULL_PRECISION = ("float32", "float64")
+
+
+class SyncChecks:
+    def __init__(
+        self,
+        guard: IntegrityGuard,
+        config: IntegrityConfig,
+        trainer: TrainerHandle,
+        generators: Sequence[RolloutHandle],
+        probe_prompts: Sequence[Prompt],
+        version: int,
+    ) -> None:
+        """``version``: the one the generators hold at the start (0, or the resumed step's)."""
+        self.guard = guard
+        self.config = config
+        self.trainer = trainer
+        self.generators = list(generators)
+        self.probe_prompts = list(probe_prompts)[: config.sampling.prompts]
+        self.latest = version  # the newest version a generator was given: every step syncs, so 0..latest all were
+        self.syncs = 0
+
+    async def __call__(self, report: SyncReport) -> None:
+        """Check the sync that ``report`` describes; raises ``IntegrityStop`` where a promise's action is stop."""
+        self.latest = max(self.latest, report.version)
+        if not self.guard.enabled:
+            return
+        self.syncs += 1
+        self.check_fingerprints(report)
+        every = self.config.sampling.every_syncs
+        if every and (self.syncs - 1) % every == 0 and self.probe_prompts:
+            await self.probe(report)
+
+    def check_fingerprints(self, report: SyncReport) -> None:
+        wrong = report.fingerprint_mismatches()
+        evidence = "fingerprints agree"
+        if wrong:
+            index = wrong[0]
+            served = report.served[index]
+            dtype = served.split(":", 1)[0]
+            evidence = (
+                f"generator {index} reports weight version {report.version} but serves weights with fingerprint "
+                f"{served}, the trainer exported {report.exported.get(dtype, f'none in {dtype}')} "
+                f"({len(wrong)} of {len(report.served)} generators differ)"
+            )
+        self.guard.check("weights", len(wrong), step=report.version, evidence=evidence)
+
+    def check_versions(self, prompt_uid: str, start_version: int, end_version: int, step: int) -> None:
+        """A generated group's versions are ones the generators were given."""
+        unknown = sorted(v for v in {start_version, end_version} if not 0 <= v <= self.latest)
+        if not unknown or not self.guard.enabled:
+            return
+        evidence = (
+            f"group {prompt_uid} reports weight version {unknown[0]}, which no generator was given "
+            f"(the newest given is {self.latest})"
+        )
+        self.guard.check("weights", len(unknown), step=step, evidence=evidence)
+
+    async def probe(self, report: SyncReport) -> None:
+        """Sample the probe on every generator, score it on the trainer; check the worst gap."""
+        groups = await asyncio.gather(*(g.probe(self.probe_prompts, report.version) for g in self.generators))
+        worst, evidence = 0.0, ""
+        for index, group in enumerate(groups):
+            gap = await self.trainer.probe_gap(group)
+            served = report.served[index] if index < len(report.served) else None
+            dtype = served.split(":", 1)[0] if served is not None else "an unknown dtype"
+            full = dtype in FULL_PRECISION
+            threshold = self.config.sampling.threshold if full else self.config.sampling.half_precision_threshold
+            # scaled to the float32 threshold, so one guard threshold applies to every dtype
+            value = gap.mean * self.config.sampling.threshold / threshold if threshold > 0 else gap.mean
+            if value >= worst:
+                worst = value
+                evidence = (
+                    f"generator {index}'s logprobs of its {gap.tokens} probe tokens differ from the trainer's by "
+                    f"{gap.mean:.4g} per token on average (max {gap.max:.4g}), above the {threshold:g} allowed "
+                    f"for weights in {dtype}"
+                )
+        self.guard.check("sampling", worst, step=report.version, evidence=evidence)
