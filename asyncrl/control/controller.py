@@ -123,17 +123,7 @@ class SingleController:
         self.changes = Changes()
         self.gate = RolloutGate(0, self.changes, wait_for_admissions=sampler.gated, max_in_flight=self.max_in_flight)
         self.guard = IntegrityGuard(config.integrity)
-        self.sync_checks = SyncChecks(
-            self.guard, config.integrity, trainer, self.rollout_workers, task.heldout or task.train, self.version
-        )
-        self.weight_sync = WeightSync(
-            trainer,
-            self.rollout_workers,
-            self.gate,
-            mode=config.sync.mode,
-            timeout_s=config.sync.timeout_s,
-            verify=self.sync_checks,
-        )
+        self.weight_sync = self._checked_weight_sync(task)
         self.stopping = False
         self.data_exhausted = False
         self.retry_queue: list[list[RolloutJob]] = []  # failed batches, each re-dispatched as one
@@ -148,6 +138,20 @@ class SingleController:
         self.evals: list[dict] = []
         self.health = RunHealth(config)
         self._tasks: asyncio.TaskGroup | None = None
+
+    def _checked_weight_sync(self, task: Task) -> WeightSync:
+        """The weight sync, each of whose loads the guard's sync checks verify before the gate reopens."""
+        integrity, sync = self.config.integrity, self.config.sync
+        prompts = task.heldout or task.train  # the sampling probe's
+        self.sync_checks = SyncChecks(self.guard, integrity, self.trainer, self.rollout_workers, prompts, self.version)
+        return WeightSync(
+            self.trainer,
+            self.rollout_workers,
+            self.gate,
+            mode=sync.mode,
+            timeout_s=sync.timeout_s,
+            verify=self.sync_checks,
+        )
 
     @property
     def skipped_prompts(self) -> int:
