@@ -5,7 +5,8 @@ groups, a count error). Up to the promise's ``threshold`` the promise holds; pas
 ``action`` applies: ``stop`` raises ``IntegrityStop`` (the controller checkpoints the last good
 step and the CLI exits with code 3), ``drop`` tells the caller to leave the group out, ``warn``
 logs one line. Every promise's largest value of the step goes into that step's metrics, 0 where
-nothing was measured, so a healthy run's ``integrity/`` columns are flat at zero.
+nothing was measured, so a healthy run's ``integrity/`` columns are zero, but for the sampling
+probe's rounding-sized gap.
 """
 
 from __future__ import annotations

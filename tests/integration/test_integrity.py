@@ -23,7 +23,9 @@ def test_the_guard_changes_no_metric_of_an_in_order_run(tmp_path):
     assert deterministic(without_integrity(guarded)) == deterministic(unguarded)
     assert guarded_groups == unguarded_groups
     assert all(key.startswith("integrity/") for key in set(guarded[0]) - set(unguarded[0]))
-    assert all(value == 0 for record in guarded for key, value in record.items() if key.startswith("integrity/"))
+    for record in guarded:  # the sampling probe's gap is a measured rounding difference, every other value a count
+        checked = {key: value for key, value in record.items() if key.startswith("integrity/")}
+        assert checked.pop("integrity/sampling") <= 1e-5 and set(checked.values()) == {0}, record
     assert json.dumps(unguarded).count("integrity/") == 0
 
 
