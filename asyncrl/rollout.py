@@ -113,12 +113,17 @@ class RolloutWorker:
         rollouts = [c.rollout for c in completions]
         scores = self._score(completions, [p.answer for p in prompts])
         count = max(len(prompts), 1)
+        episode_metrics: dict[str, float] = {}
+        for completion in completions:
+            for key, value in completion.metrics.items():
+                episode_metrics[key] = episode_metrics.get(key, 0.0) + value / count
         return EvalResult(
             num_prompts=len(prompts),
             accuracy=sum(scores.correct) / count,
             reward_mean=sum(scores.rewards) / count,
             response_length_mean=sum(_sampled_tokens(r) for r in rollouts) / count,
             seconds=time.perf_counter() - start,
+            episode_metrics=episode_metrics,
         )
 
     def _score(self, completions: Sequence[Completion], answers: Sequence[str]) -> RewardResult:

@@ -336,6 +336,7 @@ class EvalResult:
     reward_mean: float
     response_length_mean: float
     seconds: float
+    episode_metrics: dict[str, float] = field(default_factory=dict)  # mean per episode; {} single-turn
 
 
 @dataclass

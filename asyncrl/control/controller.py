@@ -70,7 +70,7 @@ from asyncrl.errors import (
     TrainStepError,
     WeightLoadFailedError,
 )
-from asyncrl.metrics import StepClock, step_record
+from asyncrl.metrics import StepClock, episode_keys, step_record
 from asyncrl.types import RolloutGroup, RolloutJob
 from asyncrl.weights.sync import SyncReport, SyncTimeoutError, WeightLoadError, WeightSync
 
@@ -563,6 +563,7 @@ class SingleController:
             "num_prompts": result.num_prompts,
             "response_length_mean": result.response_length_mean,
             "time/eval_s": result.seconds,
+            **episode_keys(result.episode_metrics),
         }
         self.evals.append(record)
         self.metrics.log_eval(record)
