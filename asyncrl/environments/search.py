@@ -73,8 +73,10 @@ class SearchEnvironment(Environment):
         self.guesses = 0
 
     def reset(self, prompt: Prompt) -> list[Message]:
-        self.target = int(prompt.answer)
-        self.low, self.high = map(int, _RANGE.fullmatch(prompt.text).groups())
+        found = _RANGE.fullmatch(prompt.text)
+        if found is None or not prompt.answer.isdigit():
+            raise ValueError(f"prompt {prompt.uid}: the search environment needs a range (0-9) and a number")
+        self.target, self.low, self.high = int(prompt.answer), int(found.group(1)), int(found.group(2))
         return [{"role": "user", "content": prompt.text}]
 
     def step(self, assistant: Message) -> Turn:
@@ -98,13 +100,12 @@ class SearchEnvironment(Environment):
         """An episode of the answer format and the rules, with no strategy in it: each guess is
         drawn uniformly (seeded by the prompt) from the numbers the replies so far still allow,
         never their middle on purpose, until one hits."""
-        low, high = map(int, _RANGE.fullmatch(prompt.text).groups())
         rng, env = random.Random(prompt.uid), SearchEnvironment(self.bonus, self.reply)
         messages = env.reset(prompt)
-        for _ in range(high - low + 1):
-            if messages[-1]["role"] == "assistant":
-                break
+        for _ in range(env.high - env.low + 1):  # each wrong guess narrows the range, so one of these hits
             guess = {"role": "assistant", "content": str(rng.randint(env.low, env.high))}
             turn = env.step(guess)
             messages += [guess, *turn.messages]
-        return messages if messages[-1]["role"] == "assistant" else messages[:-1]
+            if turn.done:
+                break
+        return messages

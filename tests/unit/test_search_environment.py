@@ -54,6 +54,11 @@ def test_range_replies_give_the_range_the_number_is_now_known_to_be_in():
     assert [m[0]["content"] for m in replies] == ["5-9", "5-7", "?", "5-6"]
 
 
+def test_a_prompt_that_is_not_a_range_and_a_number_is_refused_naming_it():
+    with pytest.raises(ValueError, match="prompt q: the search environment needs a range"):
+        SearchEnvironment().reset(Prompt("q", "12*34=", "408"))
+
+
 def test_a_first_guess_that_hits_scores_the_most():
     env = SearchEnvironment(bonus=0.5)
     env.reset(Prompt("p", "0-9", "3"))
