@@ -141,10 +141,14 @@ def step_record(
     for source, name in (("entropy_mean", "entropy"), ("kl_mean", "kl")):
         if source in result.metrics:
             record[name] = result.metrics[source]
-    for key, total in sorted(data.episode_metrics.items()):  # per episode; a duration (*_s) is timing
-        record[f"{TIMING_PREFIX if key.endswith('_s') else ''}episode/{key}"] = total / samples
+    record.update(episode_keys({key: total / samples for key, total in data.episode_metrics.items()}))
     record.update(_timing_keys(clock, sync, step_s, wall_s, rollout_workers))
     return record
+
+
+def episode_keys(means: dict[str, float]) -> dict[str, float]:
+    """Per-episode means as record keys: ``episode/<key>``, a duration (``*_s``) under ``time/``."""
+    return {f"{TIMING_PREFIX if key.endswith('_s') else ''}episode/{key}": means[key] for key in sorted(means)}
 
 
 def _sample_keys(report: StepReport, counters: RunCounters, samples: int) -> dict:

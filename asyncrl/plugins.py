@@ -49,6 +49,7 @@ BUILTINS: dict[str, dict[str, str]] = {
         "hf_dataset": "asyncrl.data.tasks:HFDatasetTaskSource",
         "reasoning_gym": "asyncrl.data.tasks:ReasoningGymTaskSource",
         "products": "asyncrl.environments.calculator:ProductsTask",
+        "search": "asyncrl.environments.search:SearchTask",
     },
     "backend": {
         "hf": "asyncrl.generation.hf:build_hf_generator",
@@ -58,6 +59,7 @@ BUILTINS: dict[str, dict[str, str]] = {
     "environment": {
         "feedback": "asyncrl.environments.feedback:FeedbackEnvironment",
         "calculator": "asyncrl.environments.calculator:CalculatorEnvironment",
+        "search": "asyncrl.environments.search:SearchEnvironment",
         "skyrl_gym": "asyncrl.environments.skyrl:SkyRLGymEnvironment",
     },
     "tool_parser": {"hermes": "asyncrl.environments.parsers:HermesParser"},

@@ -137,6 +137,10 @@ class RolloutWorker:
         rollouts = [c.rollout for c in completions]
         scores = self._score(completions, [p.answer for p in prompts])
         count = max(len(prompts), 1)
+        episode_metrics: dict[str, float] = {}
+        for completion in completions:
+            for key, value in completion.metrics.items():
+                episode_metrics[key] = episode_metrics.get(key, 0.0) + value / count
         return EvalResult(
             num_prompts=len(prompts),
             accuracy=sum(scores.correct) / count,
@@ -147,6 +151,7 @@ class RolloutWorker:
                 _sample_record(prompts[i], 0, completions[i], scores, i, self.generator.version)
                 for i in range(min(self.eval_samples, len(prompts)))
             ],
+            episode_metrics=episode_metrics,
         )
 
     def _score(self, completions: Sequence[Completion], answers: Sequence[str]) -> RewardResult:

@@ -352,6 +352,7 @@ class EvalResult:
     response_length_mean: float
     seconds: float
     samples: list[dict] = field(default_factory=list)  # transcripts of the first prompts (asyncrl/samples.py)
+    episode_metrics: dict[str, float] = field(default_factory=dict)  # mean per episode; {} single-turn
 
 
 @dataclass

@@ -74,7 +74,7 @@ from asyncrl.errors import (
 )
 from asyncrl.integrity import IntegrityGuard
 from asyncrl.integrity.sync_checks import SyncChecks
-from asyncrl.metrics import StepClock, step_record
+from asyncrl.metrics import StepClock, episode_keys, step_record
 from asyncrl.samples import spread
 from asyncrl.types import RolloutGroup, RolloutJob
 from asyncrl.weights.sync import SyncReport, SyncTimeoutError, WeightLoadError, WeightSync
@@ -640,6 +640,7 @@ class SingleController:
             "num_prompts": result.num_prompts,
             "response_length_mean": result.response_length_mean,
             "time/eval_s": result.seconds,
+            **episode_keys(result.episode_metrics),
         }
         self.evals.append(record)
         self.metrics.log_eval(record)

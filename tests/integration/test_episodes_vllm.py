@@ -8,6 +8,7 @@ from asyncrl.cli import main
 from asyncrl.data import Prompt
 from asyncrl.environments.episode import OBSERVATION_VERSION, EpisodeLimits, MultiTurn
 from asyncrl.environments.feedback import FeedbackEnvironment
+from asyncrl.environments.search import SearchEnvironment
 from asyncrl.generation import SamplingParams
 from asyncrl.metrics import read_jsonl
 from asyncrl.models.tokenizer import build_char_tokenizer
@@ -39,6 +40,32 @@ def test_episodes_run_on_the_vllm_server_with_masked_template_deltas(vllm_genera
         assert {rollout.versions[i] for i in observed} <= {OBSERVATION_VERSION}
         for span in _masked_spans(rollout.response_ids, rollout.loss_mask):
             assert tokenizer.decode(span) in {"U:too high\nA:", "U:too low\nA:", "U:a number?\nA:"}
+
+
+def test_search_episodes_run_on_the_vllm_server(vllm_generator):
+    """The search environment's episodes on the server: every wrong guess is answered, masked,
+    and a guess that hits ends the episode with the environment's reward."""
+    tokenizer = build_char_tokenizer(chat=True)
+    ids = tokenizer("0123456789", add_special_tokens=False)["input_ids"]
+    stops, saved = ids + [tokenizer.eos_token_id], vllm_generator.stop_token_ids
+    vllm_generator.stop_token_ids = stops  # a turn of the untrained model ends at its first digit
+    episodes = MultiTurn(
+        vllm_generator, tokenizer, SearchEnvironment, stop_token_ids=stops, limits=EpisodeLimits(4, 60)
+    )
+    try:
+        prompts = [Prompt(f"search/10/{i}", "0-9", str(i % 10)) for i in range(8)]
+        completions = episodes.run(prompts, list(range(8)), SamplingParams(max_new_tokens=8))
+    finally:
+        episodes.close()
+        vllm_generator.stop_token_ids = saved
+    assert max(c.metrics["turns"] for c in completions) > 1
+    for completion in completions:
+        rollout = completion.rollout
+        assert {rollout.versions[i] for i, m in enumerate(rollout.loss_mask) if m} == {vllm_generator.version}
+        for span in _masked_spans(rollout.response_ids, rollout.loss_mask):
+            assert tokenizer.decode(span) in {"U:up\nA:", "U:down\nA:", "U:?\nA:"}
+        solved = completion.metrics.get("solved") == 1.0  # a turn cut at max_new_tokens is never answered
+        assert (completion.reward is not None) == solved and completion.metrics["turns"] <= 4
 
 
 def test_a_multi_turn_run_sizes_its_server_for_the_templated_opening_and_the_whole_episode(tmp_path, vllm_python):

@@ -10,7 +10,15 @@ from rich.console import Console
 
 from asyncrl import metrics
 from asyncrl.config import LoggingConfig
-from asyncrl.metrics import MetricsWriter, ProgressDisplay, read_jsonl, scalars, strip_timing, write_json_atomic
+from asyncrl.metrics import (
+    MetricsWriter,
+    ProgressDisplay,
+    episode_keys,
+    read_jsonl,
+    scalars,
+    strip_timing,
+    write_json_atomic,
+)
 
 PLAIN = LoggingConfig(tensorboard=False, wandb=False)
 
@@ -122,6 +130,12 @@ def test_strip_timing_drops_exactly_the_timing_keys():
     assert stripped == {k: v for k, v in record.items() if k not in ("time/step_s", "time/tokens_per_s", "time/wall_s")}
     assert "step" in stripped and "lag_histogram" in stripped
     assert strip_timing(step_record(1, **{"time/step_s": 3.0})) == strip_timing(step_record(1))
+
+
+def test_episode_means_are_keyed_under_episode_and_durations_under_time():
+    record = episode_keys({"turns": 3.1, "env_s": 0.2, "solved": 0.8})
+    assert record == {"time/episode/env_s": 0.2, "episode/solved": 0.8, "episode/turns": 3.1}
+    assert strip_timing(record) == {"episode/solved": 0.8, "episode/turns": 3.1}
 
 
 def test_scalars_flatten_the_lag_histogram_and_skip_non_numbers():
