@@ -16,6 +16,18 @@ from typing import Any
 
 from asyncrl.metrics import write_json_atomic
 
+# A --quick run of a command that trains whole runs: a tiny model and small steps, no warm start.
+QUICK_RUN = [
+    "model.hidden_size=32",
+    "model.intermediate_size=64",
+    "grpo.prompts_per_step=4",
+    "grpo.generations_per_prompt=4",
+    "generation.max_new_tokens=4",
+    "generation.batch_size=8",
+    "trainer.micro_batch_size=8",
+    "data.eval_size=8",
+    "warm_start.steps=0",
+]
 RESULTS_DIR = Path("bench-results")  # relative: results land where asyncrl bench runs, not inside the package
 
 

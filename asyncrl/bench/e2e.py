@@ -28,6 +28,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from asyncrl.bench.common import QUICK_RUN
 from asyncrl.config import RunConfig, load_config
 from asyncrl.metrics import read_jsonl
 from asyncrl.run import train
@@ -40,17 +41,6 @@ VARIANTS = {
 }
 GOAL_FRACTION_OF_SYNC = 0.6  # max_lag 1 reaches sync's final accuracy in this fraction of its time
 GOAL_SPEEDUP_OVER_TRL = 2.0
-QUICK = [
-    "model.hidden_size=32",
-    "model.intermediate_size=64",
-    "grpo.prompts_per_step=4",
-    "grpo.generations_per_prompt=4",
-    "generation.max_new_tokens=4",
-    "generation.batch_size=8",
-    "trainer.micro_batch_size=8",
-    "data.eval_size=8",
-    "warm_start.steps=0",
-]
 
 
 METRICS = ("accuracy", "reward_mean")  # eval.jsonl fields a target can be on
@@ -75,7 +65,7 @@ def settings(
     return {
         "config": str(config) if config is not None else None,
         "metric": metric,
-        "overrides": (QUICK if quick else []) + overrides,
+        "overrides": (QUICK_RUN if quick else []) + overrides,
         "seeds": list(range(1 if quick else seeds)),
         "max_steps": max_steps or (6 if quick else 400),
         "eval_every": eval_every or (3 if quick else 25),

@@ -23,6 +23,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from asyncrl.bench.common import QUICK_RUN
 from asyncrl.config import load_config
 from asyncrl.control.controller import SingleController
 from asyncrl.generation import HFGenerator
@@ -50,17 +51,6 @@ GUARD_WORK = (
 )
 
 GOAL_RATIO = 1.03  # step time with the guard over step time without it, on the default run
-QUICK = [
-    "model.hidden_size=32",
-    "model.intermediate_size=64",
-    "grpo.prompts_per_step=4",
-    "grpo.generations_per_prompt=4",
-    "generation.max_new_tokens=4",
-    "generation.batch_size=8",
-    "trainer.micro_batch_size=8",
-    "data.eval_size=8",
-    "warm_start.steps=0",
-]
 
 
 def settings(
@@ -70,7 +60,7 @@ def settings(
     steps and one pair."""
     return {
         "config": str(config) if config is not None else None,
-        "overrides": (QUICK if quick else []) + overrides,
+        "overrides": (QUICK_RUN if quick else []) + overrides,
         "pairs": 1 if quick else pairs,
         "steps": steps or (3 if quick else 20),
     }

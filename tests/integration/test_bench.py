@@ -10,6 +10,7 @@ import pytest
 from helpers import ROOT
 
 from asyncrl.bench import e2e, long_context, report
+from asyncrl.bench.common import QUICK_RUN
 from asyncrl.cli import main
 
 pytestmark = pytest.mark.slow
@@ -201,7 +202,7 @@ def test_the_trl_baseline_scores_a_reasoning_gym_task_with_the_tasks_own_checker
         "rewards.functions=[task]",
         "data.num_problems=200",
     ]
-    config = e2e.bench_config([*e2e.QUICK, *task], seed=0, max_lag=0, max_steps=2, eval_every=2)
+    config = e2e.bench_config([*QUICK_RUN, *task], seed=0, max_lag=0, max_steps=2, eval_every=2)
     result = run_trl(config, seed=0, max_steps=2, eval_every_steps=2, output_dir=tmp_path)
     assert result["reward_errors"] == 0 and len(result["evals"]) == 2
 
@@ -316,7 +317,7 @@ def test_trl_settings_map_every_shared_setting():
 @pytest.mark.slow
 def test_e2e_variants_add_minibatch_and_dynamic_sampling_rows():
     result = e2e.run(
-        overrides=e2e.QUICK,
+        overrides=QUICK_RUN,
         seeds=(0,),
         max_steps=2,
         eval_every=2,

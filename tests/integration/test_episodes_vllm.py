@@ -16,20 +16,24 @@ from asyncrl.models.tokenizer import build_char_tokenizer
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
 
 
-def test_episodes_run_on_the_vllm_server_with_masked_template_deltas(vllm_generator):
+def digit_turns(vllm_generator, environment, turns, prompts, seeds, max_new_tokens):
+    """(the chat tokenizer, the episodes of ``prompts`` on the server), each model turn ending at
+    its first digit: the untrained model's turns are short and every environment sees an answer."""
     tokenizer = build_char_tokenizer(chat=True)  # the server's vocabulary, then the chat characters
     ids = tokenizer("0123456789", add_special_tokens=False)["input_ids"]
     stops, saved = ids + [tokenizer.eos_token_id], vllm_generator.stop_token_ids
-    vllm_generator.stop_token_ids = stops  # a turn of the untrained model ends at its first digit
-    episodes = MultiTurn(
-        vllm_generator, tokenizer, FeedbackEnvironment, stop_token_ids=stops, limits=EpisodeLimits(3, 60)
-    )
+    vllm_generator.stop_token_ids = stops
+    episodes = MultiTurn(vllm_generator, tokenizer, environment, stop_token_ids=stops, limits=EpisodeLimits(turns, 60))
     try:
-        prompts = [Prompt(f"p{i}", f"{i}+{i}=", str(2 * i)) for i in range(4)]
-        completions = episodes.run(prompts, [1, 2, 3, 4], SamplingParams(max_new_tokens=12))
+        return tokenizer, episodes.run(prompts, seeds, SamplingParams(max_new_tokens=max_new_tokens))
     finally:
         episodes.close()
         vllm_generator.stop_token_ids = saved
+
+
+def test_episodes_run_on_the_vllm_server_with_masked_template_deltas(vllm_generator):
+    prompts = [Prompt(f"p{i}", f"{i}+{i}=", str(2 * i)) for i in range(4)]
+    tokenizer, completions = digit_turns(vllm_generator, FeedbackEnvironment, 3, prompts, [1, 2, 3, 4], 12)
     assert max(c.metrics["turns"] for c in completions) > 1
     for completion in completions:
         rollout = completion.rollout
@@ -45,19 +49,8 @@ def test_episodes_run_on_the_vllm_server_with_masked_template_deltas(vllm_genera
 def test_search_episodes_run_on_the_vllm_server(vllm_generator):
     """The search environment's episodes on the server: every wrong guess is answered, masked,
     and a guess that hits ends the episode with the environment's reward."""
-    tokenizer = build_char_tokenizer(chat=True)
-    ids = tokenizer("0123456789", add_special_tokens=False)["input_ids"]
-    stops, saved = ids + [tokenizer.eos_token_id], vllm_generator.stop_token_ids
-    vllm_generator.stop_token_ids = stops  # a turn of the untrained model ends at its first digit
-    episodes = MultiTurn(
-        vllm_generator, tokenizer, SearchEnvironment, stop_token_ids=stops, limits=EpisodeLimits(4, 60)
-    )
-    try:
-        prompts = [Prompt(f"search/10/{i}", "0-9", str(i % 10)) for i in range(8)]
-        completions = episodes.run(prompts, list(range(8)), SamplingParams(max_new_tokens=8))
-    finally:
-        episodes.close()
-        vllm_generator.stop_token_ids = saved
+    prompts = [Prompt(f"search/10/{i}", "0-9", str(i % 10)) for i in range(8)]
+    tokenizer, completions = digit_turns(vllm_generator, SearchEnvironment, 4, prompts, list(range(8)), 8)
     assert max(c.metrics["turns"] for c in completions) > 1
     for completion in completions:
         rollout = completion.rollout
