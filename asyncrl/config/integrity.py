@@ -45,7 +45,10 @@ class SamplingCheck(Section):
         description="the same, for a generator holding bfloat16 or float16 weights (or not saying which)",
     )
     every_syncs: int = Field(
-        10, ge=0, description="probe after the first weight sync and every this many after it; 0: never"
+        10,
+        ge=0,
+        description="probe at the weight syncs of versions 1, 1 + every_syncs, 1 + 2 every_syncs, ... (by version, so "
+        "a resumed run probes where the uninterrupted one did); 0: never",
     )
     prompts: int = Field(4, ge=1, description="probe prompts (the first of the held-out split), one response each")
 

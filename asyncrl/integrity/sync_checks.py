@@ -9,7 +9,7 @@ before the rollout gate reopens, so no rollout is admitted on weights that faile
    and every generated group's weight versions must be versions the generators were given (0 up
    to the newest synced: every step syncs).
    The value is the number of generators (or groups) that broke it.
-2. ``sampling``: after the first sync and every ``integrity.sampling.every_syncs``, each generator
+2. ``sampling``: at the syncs of versions 1, 1 + ``integrity.sampling.every_syncs``, ..., each generator
    samples one response to each of a few fixed prompts with the run's sampling settings and seeds
    of the probe's own; the trainer scores the sampled tokens as it scores a step. The value is the
    largest mean absolute logprob gap per token among the generators, against a threshold for the
@@ -50,17 +50,17 @@ class SyncChecks:
         self.generators = list(generators)
         self.probe_prompts = list(probe_prompts)[: config.sampling.prompts]
         self.latest = version  # the newest version a generator was given: every step syncs, so 0..latest all were
-        self.syncs = 0
 
     async def __call__(self, report: SyncReport) -> None:
         """Check the sync that ``report`` describes; raises ``IntegrityStop`` where a promise's action is stop."""
         self.latest = max(self.latest, report.version)
         if not self.guard.enabled:
             return
-        self.syncs += 1
         self.check_fingerprints(report)
         every = self.config.sampling.every_syncs
-        if every and (self.syncs - 1) % every == 0 and self.probe_prompts:
+        if (
+            every and (report.version - 1) % every == 0 and self.probe_prompts
+        ):  # by version: a resume keeps the schedule
             await self.probe(report)
 
     def check_fingerprints(self, report: SyncReport) -> None:

@@ -17,6 +17,7 @@ from functools import partial
 import pytest
 import torch
 from helpers import SMALL, dashboard_command_lines, ray_server_processes, wait_until_gone
+from test_integrity import EPISODES
 
 from asyncrl.config import ConfigError, load_config
 from asyncrl.errors import IntegrityStop
@@ -389,6 +390,27 @@ def test_an_integrity_stop_of_the_trainer_ranks_counts_both_ranks_and_stops_the_
         r"response tokens in 28 sequences over .* but the groups trained hold \d+ in 16$", str(stopped.value)
     )
     assert stopped.value.checkpoint.name == "step-000000"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("overrides", "promise", "latest_step"),
+    [
+        (("sampler.max_lag=0", "faults.stale_tokens=1"), "staleness", 1),
+        (("faults.rewards_raise=true",), "failures", 0),
+        ((*EPISODES, "faults.template_rewrites_transcript=true"), "transcripts", 2),
+    ],
+    ids=["staleness", "failures", "transcripts"],
+)
+def test_a_broken_promise_about_the_groups_stops_a_ray_run_as_a_local_one(
+    ray_cluster, tmp_path, overrides, promise, latest_step
+):
+    """Promises 3, 4 and 6 are checked by the controller on what a group carries (docs/integrity.md):
+    from Ray's rollout actors that is a RemoteGroup's metadata, and each fault stops the run there too."""
+    with pytest.raises(IntegrityStop) as stopped:
+        run(tmp_path, promise, RAY, *overrides)
+    assert stopped.value.promise == promise and stopped.value.step <= latest_step
+    assert stopped.value.checkpoint.name == f"step-{stopped.value.step:06d}"
 
 
 @pytest.mark.slow

@@ -355,16 +355,15 @@ def test_a_run_starts_its_server_updates_it_in_flight_and_stops_it_on_sigterm(tm
 
 
 @pytest.mark.slow
-def test_a_run_whose_generator_skips_a_load_or_samples_hotter_stops_with_an_integrity_stop(
-    capsys, tmp_path, vllm_generator
-):
+def test_a_run_whose_generator_breaks_a_promise_stops_with_an_integrity_stop(capsys, tmp_path, vllm_generator):
     """Two runs on the session's server (``vllm.url``, weights as files, in-flight syncs): one whose
     rollout worker acknowledges each sync without loading it, one that samples at temperature 2
     while the trainer scores at 1. Each stops at the first sync, exit code 3, with one line: the
     server's own fingerprint of what it serves, then the sampling probe, give them away. A run on
     a server it did not start begins on what that server holds, so the server is given the run's
     initial weights as version 0 first (else its groups report the version another client sent,
-    which this run's generators were never given: an integrity stop too)."""
+    which this run's generators were never given: an integrity stop too). Two more runs break the
+    promises the controller checks on the groups, stale tokens and failed rewards, on this backend."""
     args = ["generation.backend=vllm", f"vllm.url={vllm_generator.url}", "vllm.weight_transfer=file",
             "rewards.functions=[reward_functions:digits]", "warm_start.steps=0", "grpo.prompts_per_step=4",
             "grpo.generations_per_prompt=4", "generation.max_new_tokens=8", "data.eval_size=4",
@@ -379,6 +378,12 @@ def test_a_run_whose_generator_skips_a_load_or_samples_hotter_stops_with_an_inte
         assert err.count("\n") == 1 and "Traceback" not in err
         [step] = read_jsonl(tmp_path / name / "metrics.jsonl")
         assert step[f"integrity/{promise}"] > 0
+    for name, fault, promise, step in [("stale", ["sampler.max_lag=0", "faults.stale_tokens=1"], "staleness", 1),
+                                       ("failed", ["faults.rewards_raise=true"], "failures", 0)]:  # fmt: skip
+        vllm_generator.load_weights(build_model(config, build_tokenizer(config)).state_dict(), 0)
+        code = main(["train", "--output-dir", str(tmp_path / name), *args, *fault])
+        err = capsys.readouterr().err
+        assert code == 3 and err.startswith(f"error: integrity: {promise} broken at step {step}: "), err
 
 
 def endless_rollout_worker(config, started: Path):
