@@ -7,6 +7,7 @@ exits with code 2; it never shows a traceback.
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import get_args
 
@@ -16,7 +17,7 @@ from rich.table import Table
 
 from asyncrl.bench.cli import bench_app
 from asyncrl.choices import choices
-from asyncrl.config import AggMode, ConfigError, config_reference, dump_config, load_config
+from asyncrl.config import AggMode, ConfigError, config_reference, dump_config, load_config, parse_options
 from asyncrl.errors import RunStopped
 from asyncrl.plants import PLANTS
 
@@ -35,7 +36,6 @@ ModeChoice = choices("ModeChoice", AGG_MODES)
 DTypeChoice = choices("DTypeChoice", ("float64", "float32"))
 PlantChoice = choices("PlantChoice", PLANTS)
 WrapChoice = choices("WrapChoice", ("fsdp", "ddp"))
-RatioLevelChoice = choices("RatioLevelChoice", ("token", "sequence"))
 
 
 @app.callback()
@@ -48,18 +48,24 @@ def root(ctx: typer.Context) -> None:
 @app.command("config")
 def show_config(
     config: Path | None = typer.Option(None, "--config", help="YAML run config (default: the embedded one)"),
-    overrides: list[str] | None = typer.Argument(None, help="dotted overrides, e.g. loss.mode=token-mean"),
+    overrides: list[str] | None = typer.Argument(None, help="dotted overrides, e.g. trainer.aggregation=token-mean"),
     reference: bool = typer.Option(False, "--reference", help="print every key with its type, default and meaning"),
 ) -> None:
     """Validate a run config and print it fully resolved."""
     if reference:
-        typer.echo(config_reference(), nl=False)
+        from asyncrl.plugins import builtin_options
+
+        typer.echo(config_reference(builtin_options()), nl=False)
         return
+    from asyncrl.algorithms import build_algorithm
+    from asyncrl.parts import check_parts
     from asyncrl.run_sampler import build_run_sampler
 
     run_config = load_config(config, overrides or ())
-    try:
-        build_run_sampler(run_config)  # what a run builds first, so its checks are made here too
+    try:  # what a run checks first, so a file is checked here as a run would check it
+        build_run_sampler(run_config)
+        build_algorithm(run_config)
+        check_parts(run_config)
     except ValueError as err:
         raise ConfigError(str(err)) from None
     typer.echo(dump_config(run_config), nl=False)
@@ -85,8 +91,13 @@ def verify(
         min=1,
         help="K: the step's groups in K mini-batches, one update each, against step-start logprobs",
     ),
-    ratio_level: RatioLevelChoice = typer.Option(
-        "token", "--ratio-level", help="loss.ratio_level: token (PPO) or sequence (GSPO) importance ratio"
+    algorithm: str = typer.Option(
+        "grpo", "--algorithm", help="the algorithm trained: grpo or package.module:attr, as algorithm.name takes it"
+    ),
+    option: list[str] | None = typer.Option(
+        None,
+        "--option",
+        help="KEY=VALUE: one of the algorithm's options (repeatable), e.g. ratio_level=sequence for GSPO",
     ),
     lora: bool = typer.Option(False, "--lora", help="the policy is a frozen base with random LoRA adapters"),
     packing: bool = typer.Option(
@@ -94,31 +105,28 @@ def verify(
     ),
 ) -> None:
     """Check that a split (or dp x cp parallel) train step equals the monolithic step, for every loss mode."""
-    from asyncrl.verify import check_layout
+    from asyncrl.verify import check_layout, checked_algorithm
     from asyncrl.verify import verify as run_verify
 
     dtype, plant, wrap = dtype.value, plant.value if plant else None, wrap.value
-    try:
-        check_layout(dp, cp, micro_batches, [plant], updates, ratio_level.value, lora, packing)
-    except ValueError as err:
-        hint, _, message = str(err).partition(": ")
-        raise typer.BadParameter(message, param_hint=hint) from None
+    options = parse_options(option or [], "--option")
+    _check_verify_inputs(
+        lambda: check_layout(dp, cp, micro_batches, [plant], updates, tuple(options.items()), lora, packing)
+    )
+    _check_verify_inputs(lambda: checked_algorithm(algorithm, tuple(sorted(options.items()))))
     modes = tuple(m.value for m in mode) if mode else AGG_MODES
+    layout = {"dp": dp, "cp": cp, "wrap": wrap, "updates": updates, "lora": lora, "packing": packing}
     results = run_verify(
         modes,
         micro_batches=micro_batches,
         dtype=dtype,
         plant=plant,
         seed=seed,
-        dp=dp,
-        cp=cp,
-        wrap=wrap,
-        updates=updates,
-        ratio_level=ratio_level.value,
-        lora=lora,
-        packing=packing,
+        algorithm=algorithm,
+        options=options,
+        **layout,
     )
-    what = _layout(dp, cp, wrap, micro_batches, updates, ratio_level.value)
+    what = _layout(dp, cp, wrap, micro_batches, updates, algorithm, options)
     what += (", LoRA" if lora else "") + (", packed rows" if packing else "")
     console.print(
         _results_table(f"{what} vs monolithic step, {dtype}" + (f", planted: {plant}" if plant else ""), results)
@@ -126,7 +134,16 @@ def verify(
     raise typer.Exit(0 if _print_verdict(results, dtype, updates) else 1)
 
 
-def _layout(dp: int, cp: int, wrap: str, micro_batches: int, updates: int, ratio_level: str) -> str:
+def _check_verify_inputs(check: Callable[[], object]) -> None:
+    """A ValueError of ``check`` ("--option: message") as the bad parameter it names."""
+    try:
+        check()
+    except ValueError as err:
+        hint, _, message = str(err).partition(": ")
+        raise typer.BadParameter(message, param_hint=hint) from None
+
+
+def _layout(dp: int, cp: int, wrap: str, micro_batches: int, updates: int, algorithm: str, options: dict) -> str:
     """What ``asyncrl verify`` compared with the monolithic step, in words."""
     if dp * cp > 1:
         what = f"dp {dp} x cp {cp} ranks ({wrap}, {micro_batches} micro-batch{'es' if micro_batches > 1 else ''} per DP rank)"
@@ -134,9 +151,7 @@ def _layout(dp: int, cp: int, wrap: str, micro_batches: int, updates: int, ratio
         what = f"split ({micro_batches} micro-batches)"
     if updates > 1:
         what += f", {updates} updates"
-    if ratio_level == "sequence":
-        what += ", sequence ratio"
-    return what
+    return what + f", {algorithm}" + "".join(f" {key}={value}" for key, value in options.items())
 
 
 def _results_table(title: str, results: list) -> Table:
@@ -197,7 +212,7 @@ def train(
     resume: Path | None = typer.Option(
         None, "--resume", help="continue from a checkpoint, its run directory, or the checkpoints folder"
     ),
-    overrides: list[str] | None = typer.Argument(None, help="dotted overrides, e.g. grpo.max_steps=50"),
+    overrides: list[str] | None = typer.Argument(None, help="dotted overrides, e.g. step.max_steps=50"),
 ) -> None:
     """Train with asynchronous GRPO. With no arguments: a tiny model learns running sums on the CPU."""
     from asyncrl.run import resumed_checkpoint, resumed_config_path

@@ -138,9 +138,6 @@ def step_record(
         "sync_version": sync.version,
         "sync_transport": sync.transport,
     }
-    for source, name in (("entropy_mean", "entropy"), ("kl_mean", "kl")):
-        if source in result.metrics:
-            record[name] = result.metrics[source]
     record.update(episode_keys({key: total / samples for key, total in data.episode_metrics.items()}))
     record.update(_timing_keys(clock, sync, step_s, wall_s, rollout_workers))
     return record
@@ -172,7 +169,8 @@ def _sample_keys(report: StepReport, counters: RunCounters, samples: int) -> dic
 
 
 def _update_keys(result: StepResult) -> dict:
-    """What the trainer's update saw: its size, loss, gradient, clipping and off-policy weights."""
+    """What the trainer's update saw: its size, loss and gradient, and the metrics the trainer reduced:
+    the entropy and every one the algorithm declares (GRPO's: clipping, off-policy weights, KL)."""
     return {
         "num_sequences": result.num_sequences,
         "num_tokens": result.num_tokens,
@@ -180,11 +178,7 @@ def _update_keys(result: StepResult) -> dict:
         "loss": _finite_or_none(result.loss),
         "grad_norm": _finite_or_none(result.grad_norm),
         "lr": result.lr,
-        "clip_fraction": result.metrics["clip_mean"],
-        "is_weight_mean": result.metrics["is_weight_mean"],
-        "is_weight_min": result.metrics.get("is_weight_min"),
-        "is_weight_max": result.metrics.get("is_weight_max"),
-        "mismatch_kl": result.metrics["mismatch_kl_mean"],
+        **result.metrics,
     }
 
 

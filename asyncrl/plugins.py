@@ -66,6 +66,17 @@ BUILTINS: dict[str, dict[str, str]] = {
 }
 
 
+# where a run config sets the options of a part of each kind; a reward's are keyed by its name
+OPTIONS_AT = {
+    "sampler": "sampler.options",
+    "reward": "rewards.options.{name}",
+    "task": "data.task_options",
+    "backend": "generation.backend_options",
+    "algorithm": "algorithm.options",
+    "environment": "environment.options",
+}
+
+
 @dataclass(frozen=True)
 class PartRef:
     """Marks an ``Options`` field as naming a part of ``kind``, whose options are the field ``options``."""
@@ -103,14 +114,14 @@ def resolve(kind: str, spec: str, field: str) -> Any:
     return import_attribute(BUILTINS[kind].get(spec, spec), field)
 
 
-def validate_options(part: Any, spec: str, options: Mapping[str, Any], field: str) -> dict[str, Any]:
-    """``options`` checked by the part's ``Options`` model, as the keywords it is built with; the
-    first problem is one ValueError naming ``field.<key>``."""
+def checked_options(part: Any, spec: str, options: Mapping[str, Any], field: str) -> BaseModel | None:
+    """``options`` validated by the part's ``Options`` model, as that model's instance (None for a
+    part without one); the first problem is one ValueError naming ``field.<key>``."""
     model = getattr(part, "Options", None)
     if model is None:
         if options:
             raise ValueError(f"{field}.{next(iter(options))}: unknown option; '{spec}' takes no options")
-        return {}
+        return None
     if not (isinstance(model, type) and issubclass(model, BaseModel)):
         raise ValueError(f"{field}: '{spec}'.Options must be a pydantic model class")
     for key in options:
@@ -118,12 +129,23 @@ def validate_options(part: Any, spec: str, options: Mapping[str, Any], field: st
             known = ", ".join(model.model_fields) or "none"
             raise ValueError(f"{field}.{key}: unknown option of '{spec}' (its options: {known})")
     try:
-        validated = model.model_validate(dict(options))
+        return model.model_validate(dict(options))
     except ValidationError as err:
         first = err.errors()[0]
+        message = first["msg"].removeprefix("Value error, ")
+        if not first["loc"] and message.partition(": ")[0] in model.model_fields:
+            raise ValueError(f"{field}.{message}") from None  # a check across options names the one it is about
         where = ".".join(str(p) for p in (field, *first["loc"]))
-        raise ValueError(f"{where}: {first['msg'].removeprefix('Value error, ')}") from None
-    keywords = _nested_parts(model, dict(validated), field)
+        raise ValueError(f"{where}: {message}") from None
+
+
+def validate_options(part: Any, spec: str, options: Mapping[str, Any], field: str) -> dict[str, Any]:
+    """``options`` checked by the part's ``Options`` model (``checked_options``), as the keywords it
+    is built with."""
+    validated = checked_options(part, spec, options, field)
+    if validated is None:
+        return {}
+    keywords = _nested_parts(type(validated), dict(validated), field)
     check = getattr(part, "check_options", None)
     if check is not None:
         try:
@@ -141,3 +163,15 @@ def _nested_parts(model: type[BaseModel], keywords: dict[str, Any], field: str) 
             options = keywords.get(ref.options) or {}
             keywords[ref.options] = validate_options(nested, keywords[key], options, f"{field}.{ref.options}")
     return keywords
+
+
+def builtin_options() -> list[tuple[str, str, type[BaseModel]]]:
+    """(where its options are set, name, Options model) of every built-in part that declares options,
+    for the configuration reference and the frozen keys; a tool parser's are set inside its environment's."""
+    found = []
+    for kind, where in OPTIONS_AT.items():
+        for name in BUILTINS[kind]:
+            model = getattr(resolve(kind, name, kind), "Options", None)
+            if model is not None:
+                found.append((where.format(name=name), name, model))
+    return found

@@ -19,6 +19,7 @@ import torch
 import transformers
 import yaml
 
+from asyncrl.algorithms import build_algorithm
 from asyncrl.checkpoint import (
     RUN_CONFIG_FILE,
     STATE_FILE,
@@ -36,12 +37,12 @@ from asyncrl.control.handles import RolloutHandle, TrainerHandle
 from asyncrl.control.health import run_warnings
 from asyncrl.data import PromptLoader, build_task, check_encodable, check_prompt_lengths
 from asyncrl.environments.context import first_requests
-from asyncrl.environments.episode import environment_class
 from asyncrl.generation import build_generator
 from asyncrl.metrics import METRICS_FILE, MetricsWriter, ProgressDisplay, read_jsonl, write_json_atomic
 from asyncrl.models.factory import DTYPES, build_model, build_tokenizer
 from asyncrl.models.hf import stop_token_ids
 from asyncrl.models.lora import merged_model
+from asyncrl.parts import check_parts
 from asyncrl.plots import write_report
 from asyncrl.rewards import RewardRunner
 from asyncrl.run_sampler import build_run_sampler
@@ -103,7 +104,7 @@ def train(
     (context.run_dir / "config.yaml").write_text(dump_config(config, context.run_dir))
     torch.manual_seed(config.seed)
     torch.set_num_threads(local_torch_threads(config))
-    progress = ProgressDisplay(config.grpo.max_steps, enabled=config.logging.progress, console=console)
+    progress = ProgressDisplay(config.step.max_steps, enabled=config.logging.progress, console=console)
     metrics = None if config.runtime.controller_actor else _input(_metrics_writer, config, context)
     runtime = _input(build_runtime, config)
     try:
@@ -122,10 +123,11 @@ def train(
 
 
 def _build_parts(config: RunConfig) -> _Parts:
-    """The sampler first (checking the buffer capacity it needs costs nothing), then the models,
-    the checked task and the rewards."""
+    """The sampler first (checking the buffer capacity it needs costs nothing), the algorithm's and
+    the environment's options, then the models, the checked task and the rewards."""
     sampler, capacity = _input(build_run_sampler, config)
-    _input(environment_class, config)  # the environment and its options, checked before anything is built
+    _input(build_algorithm, config)  # its options, checked against the run before anything heavy is built
+    _input(check_parts, config)  # rewards, environment and task: resolved, their options checked
     tokenizer = _input(build_tokenizer, config)
     model = _input(build_model, config, tokenizer)
     task = _checked_task(config, tokenizer, model)
@@ -246,7 +248,7 @@ def drive_in_actor(
     task = build_task(config.data, build_tokenizer(config))
     metrics = _metrics_writer(config, context)
     try:
-        progress = ProgressDisplay(config.grpo.max_steps, enabled=False)
+        progress = ProgressDisplay(config.step.max_steps, enabled=False)
         return drive(
             config, context, trainer, rollout_workers, task=task, metrics=metrics, progress=progress, **control
         )
@@ -348,7 +350,7 @@ def evaluate(config: RunConfig, *, checkpoint: str | Path | None = None) -> dict
     checkpoint_dir = (
         _checkpoint_input(resolve_checkpoint, checkpoint, "--checkpoint") if checkpoint is not None else None
     )
-    _input(environment_class, config)
+    _input(check_parts, config)
     tokenizer = _input(build_tokenizer, config)
     model = _input(build_model, config, tokenizer)
     task = _checked_task(config, tokenizer, model)

@@ -13,18 +13,18 @@ from asyncrl.control.sampler import Sampler, build_sampler
 
 def build_run_sampler(config: RunConfig) -> tuple[Sampler, int]:
     """The sampler ``sampler.name`` names, with its options, and the buffer capacity: the
-    configured one, which must hold what the sampler needs plus ``grpo.max_refill_groups``, or
+    configured one, which must hold what the sampler needs plus ``step.max_refill_groups``, or
     exactly that."""
-    prompts = config.grpo.prompts_per_step
+    prompts = config.step.prompts_per_step
     sampler = build_sampler(config.sampler.name, prompts, config.sampler.max_lag, config.sampler.options)
-    required = sampler.required_capacity(prompts) + config.grpo.max_refill_groups
+    required = sampler.required_capacity(prompts) + config.step.max_refill_groups
     capacity = config.sampler.buffer_capacity
     if capacity is None:
         return sampler, required
     if capacity < required:
         why = "prompts_per_step * (max_lag + 1) for a gated sampler; less would deadlock"
-        if config.grpo.max_refill_groups:
-            why += ", plus grpo.max_refill_groups, so refills never take an admission's slot"
+        if config.step.max_refill_groups:
+            why += ", plus step.max_refill_groups, so refills never take an admission's slot"
         raise ValueError(
             f"sampler.buffer_capacity: {capacity} < {required} groups required by sampler "
             f"'{config.sampler.name}' ({why if sampler.gated else 'one step of groups'})"

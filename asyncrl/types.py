@@ -366,7 +366,7 @@ class StepResult:
     num_sequences: int
     num_tokens: int
     num_microbatches: int
-    metrics: dict[str, float] = field(default_factory=dict)
+    metrics: dict[str, float | None] = field(default_factory=dict)  # by record key: the entropy, the algorithm's
     skipped: bool = False  # non-finite loss or gradient: no update, but the step (and its data) is used up
     count_error: float = 0.0  # largest relative difference of an update's summed counts from its groups' (integrity)
     num_updates: int = 1  # optimizer updates applied (K mini-batches: up to K); skipped and empty ones are not

@@ -24,21 +24,23 @@ from __future__ import annotations
 import contextlib
 import copy
 import io
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import torch
 import torch.nn.functional as F
+from pydantic import ValidationError
 from torch import Tensor
 from transformers import AttentionInterface
 
 import asyncrl.models.logprobs as scoring
-from asyncrl.algorithms import grpo
-from asyncrl.algorithms.grpo import GRPO
-from asyncrl.config import LossConfig, ParallelConfig, TrainerConfig
+from asyncrl.algorithms import Algorithm, build_algorithm, grpo
+from asyncrl.config import ParallelConfig, RunConfig, TrainerConfig
 from asyncrl.models import SampledDistribution, build_tiny_model, token_logprobs
 from asyncrl.models.lora import apply_lora
 from asyncrl.plants import PLANTS, Plant
+from asyncrl.plugins import resolve
 from asyncrl.trainer import PolicyTrainer, normalization
 from asyncrl.trainer.context_parallel import ContextParallel, Shard, context_parallel_attention
 from asyncrl.trainer.parallel import ParallelContext, init_parallel, launch
@@ -56,7 +58,7 @@ CP_PLANTS = (
 RANK_PLANTS = (*CP_PLANTS, "per-shard-mean", "average-without-compensation")  # need more than one rank
 LORA_PLANTS = ("lora-base-trainable", "lora-double-scaling")  # mistakes of a LoRA policy: need --lora
 PACKING_PLANTS = ("packed-leak",)  # mistakes of packed rows: need --packing
-RATIO_LEVELS = ("token", "sequence")
+Options = tuple[tuple[str, Any], ...]  # an algorithm's options as sorted (key, value) pairs: hashable
 DTYPES = {"float64": torch.float64, "float32": torch.float32}
 WRAPS = ("fsdp", "ddp")
 NUM_GROUPS, GROUP_SIZE = 4, 4
@@ -90,9 +92,13 @@ class Case:
     dtype: str = "float64"
     plant: str | None = None
     wrap: str = "fsdp"
-    ratio_level: str = "token"
+    algorithm: str = "grpo"
+    options: Options = ()  # a mapping is kept as its sorted (key, value) pairs
     lora: bool = False
     packing: bool = False
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "options", tuple(sorted(dict(self.options).items())))
 
 
 @dataclass
@@ -155,7 +161,7 @@ class PerMicrobatchMeanTrainer(PolicyTrainer):
     """The planted mistake: each micro-batch is normalized by its own count, then averaged."""
 
     def _local_weights(self, batch: TrainBatch) -> Tensor:
-        own = normalization.step_normalizer(self.loss_cfg.mode, batch.num_response_tokens, batch.num_sequences)
+        own = normalization.step_normalizer(self.cfg.aggregation, batch.num_response_tokens, batch.num_sequences)
         return super()._local_weights(batch) / own
 
     def _step_normalizer(self, state, sums) -> float:
@@ -168,7 +174,7 @@ class WholeStepNormalizerTrainer(PolicyTrainer):
     step_counts: tuple[int, int] = (0, 0)  # (response tokens, sequences) of the whole step
 
     def _step_normalizer(self, state, sums) -> float:
-        return normalization.step_normalizer(self.loss_cfg.mode, *self.step_counts)
+        return normalization.step_normalizer(self.cfg.aggregation, *self.step_counts)
 
 
 class ObservationTrainedTrainer(PolicyTrainer):
@@ -218,7 +224,7 @@ class PerShardMeanTrainer(PolicyTrainer):
     def _loss_inputs(self, batch: TrainBatch):
         inputs = super()._loss_inputs(batch)
         mask = inputs.response_mask
-        tokens = mask.sum() if self.loss_cfg.mode == "token-mean" else (mask.sum(-1) > 0).sum()
+        tokens = mask.sum() if self.cfg.aggregation == "token-mean" else (mask.sum(-1) > 0).sum()
         inputs.weights = inputs.weights / tokens.clamp(min=1)
         return inputs
 
@@ -423,10 +429,13 @@ def build_problem(
     seed: int,
     vocab_size: int = 48,
     updates: int = 1,
-    ratio_level: str = "token",
+    algorithm: str = "grpo",
+    options: Options = (),
     lora: bool = False,
-):
-    """(model, batch, loss config, trainer config) of one check; the same for every process.
+) -> tuple[torch.nn.Module, TrainBatch, Algorithm, TrainerConfig]:
+    """(model, batch, algorithm, trainer config) of one check; the same for every process. The
+    algorithm is ``algorithm`` with ``options`` over the options its factory declares for this check
+    (``verify_options``: grpo's turn on its KL and entropy terms and truncated importance weights).
     ``lora``: the model is a frozen base with LoRA adapters (``LoraSettings``) drawn from ``seed``.
 
     With several updates the learning rate is large enough that the later updates' ratios leave
@@ -439,29 +448,39 @@ def build_problem(
     batch = random_batch(
         model, num_groups=NUM_GROUPS, group_size=GROUP_SIZE, vocab_size=vocab_size, seed=seed, distribution=DISTRIBUTION
     )
-    loss_cfg = LossConfig(
-        mode=mode,
-        norm_constant=16.0 if mode == "seq-mean-token-sum-norm" else None,
-        kl_coef=0.05,
-        entropy_coef=0.01,
-        ratio_level=ratio_level,
-    )
     trainer_cfg = TrainerConfig(
+        aggregation=mode,
+        norm_constant=16.0 if mode == "seq-mean-token-sum-norm" else None,
         lr=1e-3 if updates == 1 else 1e-2,
         max_grad_norm=1.0,
         dtype="float64" if dtype == torch.float64 else "float32",
         logprob_chunk_tokens=LOGPROB_CHUNK_TOKENS,
     )
-    return model, batch, loss_cfg, trainer_cfg
+    return model, batch, checked_algorithm(algorithm, options), trainer_cfg
 
 
-def _trainer(cls: type[PolicyTrainer], model, loss_cfg, trainer_cfg, parallel=None, batch=None) -> PolicyTrainer:
+def checked_algorithm(name: str, options: Options = ()) -> Algorithm:
+    """The algorithm ``name`` (as ``algorithm.name`` takes it) with ``options`` over its ``verify_options``;
+    a bad name or option is one ValueError naming ``--algorithm`` or ``--option``."""
+    try:
+        factory = resolve("algorithm", name, "--algorithm")
+        merged = {**getattr(factory, "verify_options", {}), **dict(options)}
+        return build_algorithm(RunConfig(algorithm={"name": name, "options": merged}))
+    except ValidationError as err:
+        raise ValueError(f"--algorithm: {err.errors()[0]['msg'].removeprefix('Value error, ')}") from None
+    except ValueError as err:
+        raise ValueError(
+            str(err).replace("algorithm.options.", "--option ").replace("algorithm.name", "--algorithm")
+        ) from None
+
+
+def _trainer(cls: type[PolicyTrainer], model, algorithm, trainer_cfg, parallel=None, batch=None) -> PolicyTrainer:
     trainer = cls(
         copy.deepcopy(model),
         trainer_cfg,
-        GRPO(loss_cfg, "tis"),
+        algorithm,
         total_steps=10,
-        reference_model=copy.deepcopy(model),
+        reference_model=copy.deepcopy(model) if algorithm.scoring.reference else None,
         parallel=parallel,
         distribution=DISTRIBUTION,
     )
@@ -583,13 +602,14 @@ def _reference(
     seed: int,
     vocab_size: int = 48,
     updates: int = 1,
-    ratio_level: str = "token",
+    algorithm: str = "grpo",
+    options: Options = (),
     lora: bool = False,
 ) -> StepOutcome:
     """The monolithic step: each update is one micro-batch holding its whole mini-batch; with
     several updates, proximal logprobs are the whole batch's, scored at once at step start."""
-    model, batch, loss_cfg, trainer_cfg = build_problem(mode, dtype, seed, vocab_size, updates, ratio_level, lora)
-    trainer = _trainer(PolicyTrainer, model, loss_cfg, trainer_cfg)
+    model, batch, algo, trainer_cfg = build_problem(mode, dtype, seed, vocab_size, updates, algorithm, options, lora)
+    trainer = _trainer(PolicyTrainer, model, algo, trainer_cfg)
     if updates > 1:
         batch.prox_logprobs = trainer.compute_logprobs(batch)
     return _train(trainer, [[part] for part in minibatches(batch, updates)])
@@ -617,23 +637,24 @@ def verify_mode(
     seed: int = 0,
     vocab_size: int = 48,
     updates: int = 1,
-    ratio_level: str = "token",
+    algorithm: str = "grpo",
+    options: Options = (),
     lora: bool = False,
     packing: bool = False,
 ) -> Comparison:
     """Run reference and split steps for one aggregation mode, in this process, and compare them;
     ``packing``: the split step packs each micro-batch's rows into one."""
     torch.manual_seed(seed)
-    model, batch, loss_cfg, trainer_cfg = build_problem(mode, dtype, seed, vocab_size, updates, ratio_level, lora)
+    model, batch, algo, trainer_cfg = build_problem(mode, dtype, seed, vocab_size, updates, algorithm, options, lora)
     trainer_cfg = trainer_cfg.model_copy(update={"packing": packing})
-    candidate = _trainer(_candidate_class(plant), _planted_model(model, plant), loss_cfg, trainer_cfg, batch=batch)
+    candidate = _trainer(_candidate_class(plant), _planted_model(model, plant), algo, trainer_cfg, batch=batch)
     _plant_attention(candidate, plant)
     split = [
         uneven_split(part, min(micro_batches, len(part)), torch.Generator().manual_seed(seed + 1 + k))
         for k, part in enumerate(minibatches(batch, updates))
     ]
     outcome = _train(candidate, split, score=_scoring(updates, plant))
-    reference = _reference(mode, dtype, seed, vocab_size, updates, ratio_level, lora)
+    reference = _reference(mode, dtype, seed, vocab_size, updates, algorithm, options, lora)
     return compare(mode, reference, outcome, dtype, updates=updates)
 
 
@@ -654,13 +675,13 @@ def _rank_check(
     outcomes = []
     for case in cases:
         torch.manual_seed(seed)
-        model, batch, loss_cfg, trainer_cfg = build_problem(
-            case.mode, DTYPES[case.dtype], seed, updates=updates, ratio_level=case.ratio_level, lora=case.lora
+        model, batch, algorithm, trainer_cfg = build_problem(
+            case.mode, DTYPES[case.dtype], seed, 48, updates, case.algorithm, case.options, case.lora
         )
         planted = _planted(replace(parallel, wrap=case.wrap), case.plant)
         model = _planted_model(model, case.plant)
         trainer_cfg = trainer_cfg.model_copy(update={"packing": case.packing})
-        trainer = _trainer(_candidate_class(case.plant), model, loss_cfg, trainer_cfg, planted, batch=batch)
+        trainer = _trainer(_candidate_class(case.plant), model, algorithm, trainer_cfg, planted, batch=batch)
         _plant_attention(trainer, case.plant)
         split = [
             rank_micro_batches(
@@ -679,7 +700,7 @@ def verify_parallel(
 ) -> list[Comparison]:
     """Check every case on dp·cp local ranks (one launch) against the monolithic step here."""
     for case in cases:
-        check_layout(dp, cp, micro_batches, [case.plant], updates, case.ratio_level, case.lora, case.packing)
+        check_layout(dp, cp, micro_batches, [case.plant], updates, case.options, case.lora, case.packing)
         _check_choices(case.mode, case.dtype, case.plant)
         if case.wrap not in WRAPS:
             raise ValueError(f"--wrap: '{case.wrap}' is not one of {', '.join(WRAPS)}")
@@ -688,10 +709,10 @@ def verify_parallel(
     references = {}
     comparisons = []
     for case, outcome in outcomes:
-        key = (case.mode, case.dtype, case.ratio_level, case.lora)
+        key = (case.mode, case.dtype, case.algorithm, case.options, case.lora)
         if key not in references:
             references[key] = _reference(
-                case.mode, DTYPES[case.dtype], seed, updates=updates, ratio_level=case.ratio_level, lora=case.lora
+                case.mode, DTYPES[case.dtype], seed, 48, updates, case.algorithm, case.options, case.lora
             )
         comparisons.append(compare(case.mode, references[key], outcome, DTYPES[case.dtype], case, updates))
     return comparisons
@@ -715,7 +736,7 @@ def check_layout(
     micro_batches: int,
     plants: list[str | None],
     updates: int = 1,
-    ratio_level: str = "token",
+    options: Options = (),
     lora: bool = False,
     packing: bool = False,
 ) -> None:
@@ -746,8 +767,10 @@ def check_layout(
             raise ValueError(f"--plant: {plant} is a mistake of a LoRA policy; it needs --lora")
         if plant in PACKING_PLANTS and not packing:
             raise ValueError(f"--plant: {plant} is a mistake of packed rows; it needs --packing")
-        if plant == "cp-shard-mean" and ratio_level != "sequence":
-            raise ValueError(f"--plant: {plant} is a mistake of the sequence ratio; it needs --ratio-level sequence")
+        if plant == "cp-shard-mean" and dict(options).get("ratio_level") != "sequence":
+            raise ValueError(
+                f"--plant: {plant} is a mistake of grpo's sequence ratio; it needs --option ratio_level=sequence"
+            )
 
 
 def verify(
@@ -761,22 +784,24 @@ def verify(
     cp: int = 1,
     wrap: str = "fsdp",
     updates: int = 1,
-    ratio_level: str = "token",
+    algorithm: str = "grpo",
+    options: Mapping[str, Any] | None = None,
     lora: bool = False,
     packing: bool = False,
 ) -> list[Comparison]:
     """Compare split (and, with dp·cp > 1, parallel) steps with the monolithic one for each mode;
     with ``updates`` K > 1 a step is K mini-batch updates against logprobs scored at its start;
     ``lora``: the policy is a frozen base with LoRA adapters (``LoraSettings``); ``packing``: the
-    split step packs each micro-batch's rows into one row (the monolithic step never does)."""
+    split step packs each micro-batch's rows into one row (the monolithic step never does);
+    ``algorithm`` and ``options``: the algorithm trained, any registered one (``checked_algorithm``)."""
     for mode in modes:
         _check_choices(mode, dtype, plant)
-    if ratio_level not in RATIO_LEVELS:
-        raise ValueError(f"--ratio-level: '{ratio_level}' is not one of {', '.join(RATIO_LEVELS)}")
+    pairs: Options = tuple(sorted((options or {}).items()))
+    checked_algorithm(algorithm, pairs)  # a bad name or option, said before any rank starts
     if dp * cp > 1:
-        cases = [Case(mode, dtype, plant, wrap, ratio_level, lora, packing) for mode in modes]
+        cases = [Case(mode, dtype, plant, wrap, algorithm, pairs, lora, packing) for mode in modes]
         return verify_parallel(cases, dp=dp, cp=cp, micro_batches=micro_batches, seed=seed, updates=updates)
-    check_layout(dp, cp, micro_batches, [plant], updates, ratio_level, lora, packing)
+    check_layout(dp, cp, micro_batches, [plant], updates, pairs, lora, packing)
     return [
         verify_mode(
             mode,
@@ -785,7 +810,8 @@ def verify(
             plant=plant,
             seed=seed,
             updates=updates,
-            ratio_level=ratio_level,
+            algorithm=algorithm,
+            options=pairs,
             lora=lora,
             packing=packing,
         )

@@ -74,7 +74,7 @@ def build_trainer_rank(
     if parallel is not None:
         _take_rank0_weights(model)
     trainer = PolicyTrainer.from_config(config, model, parallel=parallel)
-    worker = TrainerWorker(trainer, config.grpo, tokenizer, rank=rank, seed=config.seed, integrity=config.integrity)
+    worker = TrainerWorker(trainer, config.step, tokenizer, rank=rank, seed=config.seed, integrity=config.integrity)
     if checkpoint_dir is not None:
         state = load_state(Path(checkpoint_dir))["trainer"]
         load_contents(str(Path(checkpoint_dir) / STATE_FILE), worker.load_checkpoint, checkpoint_dir, state)
@@ -125,12 +125,12 @@ def rollout_worker(config: RunConfig, generator: Generator, rewards: RewardRunne
         rewards,
         tokenizer,
         run_seed=config.seed,
-        group_size=config.grpo.generations_per_prompt,
+        group_size=config.step.generations_per_prompt,
         sampling=SamplingParams.from_config(config.generation),
         inflight=config.sync.mode == "inflight" and generator.loads_while_generating,
         algorithm=build_algorithm(config),
         episodes=build_episodes(config, generator, tokenizer),
-        samples=min(config.logging.samples_per_step, config.grpo.generations_per_prompt),
+        samples=min(config.logging.samples_per_step, config.step.generations_per_prompt),
         eval_samples=config.logging.eval_samples,
         fingerprints=config.integrity.enabled,
     )

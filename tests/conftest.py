@@ -66,8 +66,12 @@ def vllm_config(vllm_python, tmp_path_factory):
     from asyncrl.config import load_config
 
     run_dir = tmp_path_factory.mktemp("vllm-run")
-    overrides = ["generation.backend=vllm", "vllm.weight_transfer=collective", f"logging.output_dir={run_dir}"]
-    overrides.append("vllm.max_model_len=1024")
+    overrides = [
+        "generation.backend=vllm",
+        "generation.backend_options.weight_transfer=collective",
+        f"logging.output_dir={run_dir}",
+    ]
+    overrides.append("generation.backend_options.max_model_len=1024")
     return load_config(None, overrides)
 
 

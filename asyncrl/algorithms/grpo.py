@@ -1,23 +1,72 @@
-"""GRPO: group-relative advantages, per-token policy loss terms, and the ``GRPO`` algorithm.
+"""GRPO: its options, group-relative advantages, per-token policy loss terms, and the ``GRPO`` algorithm.
 
 Every function here is pure tensor math that works in the dtype of its inputs; ``GRPO`` binds them
-to a run's options as its ``Algorithm``.
+to a run's ``algorithm.options`` (``GRPOOptions``) as its ``Algorithm``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
+from pydantic import Field, model_validator
 from torch import Tensor
 
-from asyncrl.config import LossConfig, RunConfig
+from asyncrl.algorithms import MetricKeys, Scoring
+from asyncrl.config import RunConfig, Section
 from asyncrl.types import TokenLossInputs, row_sum
 
 ISMode = Literal["none", "tis", "icepop"]
 RatioLevel = Literal["token", "sequence"]
+
+
+class GRPOOptions(Section):
+    """``algorithm.options`` of ``grpo``: the advantage baseline and the per-token loss terms (docs/loss.md)."""
+
+    baseline: Literal["mean", "leave_one_out"] = Field("mean", description="advantage baseline within a group")
+    scale_by_std: bool = Field(True, description="divide advantages by the group std; false is Dr. GRPO")
+    clip_low: float = Field(0.2, ge=0.0, lt=1.0, description="ratio clip below: 1 - clip_low")
+    clip_high: float = Field(0.28, ge=0.0, description="ratio clip above: 1 + clip_high")
+    dual_clip: float | None = Field(
+        3.0, gt=1.0, description="cap the loss of a negative advantage A at dual_clip times -A; null disables"
+    )
+    clip_against: Literal["proximal", "behaviour"] = Field(
+        "proximal",
+        description="proximal: ratio to the trainer's logprobs at step start (identically 1 with one update per step, "
+        "so the clip acts only with step.num_minibatches or num_epochs > 1); behaviour: ratio to the generator's "
+        "logprobs, which bounds stale data directly (one update per step; no separate importance weight)",
+    )
+    ratio_level: RatioLevel = Field(
+        "token",
+        description="token: each token's own ratio is clipped (PPO); sequence: every token of a response uses the "
+        "geometric mean of its token ratios, clipped per sequence (GSPO)",
+    )
+    importance_sampling: Literal["auto", "none", "tis", "icepop"] = Field(
+        "auto",
+        description="off-policy correction; auto: tis whenever the generator's distribution can differ from the "
+        "trainer's (sampler.max_lag > 0 or trainer.dtype bfloat16), else none; none with clip_against behaviour",
+    )
+    is_cap: float = Field(2.0, gt=0.0, description="tis: importance weights are clamped at this cap")
+    is_low: float = Field(0.5, ge=0.0, description="icepop: weights below this are zeroed")
+    is_high: float = Field(2.0, gt=0.0, description="icepop: weights above this are zeroed")
+    kl_coef: float = Field(0.0, ge=0.0, description="k3 KL penalty to a frozen reference; 0 disables")
+    kl_log_ratio_clamp: float = Field(20.0, gt=0.0, description="KL input clamp on the magnitude of lp_ref - lp")
+    kl_clamp: float = Field(10.0, gt=0.0, description="KL output clamp")
+    entropy_coef: float = Field(0.0, ge=0.0, description="entropy bonus coefficient")
+
+    @model_validator(mode="after")
+    def _consistent(self) -> GRPOOptions:
+        if self.is_low >= self.is_high:
+            raise ValueError(f"is_low: {self.is_low} must be below is_high {self.is_high}")
+        if self.ratio_level == "sequence" and self.importance_sampling == "icepop":
+            raise ValueError(
+                "importance_sampling: icepop drops single tokens, but with ratio_level sequence each token still "
+                "moves its sequence's ratio (use tis, none or auto)"
+            )
+        return self
+
 
 # ---- advantages ------------------------------------------------------------------------------
 
@@ -180,7 +229,7 @@ def token_loss(
     behaviour_logprobs: Tensor,
     advantages: Tensor,
     *,
-    cfg: LossConfig,
+    cfg: GRPOOptions,
     is_mode: ISMode,
     ref_logprobs: Tensor | None = None,
     entropy: Tensor | None = None,
@@ -189,8 +238,8 @@ def token_loss(
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """The GRPO loss per token, l = w_is * surrogate + kl_coef * k3 - entropy_coef * entropy.
 
-    ``cfg`` is the run's ``loss`` section, read as it is; ``is_mode`` its importance sampling with
-    ``auto`` resolved (``RunConfig.importance_sampling``). With ``cfg.clip_against`` "behaviour"
+    ``cfg`` is the run's ``algorithm.options``, read as it is; ``is_mode`` its importance sampling with
+    ``auto`` resolved (``importance_sampling_mode``). With ``cfg.clip_against`` "behaviour"
     the ratio is taken to ``behaviour_logprobs`` instead of ``old_logprobs`` (then w_is = 1, and
     "mismatch_kl" measures the generator against the current policy). With ``cfg.ratio_level``
     "sequence" (GSPO) the surrogate of every token of sequence i uses ``sequence_ratio`` s_i, which
@@ -199,8 +248,8 @@ def token_loss(
 
     ``advantages`` is [B, T] or [B, 1]. Returns (l [B, T], metrics): per-token, detached tensors
     "clip", "is_weight", "ratio", "mismatch_kl" (``mismatch_kl``: how far the generator is from the
-    trainer), "kl" when ``ref_logprobs`` is given and "entropy" when
-    ``entropy`` is given. They are unmasked: reduce them as masked (sum, count), never as means.
+    trainer) and "kl" when ``ref_logprobs`` is given. They are unmasked: reduce them as masked
+    (sum, count), never as means.
     """
     if cfg.kl_coef != 0 and ref_logprobs is None:
         raise ValueError("ref_logprobs: required when kl_coef != 0")
@@ -245,43 +294,85 @@ def _regularized(
     logprobs: Tensor,
     ref_logprobs: Tensor | None,
     entropy: Tensor | None,
-    cfg: LossConfig,
+    cfg: GRPOOptions,
     clamps: dict[str, float],
     metrics: dict[str, Tensor],
 ) -> Tensor:
-    """``loss`` + kl_coef * k3 to the reference - entropy_coef * entropy; each term given is also
-    recorded in ``metrics`` ("kl", "entropy"), even with a coefficient of 0."""
+    """``loss`` + kl_coef * k3 to the reference - entropy_coef * entropy; the KL, where a reference
+    is given, is also recorded in ``metrics`` ("kl"), even with a coefficient of 0 (the entropy is
+    the trainer's to report)."""
     if ref_logprobs is not None:
         kl = kl_k3(logprobs, ref_logprobs, **clamps)
         if cfg.kl_coef != 0:
             loss = loss + cfg.kl_coef * kl
         metrics["kl"] = kl.detach()
-    if entropy is not None:
-        if cfg.entropy_coef != 0:
-            loss = loss - cfg.entropy_coef * entropy
-        metrics["entropy"] = entropy.detach()
+    if entropy is not None and cfg.entropy_coef != 0:
+        loss = loss - cfg.entropy_coef * entropy
     return loss
 
 
-def build_grpo(config: RunConfig) -> GRPO:
-    """The built-in ``algorithm.name: grpo``."""
-    return GRPO(config.loss, config.importance_sampling, config.grpo.baseline, config.grpo.scale_by_std)
+def importance_sampling_mode(options: GRPOOptions, config: RunConfig) -> ISMode:
+    """The effective importance-sampling mode: ``auto`` is tis whenever the behaviour and the
+    trainer's distributions can differ: lagged weights, or bfloat16, where the generator's cached
+    decoding and the trainer's forward round differently. Top-k and top-p do not: the trainer
+    scores the same truncated distribution."""
+    if options.importance_sampling != "auto":
+        return options.importance_sampling
+    if options.clip_against == "behaviour":
+        return "none"
+    differ = config.sampler.max_lag > 0 or config.trainer.dtype == "bfloat16"
+    return "tis" if differ else "none"
+
+
+def build_grpo(config: RunConfig, options: GRPOOptions) -> GRPO:
+    """The built-in ``algorithm.name: grpo``; a ValueError names the option the run contradicts."""
+    if options.clip_against == "behaviour":
+        if config.step.num_minibatches * config.step.num_epochs > 1:
+            raise ValueError(
+                "clip_against: behaviour takes one update per step; set step.num_minibatches and num_epochs to 1"
+            )
+        if options.importance_sampling not in ("auto", "none"):
+            raise ValueError(
+                f"importance_sampling: {options.importance_sampling} with clip_against behaviour; the ratio to "
+                "the behaviour policy is already the importance weight (use auto or none)"
+            )
+    return GRPO(options, importance_sampling_mode(options, config))
+
+
+build_grpo.Options = GRPOOptions  # type: ignore[attr-defined]  # what algorithm.options holds
+# the options `asyncrl verify` checks grpo under unless told otherwise: every loss term on (docs/loss.md)
+build_grpo.verify_options = {"kl_coef": 0.05, "entropy_coef": 0.01, "importance_sampling": "tis"}  # type: ignore[attr-defined]
 
 
 @dataclass(frozen=True)
 class GRPO:
-    """GRPO and its variants as options: Dr. GRPO (``scale_by_std`` false), GSPO (``loss.ratio_level``
-    sequence), DAPO's clip-higher (``loss.clip_high``) and token-mean loss (``loss.mode``), dynamic
-    sampling (``informative`` with ``grpo.filter_zero_variance``), the behaviour clip
-    (``loss.clip_against``). Implements ``asyncrl.algorithms.Algorithm``."""
+    """GRPO and its variants as options: Dr. GRPO (``scale_by_std`` false), GSPO (``ratio_level``
+    sequence), DAPO's clip-higher (``clip_high``), dynamic sampling (``informative`` with
+    ``step.filter_zero_variance``), the behaviour clip (``clip_against``); DAPO's token-mean loss is
+    the trainer's ``trainer.aggregation``. Implements ``asyncrl.algorithms.Algorithm``."""
 
-    options: LossConfig
+    options: GRPOOptions = field(default_factory=GRPOOptions)
     importance_sampling: ISMode = "none"
-    baseline: Literal["mean", "leave_one_out"] = "mean"
-    scale_by_std: bool = True
+
+    @property
+    def scoring(self) -> Scoring:
+        return Scoring(reference=self.options.kl_coef > 0, entropy=self.options.entropy_coef > 0)
+
+    @property
+    def metrics(self) -> dict[str, MetricKeys]:
+        """clip_fraction, the importance weight's mean and range, mismatch_kl; kl with a reference."""
+        metrics = {
+            "clip": MetricKeys("clip_fraction"),
+            "is_weight": MetricKeys("is_weight_mean", "is_weight_min", "is_weight_max"),
+            "ratio": MetricKeys("ratio_mean"),
+            "mismatch_kl": MetricKeys("mismatch_kl"),
+        }
+        if self.scoring.reference:
+            metrics["kl"] = MetricKeys("kl")
+        return metrics
 
     def advantages(self, rewards: Tensor) -> Tensor:
-        return group_advantages(rewards, baseline=self.baseline, scale_by_std=self.scale_by_std)
+        return group_advantages(rewards, baseline=self.options.baseline, scale_by_std=self.options.scale_by_std)
 
     def informative(self, rewards: Tensor) -> bool:
         """A group with unequal rewards; the others have every advantage 0."""
@@ -296,7 +387,7 @@ class GRPO:
             inputs.advantages,
             cfg=self.options,
             is_mode=self.importance_sampling,
-            ref_logprobs=inputs.ref_logprobs,
+            ref_logprobs=inputs.ref_logprobs if self.scoring.reference else None,
             entropy=inputs.entropy,
             response_mask=inputs.response_mask,
             sequence_sum=inputs.sequence_sum,

@@ -3,7 +3,7 @@
 Per backend: generation tokens/s for short responses (the default task's 16 tokens) and long ones
 (256 tokens), seconds per weight update, and the mean step time of a short ``asyncrl train`` run.
 Both backends get the same requests (same prompts and seeds) and the same weights; the vLLM
-server is started once and the training runs use it through ``vllm.url``.
+server is started once and the training runs use it through ``generation.backend_options.url``.
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ def _train_step_s(backend: str, url: str | None, steps: int) -> float:
     with tempfile.TemporaryDirectory() as run_dir:
         overrides = [
             f"generation.backend={backend}",
-            f"grpo.max_steps={steps}",
+            f"step.max_steps={steps}",
             "warm_start.steps=0",
             "logging.progress=false",
             "logging.tensorboard=false",
@@ -73,6 +73,6 @@ def _train_step_s(backend: str, url: str | None, steps: int) -> float:
             f"logging.eval_every_steps={steps}",
         ]
         if url is not None:
-            overrides.append(f"vllm.url={url}")
+            overrides.append(f"generation.backend_options.url={url}")
         train(load_config(None, overrides), output_dir=Path(run_dir))
         return statistics.mean(m["time/step_s"] for m in read_jsonl(Path(run_dir) / "metrics.jsonl")[1:])

@@ -20,8 +20,8 @@ from asyncrl.metrics import write_json_atomic
 QUICK_RUN = [
     "model.hidden_size=32",
     "model.intermediate_size=64",
-    "grpo.prompts_per_step=4",
-    "grpo.generations_per_prompt=4",
+    "step.prompts_per_step=4",
+    "step.generations_per_prompt=4",
     "generation.max_new_tokens=4",
     "generation.batch_size=8",
     "trainer.micro_batch_size=8",

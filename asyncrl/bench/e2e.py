@@ -36,8 +36,8 @@ from asyncrl.run import train
 LAGS = (0, 1, 2)
 # ``--variants``: loss settings of docs/loss.md, each trained at max_lag 1 beside the rows above
 VARIANTS = {
-    "max_lag=1,num_minibatches=4": ["grpo.num_minibatches=4"],
-    "max_lag=1,dynamic_sampling": ["grpo.filter_zero_variance=true", "grpo.max_refill_groups=4"],
+    "max_lag=1,num_minibatches=4": ["step.num_minibatches=4"],
+    "max_lag=1,dynamic_sampling": ["step.filter_zero_variance=true", "step.max_refill_groups=4"],
 }
 GOAL_FRACTION_OF_SYNC = 0.6  # max_lag 1 reaches sync's final accuracy in this fraction of its time
 GOAL_SPEEDUP_OVER_TRL = 2.0
@@ -102,7 +102,7 @@ def bench_config(
             *overrides,
             f"seed={seed}",
             f"sampler.max_lag={max_lag}",
-            f"grpo.max_steps={max_steps}",
+            f"step.max_steps={max_steps}",
             f"logging.eval_every_steps={eval_every}",
             "checkpoint.every_steps=null",
             "logging.tensorboard=false",
@@ -115,7 +115,7 @@ def run_asyncrl(config: RunConfig, output_dir: Path) -> dict[str, Any]:
     """One run; its evals with wall time (total, and without evaluation time) and samples trained."""
     summary = train(config, output_dir=output_dir)
     steps = {record["step"]: record for record in read_jsonl(output_dir / "metrics.jsonl")}
-    samples_per_step = config.grpo.prompts_per_step * config.grpo.generations_per_prompt
+    samples_per_step = config.step.prompts_per_step * config.step.generations_per_prompt
     evals, eval_seconds = [], 0.0
     for record in read_jsonl(output_dir / "eval.jsonl"):
         step = record["step"]

@@ -19,7 +19,7 @@ from asyncrl.data import Prompt
 from asyncrl.types import EvalResult, RolloutBatch, RolloutGroup, StepData, StepReport, StepResult
 
 SEQUENCE_LENGTH = 8
-STEP_METRICS = {"clip_mean": 0.0, "is_weight_mean": 1.0, "mismatch_kl_mean": 0.0}
+STEP_METRICS = {"clip_fraction": 0.0, "is_weight_mean": 1.0, "mismatch_kl": 0.0}
 
 
 class DelayRolloutWorker:

@@ -134,11 +134,11 @@ def _model(workload: Workload, device: str, dtype: torch.dtype = torch.float32, 
 
 def _trainer(model, workload: Workload, device: str, parallel=None, packing: bool = False):
     from asyncrl.algorithms.grpo import GRPO
-    from asyncrl.config import LossConfig, TrainerConfig
+    from asyncrl.config import TrainerConfig
     from asyncrl.trainer.policy import PolicyTrainer
 
     config = TrainerConfig(dtype="bfloat16", micro_batch_size=workload.micro_batch_size, device=device, packing=packing)
-    return PolicyTrainer(model, config, GRPO(LossConfig(), "none"), total_steps=workload.steps + 1, parallel=parallel)
+    return PolicyTrainer(model, config, GRPO(), total_steps=workload.steps + 1, parallel=parallel)
 
 
 def _batch(workload: Workload, seed: int):
@@ -223,7 +223,7 @@ def _long_context(workload: Workload, device: str) -> dict[str, Any]:
     trainer (after a short step, so AdamW's moments exist) and its seconds; the peak's growth per
     doubling of T, which stays near 2 when memory is linear in T."""
     from asyncrl.algorithms.grpo import GRPO
-    from asyncrl.config import LossConfig, TrainerConfig
+    from asyncrl.config import TrainerConfig
     from asyncrl.trainer.policy import PolicyTrainer
 
     lens = workload.long_context_lens
@@ -236,7 +236,7 @@ def _long_context(workload: Workload, device: str) -> dict[str, Any]:
         config = TrainerConfig(
             dtype="bfloat16", micro_batch_size=2, device=device, packing=packing, activation_checkpointing=True
         )
-        trainer = PolicyTrainer(model, config, GRPO(LossConfig(), "none"), total_steps=2)
+        trainer = PolicyTrainer(model, config, GRPO(), total_steps=2)
         trainer.train_step(_long_batch([16, 16], workload, seed=0))
         peaks = []
         for seq_len in lens:
@@ -353,7 +353,7 @@ def _vllm(workload: Workload, device: str) -> dict[str, Any]:
     config = load_config(
         None,
         ["generation.backend=vllm", "trainer.dtype=bfloat16", "trainer.device=cuda",
-         f"vllm.max_model_len={workload.seq_len}"],
+         f"generation.backend_options.max_model_len={workload.seq_len}"],
     )  # fmt: skip
     model = _model(workload, device)
     weights = {name: t.to(torch.bfloat16) for name, t in model.state_dict().items()}

@@ -133,7 +133,7 @@ def _step_time(config_path: Path | None, overrides: list[str], steps: int, guard
             config_path,
             [
                 *overrides,
-                f"grpo.max_steps={steps}",
+                f"step.max_steps={steps}",
                 f"integrity.enabled={str(guard).lower()}",
                 f"logging.output_dir={run_dir}",
                 "logging.eval_every_steps=null",

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from asyncrl.algorithms.grpo import GRPO
-from asyncrl.config import LossConfig, ParallelConfig, TrainerConfig
+from asyncrl.config import ParallelConfig, TrainerConfig
 from asyncrl.models import build_tiny_model
 from asyncrl.trainer.parallel import init_parallel, launch
 from asyncrl.trainer.policy import PolicyTrainer
@@ -101,7 +101,7 @@ def measure_rank(
     model = build_tiny_model(vocab, seed=0, max_position_embeddings=max(seq_len, 1024), **MODEL)
     options = {} if chunk is None else {"logprob_chunk_tokens": chunk}
     config = TrainerConfig(lr=1e-5, micro_batch_size=2, packing=packed, **options)
-    trainer = PolicyTrainer(model, config, GRPO(LossConfig(), "none"), total_steps=2, parallel=parallel)
+    trainer = PolicyTrainer(model, config, GRPO(), total_steps=2, parallel=parallel)
     trainer.train_step(train_batch([16, 16], vocab))
     batch = train_batch(rows_of(seq_len, padded), vocab)
     gc.collect()

@@ -114,13 +114,13 @@ def _timed_steps(workload: Workload, trainer: Any, generator: Any) -> tuple[list
 
 def _checkpoint_costs(trainer: Any, tokenizer: Any, rank: int) -> tuple[int, float, float | None]:
     """A checkpoint's bytes and seconds, and (LoRA) the seconds of the frozen base's digest."""
-    from asyncrl.config import GRPOConfig
+    from asyncrl.config import StepConfig
     from asyncrl.models.lora import base_sha256
     from asyncrl.trainer.worker import TrainerWorker
 
     with tempfile.TemporaryDirectory() as run_dir:
         start = time.perf_counter()
-        saved = TrainerWorker(trainer, GRPOConfig(), tokenizer).save_checkpoint(run_dir, 1, {}, keep_last=1)
+        saved = TrainerWorker(trainer, StepConfig(), tokenizer).save_checkpoint(run_dir, 1, {}, keep_last=1)
         checkpoint_s = time.perf_counter() - start
         checkpoint_bytes = sum(f.stat().st_size for f in Path(saved).rglob("*") if f.is_file())
     base_digest_s = None

@@ -19,7 +19,7 @@ from concurrent.futures import ProcessPoolExecutor
 import torch
 
 from asyncrl.algorithms.grpo import GRPO
-from asyncrl.config import LossConfig, TrainerConfig
+from asyncrl.config import TrainerConfig
 from asyncrl.models import build_tiny_model
 from asyncrl.trainer.policy import PolicyTrainer
 from asyncrl.verify import random_batch
@@ -38,7 +38,7 @@ def peak_rss_bytes(model_name: str, updates: int) -> tuple[int, int]:
     """(parameters, the process's peak RSS in bytes) after a plain step and a step of ``updates``."""
     torch.manual_seed(0)
     model = build_tiny_model(VOCAB, seed=0, **MODELS[model_name])
-    trainer = PolicyTrainer(model, TrainerConfig(lr=1e-5), GRPO(LossConfig(), "none"), total_steps=2)
+    trainer = PolicyTrainer(model, TrainerConfig(lr=1e-5), GRPO(), total_steps=2)
     batch = random_batch(model, num_groups=NUM_GROUPS, group_size=GROUP_SIZE, vocab_size=VOCAB, seed=0)
     trainer.train_step(batch)
     parts = batch.split([len(batch) // updates + (k < len(batch) % updates) for k in range(updates)])

@@ -35,7 +35,7 @@ GOAL = 1.05  # step_time_over_ideal at max_lag >= 1
 def bench_config(
     *, max_lag: int, steps: int, runtime: str = "local", batch_groups: int = 2, chunk_groups: int = 1
 ) -> RunConfig:
-    grpo = {
+    step = {
         "prompts_per_step": PROMPTS_PER_STEP,
         "generations_per_prompt": GROUP_SIZE,
         "max_steps": steps,
@@ -43,7 +43,7 @@ def bench_config(
     }
     return config_from_dict(
         {
-            "grpo": grpo,
+            "step": step,
             "generation": {"batch_size": batch_groups * GROUP_SIZE},
             "sampler": {"name": "in_order", "max_lag": max_lag},
             "runtime": {"name": runtime, "watchdog_s": None},
@@ -62,7 +62,7 @@ def fake_task(num_prompts: int) -> Task:
 
 def build_controller(config: RunConfig, trainer: Any, rollout_workers: list[Any], run_dir: str) -> SingleController:
     """A controller over any handles, with the run's own sampler and buffer and null sinks."""
-    task = fake_task(config.grpo.prompts_per_step * (config.grpo.max_steps + config.sampler.max_lag + 2))
+    task = fake_task(config.step.prompts_per_step * (config.step.max_steps + config.sampler.max_lag + 2))
     sampler, capacity = build_run_sampler(config)
     return SingleController(
         config,

@@ -43,6 +43,8 @@ import torch
 import transformers
 from transformers import PreTrainedTokenizerFast, TrainerCallback
 
+from asyncrl.algorithms import build_algorithm
+from asyncrl.algorithms.grpo import GRPO
 from asyncrl.bench import trl_environment
 from asyncrl.config import ConfigError, RunConfig
 from asyncrl.data import PromptLoader, build_task
@@ -70,9 +72,20 @@ def trl_settings(config: RunConfig) -> dict[str, Any]:
     return {"kwargs": _grpo_kwargs(config), "unmatched": _unmatched(config)}
 
 
+def _grpo(config: RunConfig) -> GRPO:
+    """The run's algorithm, which must be GRPO: the one TRL implements."""
+    try:
+        algorithm = build_algorithm(config)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    if not isinstance(algorithm, GRPO):
+        raise ConfigError(f"--against trl: algorithm.name '{config.algorithm.name}' is not grpo, the one TRL runs")
+    return algorithm
+
+
 def _grpo_kwargs(config: RunConfig) -> dict[str, Any]:
     """The GRPOConfig keyword arguments of every setting the two share."""
-    grpo, loss, trainer, generation = config.grpo, config.loss, config.trainer, config.generation
+    step, loss, trainer, generation = config.step, _grpo(config).options, config.trainer, config.generation
     cosine = trainer.lr_schedule == "cosine"
     episodes = (
         {"max_completion_length": config.environment.max_tokens}
@@ -81,8 +94,8 @@ def _grpo_kwargs(config: RunConfig) -> dict[str, Any]:
         else {}
     )
     return {
-        "num_generations": grpo.generations_per_prompt,
-        "per_device_train_batch_size": grpo.prompts_per_step * grpo.generations_per_prompt,
+        "num_generations": step.generations_per_prompt,
+        "per_device_train_batch_size": step.prompts_per_step * step.generations_per_prompt,
         "gradient_accumulation_steps": 1,
         "steps_per_generation": 1,
         "num_iterations": 1,
@@ -90,8 +103,8 @@ def _grpo_kwargs(config: RunConfig) -> dict[str, Any]:
         "temperature": generation.temperature,
         "top_p": generation.top_p,
         "top_k": generation.top_k,
-        "scale_rewards": "group" if grpo.scale_by_std else "none",
-        "loss_type": LOSS_TYPES[loss.mode],
+        "scale_rewards": "group" if loss.scale_by_std else "none",
+        "loss_type": LOSS_TYPES[trainer.aggregation],
         "epsilon": loss.clip_low,
         "epsilon_high": loss.clip_high,
         "delta": loss.dual_clip,
@@ -117,31 +130,36 @@ def _grpo_kwargs(config: RunConfig) -> dict[str, Any]:
 
 def _unmatched(config: RunConfig) -> dict[str, str]:
     """{setting: why TRL cannot match it}, for those that apply to ``config``."""
-    grpo, loss, trainer, generation = config.grpo, config.loss, config.trainer, config.generation
+    grpo = _grpo(config)
+    loss, trainer, generation = grpo.options, config.trainer, config.generation
     unmatched = {
         "sampling seeds": "TRL samples from the global RNG, asyncrl seeds each sample from (run seed, prompt, index)",
         "generation.batch_size": "TRL generates all of a step's completions in one call",
         "trainer.micro_batch_size": "TRL trains a step's completions in one forward/backward",
         "advantage epsilon": "TRL divides advantages by std + 1e-4, asyncrl by std + 1e-6",
     }
-    if grpo.baseline != "mean":
-        unmatched["grpo.baseline"] = f"{grpo.baseline}: TRL's GRPO baseline is the group mean"
-    if grpo.filter_zero_variance:
-        unmatched["grpo.filter_zero_variance"] = "TRL keeps zero-variance groups (advantage 0, counted in the loss)"
+    if loss.baseline != "mean":
+        unmatched["algorithm.options.baseline"] = f"{loss.baseline}: TRL's GRPO baseline is the group mean"
+    if config.step.filter_zero_variance:
+        unmatched["step.filter_zero_variance"] = "TRL keeps zero-variance groups (advantage 0, counted in the loss)"
     if trainer.warmup_steps:
         unmatched["trainer.warmup_steps"] = "TRL's warmup ramps lr * s / w from 0, asyncrl's lr * (s + 1) / (w + 1)"
-    if loss.mode == "seq-mean-token-sum-norm" and loss.norm_constant != generation.max_new_tokens:
-        unmatched["loss.norm_constant"] = (
-            f"TRL's dr_grpo divides by max_completion_length {generation.max_new_tokens}, not {loss.norm_constant}"
+    if trainer.aggregation == "seq-mean-token-sum-norm" and trainer.norm_constant != generation.max_new_tokens:
+        unmatched["trainer.norm_constant"] = (
+            f"TRL's dr_grpo divides by max_completion_length {generation.max_new_tokens}, not {trainer.norm_constant}"
         )
-    if config.importance_sampling != "none":
-        unmatched["loss.importance_sampling"] = f"{config.importance_sampling}: TRL without vLLM trains on-policy"
+    if grpo.importance_sampling != "none":
+        unmatched["algorithm.options.importance_sampling"] = (
+            f"{grpo.importance_sampling}: TRL without vLLM trains on-policy"
+        )
     if loss.kl_coef > 0:
-        unmatched["loss.kl_clamp"] = "TRL does not clamp the KL input or output"
-    if loss.entropy_coef > 0 and loss.mode != "token-mean":
-        unmatched["loss.entropy_coef"] = "TRL's entropy bonus is a token mean whatever the loss aggregation"
+        unmatched["algorithm.options.kl_clamp"] = "TRL does not clamp the KL input or output"
+    if loss.entropy_coef > 0 and trainer.aggregation != "token-mean":
+        unmatched["algorithm.options.entropy_coef"] = (
+            "TRL's entropy bonus is a token mean whatever the loss aggregation"
+        )
     if loss.dual_clip is not None and loss.dual_clip <= 1 + loss.clip_high:
-        unmatched["loss.dual_clip"] = "TRL's delta equals a dual clip only above 1 + clip_high"
+        unmatched["algorithm.options.dual_clip"] = "TRL's delta equals a dual clip only above 1 + clip_high"
     if generation.temperature != 1.0:
         unmatched["generation.temperature"] = "TRL trains on temperature-scaled logprobs, asyncrl on the model's own"
     if config.sampler.max_lag > 0:
@@ -180,7 +198,7 @@ def run_trl(config: RunConfig, *, seed: int, max_steps: int, eval_every_steps: i
     warm_start_policy(model, tokenizer, config, prompts=task.train)  # the weights asyncrl's runs start from
 
     loader = PromptLoader(task.train, shuffle_seed=config.data.shuffle_seed, epochs=config.data.epochs)
-    prompts = list(itertools.islice(iter(loader.next, None), max_steps * config.grpo.prompts_per_step))
+    prompts = list(itertools.islice(iter(loader.next, None), max_steps * config.step.prompts_per_step))
     settings = trl_settings(config)
     rewards = RewardRunner.from_config(config.rewards, task)
     # The warm-started model becomes the generator's; TRL trains its own, loaded from init_dir.
@@ -189,10 +207,10 @@ def run_trl(config: RunConfig, *, seed: int, max_steps: int, eval_every_steps: i
         rollout_worker(config.model_copy(update={"seed": seed}), generator, rewards, tokenizer),
         list(task.heldout[: config.data.eval_size]),
         every=eval_every_steps,
-        samples_per_step=config.grpo.prompts_per_step * config.grpo.generations_per_prompt,
+        samples_per_step=config.step.prompts_per_step * config.step.generations_per_prompt,
     )
     args = _grpo_config(
-        config, settings, seed=seed, steps=len(prompts) // config.grpo.prompts_per_step, output_dir=output_dir
+        config, settings, seed=seed, steps=len(prompts) // config.step.prompts_per_step, output_dir=output_dir
     )
     try:
         _train(config, model, tokenizer, prompts, rewards, evaluator, args)

@@ -17,7 +17,7 @@ import torch
 
 from asyncrl.algorithms.grpo import GRPO
 from asyncrl.bench.common import runtime_session, spawn_pair
-from asyncrl.config import GRPOConfig, LossConfig, TrainerConfig
+from asyncrl.config import StepConfig, TrainerConfig
 from asyncrl.control.changes import Changes
 from asyncrl.control.gate import RolloutGate
 from asyncrl.generation.hf import HFGenerator
@@ -53,8 +53,8 @@ def memcpy_bandwidth(num_bytes: int, repeats: int) -> float:
 def build_trainer(model_name: str) -> TrainerWorker:
     """The trainer side a run syncs from: a TrainerWorker over a PolicyTrainer."""
     model = build_tiny_model(VOCAB, seed=0, **MODELS[model_name])
-    trainer = PolicyTrainer(model, TrainerConfig(), GRPO(LossConfig(), "none"), total_steps=1)
-    return TrainerWorker(trainer, GRPOConfig(), tokenizer=None)
+    trainer = PolicyTrainer(model, TrainerConfig(), GRPO(), total_steps=1)
+    return TrainerWorker(trainer, StepConfig(), tokenizer=None)
 
 
 def build_generator(model_name: str) -> HFGenerator:

@@ -1,21 +1,25 @@
-"""The ``algorithm``, ``grpo`` and ``loss`` sections: advantages, step shape and the loss."""
+"""The ``algorithm`` and ``step`` sections: which algorithm trains, with its options, and the shape of a step."""
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any
 
 from pydantic import Field, model_validator
 
 from asyncrl.config.base import Section
-
-AggMode = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
 
 
 class AlgorithmConfig(Section):
     """The RL algorithm: advantages, the informative-group test, the per-token loss (asyncrl/algorithms)."""
 
     name: str = Field(
-        "grpo", description="grpo (its variants are loss and grpo options), or package.module:attr (docs/plugins.md)"
+        "grpo",
+        description="grpo (its variants are its options, docs/loss.md), or package.module:attr (docs/plugins.md)",
+    )
+    options: dict[str, Any] = Field(
+        default_factory=dict,
+        description="settings of the algorithm (its Options model; grpo's are listed in docs/loss.md), checked "
+        "where the run is built",
     )
 
     @model_validator(mode="after")
@@ -26,15 +30,13 @@ class AlgorithmConfig(Section):
         return self
 
 
-class GRPOConfig(Section):
-    """Step shape and advantages."""
+class StepConfig(Section):
+    """The shape of an optimizer step, the same for every algorithm: its groups, their samples, its updates."""
 
     prompts_per_step: int = Field(16, ge=1, description="P: prompt groups per optimizer step")
     generations_per_prompt: int = Field(8, ge=1, description="n: samples per prompt")
     step_batch_size: int | None = Field(None, ge=1, description="sequences per step; must equal P*n if given")
     max_steps: int = Field(400, ge=1, description="optimizer steps of the run (also the cosine schedule's length)")
-    baseline: Literal["mean", "leave_one_out"] = Field("mean", description="advantage baseline within a group")
-    scale_by_std: bool = Field(True, description="divide advantages by the group std; false is Dr. GRPO")
     filter_zero_variance: bool = Field(False, description="drop groups whose rewards are all equal")
     mask_truncated: bool = Field(
         False,
@@ -62,77 +64,26 @@ class GRPOConfig(Section):
     )
 
     @model_validator(mode="after")
-    def _batch_size_consistent(self) -> GRPOConfig:
+    def _batch_size_consistent(self) -> StepConfig:
         expected = self.prompts_per_step * self.generations_per_prompt
         if self.step_batch_size is not None and self.step_batch_size != expected:
             raise ValueError(
-                f"grpo.step_batch_size: {self.step_batch_size} != prompts_per_step * generations_per_prompt "
+                f"step.step_batch_size: {self.step_batch_size} != prompts_per_step * generations_per_prompt "
                 f"= {self.prompts_per_step} * {self.generations_per_prompt} = {expected}"
             )
-        if self.baseline == "leave_one_out" and self.generations_per_prompt < 2:
-            raise ValueError("grpo.baseline: leave_one_out needs generations_per_prompt >= 2")
         if self.max_refill_groups and not self.filter_zero_variance:
             raise ValueError(
-                "grpo.max_refill_groups: refill replaces filtered groups; set grpo.filter_zero_variance=true"
+                "step.max_refill_groups: refill replaces filtered groups; set step.filter_zero_variance=true"
             )
         if self.num_minibatches > self.prompts_per_step:
-            raise ValueError(f"grpo.num_minibatches: {self.num_minibatches} > prompts_per_step {self.prompts_per_step}")
+            raise ValueError(f"step.num_minibatches: {self.num_minibatches} > prompts_per_step {self.prompts_per_step}")
         if self.generations_per_prompt < 2:
             raise ValueError(
-                "grpo.generations_per_prompt: 1 sample per prompt makes every advantage 0 (a group's baseline is "
+                "step.generations_per_prompt: 1 sample per prompt makes every advantage 0 (a group's baseline is "
                 "its own reward); use at least 2"
             )
         if self.min_groups_per_chunk > self.prompts_per_step:
             raise ValueError(
-                f"grpo.min_groups_per_chunk: {self.min_groups_per_chunk} > prompts_per_step {self.prompts_per_step}"
-            )
-        return self
-
-
-class LossConfig(Section):
-    """The per-token GRPO loss and its aggregation (docs/loss.md)."""
-
-    mode: AggMode = Field("token-mean", description="loss aggregation mode (normalization contract)")
-    norm_constant: float | None = Field(None, gt=0.0, description="C of seq-mean-token-sum-norm")
-    clip_low: float = Field(0.2, ge=0.0, lt=1.0, description="ratio clip below: 1 - clip_low")
-    clip_high: float = Field(0.28, ge=0.0, description="ratio clip above: 1 + clip_high")
-    dual_clip: float | None = Field(
-        3.0, gt=1.0, description="cap the loss of a negative advantage A at dual_clip times -A; null disables"
-    )
-    clip_against: Literal["proximal", "behaviour"] = Field(
-        "proximal",
-        description="proximal: ratio to the trainer's logprobs at step start (identically 1 with one update per step, "
-        "so the clip acts only with grpo.num_minibatches or num_epochs > 1); behaviour: ratio to the generator's "
-        "logprobs, which bounds stale data directly (one update per step; no separate importance weight)",
-    )
-    ratio_level: Literal["token", "sequence"] = Field(
-        "token",
-        description="token: each token's own ratio is clipped (PPO); sequence: every token of a response uses the "
-        "geometric mean of its token ratios, clipped per sequence (GSPO)",
-    )
-    importance_sampling: Literal["auto", "none", "tis", "icepop"] = Field(
-        "auto",
-        description="off-policy correction; auto: tis whenever the generator's distribution can differ from the "
-        "trainer's (sampler.max_lag > 0 or trainer.dtype bfloat16), else none; none with clip_against behaviour",
-    )
-    is_cap: float = Field(2.0, gt=0.0, description="tis: importance weights are clamped at this cap")
-    is_low: float = Field(0.5, ge=0.0, description="icepop: weights below this are zeroed")
-    is_high: float = Field(2.0, gt=0.0, description="icepop: weights above this are zeroed")
-    kl_coef: float = Field(0.0, ge=0.0, description="k3 KL penalty to a frozen reference; 0 disables")
-    kl_log_ratio_clamp: float = Field(20.0, gt=0.0, description="KL input clamp on the magnitude of lp_ref - lp")
-    kl_clamp: float = Field(10.0, gt=0.0, description="KL output clamp")
-    entropy_coef: float = Field(0.0, ge=0.0, description="entropy bonus coefficient")
-    track_entropy: bool = Field(True, description="report policy entropy even when entropy_coef is 0")
-
-    @model_validator(mode="after")
-    def _mode_constants(self) -> LossConfig:
-        if self.mode == "seq-mean-token-sum-norm" and self.norm_constant is None:
-            raise ValueError("loss.norm_constant: required when loss.mode is seq-mean-token-sum-norm")
-        if self.is_low >= self.is_high:
-            raise ValueError(f"loss.is_low: {self.is_low} must be below loss.is_high {self.is_high}")
-        if self.ratio_level == "sequence" and self.importance_sampling == "icepop":
-            raise ValueError(
-                "loss.importance_sampling: icepop drops single tokens, but with ratio_level sequence each token still "
-                "moves its sequence's ratio (use tis, none or auto)"
+                f"step.min_groups_per_chunk: {self.min_groups_per_chunk} > prompts_per_step {self.prompts_per_step}"
             )
         return self

@@ -28,42 +28,9 @@ def parallel_ranks(config: RunConfig) -> None:
             f"generation.num_workers: {config.generation.num_workers} rollout workers need runtime.name ray "
             "(the local runtime runs one)"
         )
-    sequences = config.grpo.prompts_per_step * config.grpo.generations_per_prompt
+    sequences = config.step.prompts_per_step * config.step.generations_per_prompt
     if parallel.dp > sequences:
         raise ValueError(f"parallel.dp: {parallel.dp} data-parallel ranks but only {sequences} sequences per step")
-
-
-def overlong_cache_fits(config: RunConfig) -> None:
-    cache, limit = config.rewards.overlong_cache, config.generation.max_new_tokens
-    if "overlong" in config.rewards.functions and cache > limit:
-        raise ValueError(f"rewards.overlong_cache: {cache} is more than generation.max_new_tokens {limit}")
-
-
-def task_reward(config: RunConfig) -> None:
-    has_checker, checker_required = config.data._checker
-    if checker_required and "task" not in config.rewards.functions:
-        raise ValueError(
-            f"rewards.functions: data.task {config.data.task} is scored by its own checker; "
-            "list task (rewards.functions=[task])"
-        )
-    if not has_checker and "task" in config.rewards.functions:
-        raise ValueError(
-            f"rewards.functions: the task reward needs a task with its own checker; data.task '{config.data.task}' has none"
-        )
-
-
-def behaviour_clip_is_one_update(config: RunConfig) -> None:
-    if config.loss.clip_against != "behaviour":
-        return
-    if config.grpo.num_minibatches * config.grpo.num_epochs > 1:
-        raise ValueError(
-            "loss.clip_against: behaviour takes one update per step; set grpo.num_minibatches and num_epochs to 1"
-        )
-    if config.loss.importance_sampling not in ("auto", "none"):
-        raise ValueError(
-            f"loss.importance_sampling: {config.loss.importance_sampling} with clip_against behaviour; the "
-            "ratio to the behaviour policy is already the importance weight (use auto or none)"
-        )
 
 
 def context_parallel_architecture(config: RunConfig) -> None:
@@ -108,9 +75,6 @@ def episodes_template_themselves(config: RunConfig) -> None:
 
 CROSS_FIELD_CHECKS = (
     parallel_ranks,
-    overlong_cache_fits,
-    task_reward,
-    behaviour_clip_is_one_update,
     context_parallel_architecture,
     transport_needs_ray,
     episodes_template_themselves,

@@ -21,7 +21,7 @@ class SamplerConfig(Section):
     )
     max_lag: int = Field(1, ge=0, description="how many weight versions behind trained data may be; 0 is synchronous")
     buffer_capacity: int | None = Field(
-        None, ge=1, description="replay buffer size in groups; null: the sampler's minimum plus grpo.max_refill_groups"
+        None, ge=1, description="replay buffer size in groups; null: the sampler's minimum plus step.max_refill_groups"
     )
 
     @model_validator(mode="after")

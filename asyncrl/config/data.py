@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import Field, PrivateAttr, model_validator
+from pydantic import Field, model_validator
 
 from asyncrl.config.base import Section
 
@@ -50,14 +50,10 @@ class DataConfig(Section):
         description="settings of a task that declares them (its Options model, docs/plugins.md); built-ins take none",
     )
 
-    _checker: tuple[bool, bool] = PrivateAttr((False, False))  # the task's has_checker, checker_required
-
     @model_validator(mode="after")
-    def _task_known(self) -> DataConfig:
-        """Builds the task part once, which checks its name, options and settings, and keeps what it
-        declares about its checker; its prompts are read only when the run builds the task."""
-        from asyncrl.data.tasks import task_source
+    def _task_named(self) -> DataConfig:
+        """The name only: the task part is built, its options and settings checked, by ``parts.check_parts``."""
+        from asyncrl.plugins import check_spec
 
-        source = task_source(self)
-        self._checker = (getattr(source, "has_checker", False), getattr(source, "checker_required", False))
+        check_spec("task", self.task, "data.task")
         return self

@@ -38,19 +38,6 @@ class DerivedSettings:
         return "nccl" if gpus and self.trainer.device != "cpu" else "gloo"
 
     @property
-    def importance_sampling(self: RunConfig) -> str:
-        """The effective importance-sampling mode: ``auto`` is tis whenever the behaviour and the
-        trainer's distributions can differ: lagged weights, or bfloat16, where the generator's
-        cached decoding and the trainer's forward round differently. Top-k and top-p do not: the
-        trainer scores the same truncated distribution."""
-        if self.loss.importance_sampling != "auto":
-            return self.loss.importance_sampling
-        if self.loss.clip_against == "behaviour":
-            return "none"
-        differ = self.sampler.max_lag > 0 or self.trainer.dtype == "bfloat16"
-        return "tis" if differ else "none"
-
-    @property
     def scoring_temperature(self: RunConfig) -> float:
         """The temperature the trainer divides logits by: the one rollouts sample at (validation
         keeps it above 0, so logits / temperature is finite)."""

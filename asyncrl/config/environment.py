@@ -44,16 +44,12 @@ class EnvironmentConfig(Section):
 
     @model_validator(mode="after")
     def _environment_named(self) -> EnvironmentConfig:
-        """The environment and every part its options name, resolved; a user's module in a fresh
-        process under ``startup_timeout_s``, since it may block or crash at import."""
+        """The name only: the environment and the parts its options name are resolved, and their
+        options checked, by ``parts.check_parts``."""
         from asyncrl.plugins import check_spec
-        from asyncrl.rewards.processes import check_loads
 
         if self.name is not None:
             check_spec("environment", self.name, "environment.name")
-            check = (self.name, "asyncrl.environments.base:environment_part", (self.name, self.options))
-            setting, process = "environment.startup_timeout_s", "a process loading the environment"
-            check_loads("environment", [check], "environment.name", setting, self.startup_timeout_s, process)
         elif self.options:
             raise ValueError("environment.options: set, but environment.name is null (single-turn)")
         return self

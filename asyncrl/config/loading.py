@@ -12,6 +12,7 @@ from pydantic import BaseModel, ValidationError
 
 from asyncrl.config.base import ConfigError, section_model
 from asyncrl.config.messages import one_line_error, shown, unknown_key_error
+from asyncrl.config.moved import moved_key_error
 from asyncrl.config.root import RunConfig
 from asyncrl.config.safe_yaml import TooLarge, load_yaml
 
@@ -40,7 +41,7 @@ def _check_keys(model: type[BaseModel], data: Any, path: tuple[str, ...] = ()) -
     fields = model.model_fields
     for key, value in data.items():
         if key not in fields:
-            raise unknown_key_error(path, str(key), list(fields))
+            raise moved_key_error((*path, str(key)), value) or unknown_key_error(path, str(key), list(fields))
         dotted = ".".join((*path, key))
         annotation = fields[key].annotation
         section = section_model(annotation)
@@ -67,7 +68,7 @@ def _check_finite(config: BaseModel, path: tuple[str, ...] = ()) -> None:
 
 def _set_dotted(data: dict, override: str) -> None:
     if "=" not in override:
-        raise ConfigError(f"override '{override}': expected key=value, e.g. loss.mode=token-mean")
+        raise ConfigError(f"override '{override}': expected key=value, e.g. step.max_steps=50")
     dotted, raw = override.split("=", 1)
     keys = dotted.strip().split(".")
     if not all(keys):
@@ -77,7 +78,7 @@ def _set_dotted(data: dict, override: str) -> None:
     for depth, key in enumerate(keys):
         fields = model.model_fields
         if key not in fields:
-            raise unknown_key_error(tuple(keys[:depth]), key, list(fields))
+            raise moved_key_error(tuple(keys)) or unknown_key_error(tuple(keys[:depth]), key, list(fields))
         if depth == len(keys) - 1:
             value = _override_value(dotted.strip(), raw)
             if _textual(fields[key].annotation) and isinstance(value, (int, float)):
@@ -106,6 +107,17 @@ def _override_value(dotted: str, raw: str) -> Any:
         raise ConfigError(f"{dotted}: the value is refused: {err}") from None
     except (yaml.YAMLError, RecursionError):
         return raw
+
+
+def parse_options(items: list[str], flag: str) -> dict[str, Any]:
+    """``key=value`` command-line items as a part's options, each value read as YAML (``--option kl_coef=0.1``)."""
+    options: dict[str, Any] = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"{flag} '{item}': expected key=value, e.g. {flag} ratio_level=sequence")
+        options[key.strip()] = _override_value(f"{flag} {key.strip()}", raw)
+    return options
 
 
 def _set_in_mapping(node: dict, keys: list[str], value: Any, dotted: str) -> None:

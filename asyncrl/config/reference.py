@@ -3,6 +3,8 @@ and every key with its type and default, the data tests/data/config_keys.json fr
 
 from __future__ import annotations
 
+import json
+from collections.abc import Sequence
 from typing import Any, Literal, get_args, get_origin
 
 import yaml
@@ -12,6 +14,9 @@ from asyncrl.config.base import section_model
 from asyncrl.config.root import RunConfig
 
 MARKDOWN_BAR = " \\| "  # a Literal's choices in a Markdown table cell
+
+# (where its options are set, e.g. ``algorithm.options``; the part's name; its Options model)
+PartOptions = tuple[str, str, type[BaseModel]]
 
 
 def _type_name(annotation: Any, bar: str = " | ") -> str:
@@ -35,12 +40,16 @@ def _sections() -> list[tuple[str, type[BaseModel]]]:
     return [(name, section) for name, section in found if section is not None]
 
 
-def config_keys() -> dict[str, dict[str, Any]]:
-    """Every key, dotted (``sync.mode``), with its type and JSON default as the reference gives them."""
+def config_keys(parts: Sequence[PartOptions] = ()) -> dict[str, dict[str, Any]]:
+    """Every key, dotted (``sync.mode``), with its type and JSON default as the reference gives them;
+    and each option of the ``parts`` given (``plugins.builtin_options``), under the part's name
+    (``algorithm.options[grpo].clip_low``)."""
     defaults = RunConfig().model_dump(mode="json")
     keys = {"seed": {"type": _type_name(RunConfig.model_fields["seed"].annotation), "default": defaults["seed"]}}
-    for name, section in _sections():
-        for key, field, default in _fields(section, defaults[name]):
+    tables = [(name, section, defaults[name]) for name, section in _sections()]
+    tables += [(f"{where}[{name}]", model, _option_defaults(model)) for where, name, model in parts]
+    for name, model, model_defaults in tables:
+        for key, field, default in _fields(model, model_defaults):
             keys[f"{name}.{key}"] = {"type": _type_name(field.annotation), "default": default}
     return keys
 
@@ -58,8 +67,9 @@ def _fields(section: type[BaseModel], defaults: dict, prefix: str = "") -> list[
     return found
 
 
-def config_reference() -> str:
-    """Every section and key with its type, default and meaning, as Markdown (docs/configuration.md)."""
+def config_reference(parts: Sequence[PartOptions] = ()) -> str:
+    """Every section and key with its type, default and meaning, as Markdown (docs/configuration.md),
+    then the options of each of ``parts``, the built-ins that declare some (``plugins.builtin_options``)."""
     defaults = RunConfig().model_dump(mode="json")
     lines = [
         "# Configuration reference",
@@ -83,7 +93,38 @@ def config_reference() -> str:
             "| key | type | default | meaning |",
             "|---|---|---|---|",
         ]
-        for key, sub, value in _fields(section, defaults[name]):
-            default = yaml.safe_dump(value, default_flow_style=True).strip().removesuffix("...").strip()
-            lines.append(f"| `{key}` | {_type_name(sub.annotation, MARKDOWN_BAR)} | `{default}` | {sub.description} |")
+        lines += _rows(section, defaults[name])
+    if parts:
+        lines += [
+            "",
+            "## Options of the built-in parts",
+            "",
+            "Set under the key given, e.g. `algorithm.options.clip_low=0.1`.",
+        ]
+    for where, name, model in parts:
+        doc = (model.__doc__ or "").strip()
+        lines += ["", f"### `{where}` of `{name}`", "", *([doc, ""] if doc else [])]
+        lines += [
+            "| key | type | default | meaning |",
+            "|---|---|---|---|",
+            *_rows(model, _option_defaults(model)),
+        ]
     return "\n".join(lines) + "\n"
+
+
+def _option_defaults(model: type[BaseModel]) -> dict[str, Any]:
+    """A part's option defaults as JSON values; an option without one reads "(required)"."""
+    values = {
+        key: "(required)" if field.is_required() else field.get_default(call_default_factory=True)
+        for key, field in model.model_fields.items()
+    }
+    return json.loads(json.dumps(values, default=str))
+
+
+def _rows(model: type[BaseModel], defaults: dict) -> list[str]:
+    """One Markdown table row per key of ``model``."""
+    rows = []
+    for key, sub, value in _fields(model, defaults):
+        default = yaml.safe_dump(value, default_flow_style=True).strip().removesuffix("...").strip()
+        rows.append(f"| `{key}` | {_type_name(sub.annotation, MARKDOWN_BAR)} | `{default}` | {sub.description} |")
+    return rows

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 from pydantic import Field, model_validator
 
 from asyncrl.config.base import Section
+from asyncrl.plugins import check_spec
 
 
 class RewardConfig(Section):
@@ -21,19 +21,10 @@ class RewardConfig(Section):
     options: dict[str, dict[str, Any]] = Field(
         default_factory=dict,
         description="settings of a listed reward that declares them (its Options model), by its entry in functions; "
-        "built-ins take theirs from the keys below",
+        "the built-ins format (pattern) and overlong (cache) too",
     )
     weights: list[float] | None = Field(None, description="one weight per function; null: all 1")
     timeout_s: float = Field(5.0, gt=0.0, description="wall-clock limit of one reward call; past it the reward is 0")
-    format_pattern: str | None = Field(
-        None, description="regex the whole stripped completion must match for the format reward; null: the task's own"
-    )
-    overlong_cache: int | None = Field(
-        None,
-        ge=1,
-        description="L_cache of the overlong reward: 0 up to generation.max_new_tokens - L_cache tokens, then "
-        "linearly down to -1 at max_new_tokens (DAPO); required with overlong",
-    )
     processes: int = Field(
         4,
         ge=1,
@@ -59,30 +50,9 @@ class RewardConfig(Section):
         for name in self.functions:
             if self.functions.count(name) > 1:
                 raise ValueError(f"rewards.functions: '{name}' is listed twice")
-        self._check_parts()
-        if "overlong" in self.functions and self.overlong_cache is None:
-            raise ValueError("rewards.overlong_cache: the overlong reward needs a cache length L_cache")
+            check_spec("reward", name, "rewards.functions")  # the name only: parts.check_parts loads it
         if self.weights is not None and len(self.weights) != len(self.functions):
             raise ValueError(f"rewards.weights: {len(self.weights)} weights for {len(self.functions)} functions")
         if self.weights is not None and not any(self.weights):
             raise ValueError("rewards.weights: all 0, so every reward and every advantage is 0")
-        if self.format_pattern is not None:
-            try:
-                re.compile(self.format_pattern)
-            except re.error as err:
-                raise ValueError(f"rewards.format_pattern: invalid regex ({err})") from None
         return self
-
-    def _check_parts(self) -> None:
-        """Each reward resolved and its options checked; a user's module in a fresh process under
-        ``startup_timeout_s``, since it may block or crash at import."""
-        from asyncrl.plugins import check_spec
-        from asyncrl.rewards.processes import check_loads
-
-        for name in self.functions:
-            check_spec("reward", name, "rewards.functions")
-        checks = [
-            (name, "asyncrl.rewards.functions:reward_part", (name, self.options.get(name))) for name in self.functions
-        ]
-        timeout = self.startup_timeout_s
-        check_loads("reward", checks, "rewards.functions", "rewards.startup_timeout_s", timeout, "a reward process")

@@ -5,14 +5,14 @@ from __future__ import annotations
 
 from pydantic import Field, model_validator
 
-from asyncrl.config.algorithm import AlgorithmConfig, GRPOConfig, LossConfig
+from asyncrl.config.algorithm import AlgorithmConfig, StepConfig
 from asyncrl.config.base import Section
 from asyncrl.config.checks import CROSS_FIELD_CHECKS
 from asyncrl.config.control import RuntimeConfig, SamplerConfig, SyncConfig
 from asyncrl.config.data import DataConfig
 from asyncrl.config.derived import DerivedSettings, fill_defaults
 from asyncrl.config.environment import EnvironmentConfig
-from asyncrl.config.generation import GenerationConfig, VLLMConfig
+from asyncrl.config.generation import GenerationConfig
 from asyncrl.config.integrity import IntegrityConfig
 from asyncrl.config.lora import LoraConfig
 from asyncrl.config.model import ModelConfig, TokenizerConfig
@@ -29,12 +29,10 @@ class RunConfig(Section, DerivedSettings):
     tokenizer: TokenizerConfig = Field(default_factory=TokenizerConfig)
     data: DataConfig = Field(default_factory=DataConfig)
     generation: GenerationConfig = Field(default_factory=GenerationConfig)
-    vllm: VLLMConfig = Field(default_factory=VLLMConfig)
     rewards: RewardConfig = Field(default_factory=RewardConfig)
     environment: EnvironmentConfig = Field(default_factory=EnvironmentConfig)
     algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
-    grpo: GRPOConfig = Field(default_factory=GRPOConfig)
-    loss: LossConfig = Field(default_factory=LossConfig)
+    step: StepConfig = Field(default_factory=StepConfig)
     sampler: SamplerConfig = Field(default_factory=SamplerConfig)
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
     lora: LoraConfig = Field(default_factory=LoraConfig)

@@ -8,6 +8,8 @@ from pydantic import Field, model_validator
 
 from asyncrl.config.base import Section
 
+AggMode = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
+
 
 class TrainerConfig(Section):
     """Optimizer, schedule and numerics of the policy trainer."""
@@ -24,6 +26,15 @@ class TrainerConfig(Section):
         128, ge=1, description="sequences per forward/backward (the tiny default model takes a whole step at once)"
     )
     max_grad_norm: float | None = Field(1.0, gt=0.0, description="gradient clipping norm; null disables")
+    aggregation: AggMode = Field(
+        "token-mean",
+        description="how the algorithm's per-token loss is summed into the step's loss, the same for every "
+        "algorithm (the normalization contract, docs/loss.md)",
+    )
+    norm_constant: float | None = Field(None, gt=0.0, description="C of aggregation seq-mean-token-sum-norm")
+    track_entropy: bool = Field(
+        True, description="score and report the policy's entropy even when the algorithm's loss does not use it"
+    )
     max_step_retries: int = Field(
         0, ge=0, description="reruns of a train step that raised (after it is aborted) before the run stops"
     )
@@ -66,6 +77,8 @@ class TrainerConfig(Section):
     def _betas_in_range(self) -> TrainerConfig:
         if not all(0.0 <= b < 1.0 for b in self.betas):
             raise ValueError(f"trainer.betas: {list(self.betas)} must each be in [0, 1)")
+        if self.aggregation == "seq-mean-token-sum-norm" and self.norm_constant is None:
+            raise ValueError("trainer.norm_constant: required when trainer.aggregation is seq-mean-token-sum-norm")
         return self
 
 

@@ -114,11 +114,11 @@ class SingleController:
         self.metrics = metrics
         self.progress = progress
         self.run_dir = Path(run_dir)
-        self.prompts_per_step = config.grpo.prompts_per_step
-        self.groups_per_batch = max(1, config.generation.batch_size // config.grpo.generations_per_prompt)
+        self.prompts_per_step = config.step.prompts_per_step
+        self.groups_per_batch = max(1, config.generation.batch_size // config.step.generations_per_prompt)
         self.max_in_flight = config.runtime.max_inflight_groups or buffer.capacity
         self.max_retries = config.runtime.max_rollout_retries
-        self.refills = DynamicSampling(loader, config.grpo.max_refill_groups)
+        self.refills = DynamicSampling(loader, config.step.max_refill_groups)
         self.version = 0
         self.changes = Changes()
         self.gate = RolloutGate(0, self.changes, wait_for_admissions=sampler.gated, max_in_flight=self.max_in_flight)
@@ -164,7 +164,7 @@ class SingleController:
     # ---- the run --------------------------------------------------------------------------
 
     async def run(self) -> int:
-        """Train to ``grpo.max_steps`` or the end of the data; returns the steps taken in total.
+        """Train to ``step.max_steps`` or the end of the data; returns the steps taken in total.
 
         Raises ``RunStopped`` (checkpoint saved where possible) or the error that stopped it."""
         with self.interrupts.handled():
@@ -358,7 +358,7 @@ class SingleController:
 
     async def train_loop(self) -> None:
         try:
-            while self.version < self.config.grpo.max_steps:
+            while self.version < self.config.step.max_steps:
                 self.interrupts.check(self.version)
                 step_start = time.perf_counter()
                 report = await self.train_step()
@@ -387,7 +387,7 @@ class SingleController:
                     self.watchdog.waiting["train loop"] = f"the evaluation at step {self.version}"
                     await self.evaluate()
                 every = self.config.checkpoint.every_steps
-                if every and self.version % every == 0 and self.version < self.config.grpo.max_steps:
+                if every and self.version % every == 0 and self.version < self.config.step.max_steps:
                     self.watchdog.waiting["train loop"] = f"the checkpoint of step {self.version}"
                     await self.checkpoint()
         finally:
@@ -459,7 +459,7 @@ class SingleController:
             self.changes.notify()
         remaining = wanted - len(self.state.step_groups)
         exhausted = self.data_exhausted and self.gate.in_flight == 0
-        min_k = 1 if exhausted else min(self.config.grpo.min_groups_per_chunk, remaining)
+        min_k = 1 if exhausted else min(self.config.step.min_groups_per_chunk, remaining)
         slot_ids = self._in_dispatch_order(self._select(version, min_k, remaining))
         if len(slot_ids) < min_k:
             if not exhausted:

@@ -74,7 +74,7 @@ def _zero_variance(config: RunConfig, window: Sequence[dict]) -> str | None:
     elif accuracy == 1.0:
         fix = f"the task is too easy: raise data.difficulty={config.data.difficulty}"
     else:
-        fix = "give partial credit (rewards.functions) or raise grpo.generations_per_prompt"
+        fix = "give partial credit (rewards.functions) or raise step.generations_per_prompt"
     return (
         f"every group of the last {len(window)} steps scored all its samples alike (zero_variance_groups), so every "
         f"advantage is 0 and nothing is learned: {fix}"
@@ -106,7 +106,7 @@ def _tool_failures(config: RunConfig, window: Sequence[dict]) -> str | None:
 
 
 def _reward_failures(config: RunConfig, window: Sequence[dict]) -> str | None:
-    calls_per_group = config.grpo.generations_per_prompt * max(len(config.rewards.functions), 1)
+    calls_per_group = config.step.generations_per_prompt * max(len(config.rewards.functions), 1)
     shares = [
         (r.get("reward_errors", 0) + r.get("reward_timeouts", 0)) / max(r.get("num_groups", 0) * calls_per_group, 1)
         for r in window

@@ -4,7 +4,7 @@ Replacements come from a prompt stream of their own (the train split reshuffled,
 ``refill:``), so which prompts refill a step never depends on how refills and admissions
 interleave. The controller asks for a round only once every group the step waits for has arrived;
 a round is stamped with the current weights and the open step as its target, and bounded by the
-step's budget (``grpo.max_refill_groups``), the buffer's free slots and the in-flight limit. Under
+step's budget (``step.max_refill_groups``), the buffer's free slots and the in-flight limit. Under
 ``in_order`` what refills a step is then a function of the config alone.
 
 A refill is trained in the step it refills, at lag 0, whatever the sampler: the controller takes the

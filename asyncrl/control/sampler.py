@@ -80,7 +80,7 @@ class _DispatchCountingSampler:
 
     def __init__(self, prompts_per_step: int, max_lag: int) -> None:
         if prompts_per_step < 1:
-            raise ValueError(f"grpo.prompts_per_step: {prompts_per_step} < 1")
+            raise ValueError(f"step.prompts_per_step: {prompts_per_step} < 1")
         if max_lag < 0:
             raise ValueError(f"sampler.max_lag: {max_lag} < 0")
         self.prompts_per_step = prompts_per_step
@@ -115,7 +115,7 @@ class _DispatchCountingSampler:
         if state["prompts_per_step"] != self.prompts_per_step:
             # num_admitted // P would point at another step than the one being trained: a hang.
             raise ValueError(
-                f"grpo.prompts_per_step: {self.prompts_per_step} differs from {state['prompts_per_step']} "
+                f"step.prompts_per_step: {self.prompts_per_step} differs from {state['prompts_per_step']} "
                 "in the checkpoint; the sampler cannot resume with another step size"
             )
         self.num_admitted = state["num_admitted"]

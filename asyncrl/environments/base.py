@@ -54,7 +54,7 @@ class Environment(ABC):
 
 def environment_part(spec: str, options: dict[str, Any]) -> tuple[type[Environment], dict[str, Any]]:
     """The class ``environment.name`` names and its checked options, nested parts included: what
-    the config check runs in a fresh process (asyncrl/config/environment.py)."""
+    the parts check runs in a fresh process (asyncrl/parts.py)."""
     part = resolve("environment", spec, "environment.name")
     if not (isinstance(part, type) and issubclass(part, Environment)):
         raise ValueError(f"environment.name: '{spec}' is not a subclass of asyncrl.environments.Environment")

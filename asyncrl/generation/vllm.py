@@ -38,6 +38,7 @@ import uuid
 from collections.abc import Mapping, Sequence
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from pathlib import Path
+from typing import Any
 
 import torch
 from peft import LoraConfig
@@ -51,6 +52,7 @@ from asyncrl.data import build_task
 from asyncrl.environments.context import request_bound
 from asyncrl.generation.base import GeneratorBase, SampleRequest, SamplingParams, check_vocabulary
 from asyncrl.generation.vllm_env import checked_python
+from asyncrl.generation.vllm_options import VLLMOptions
 from asyncrl.generation.vllm_process import ServerError, VLLMServer, http_json
 from asyncrl.models.lora import adapter_tensors, apply_lora, peft_config
 from asyncrl.types import Rollout
@@ -78,17 +80,23 @@ def max_lora_rank(rank: int) -> int:
 
 
 def build_vllm_generator(
-    config: RunConfig, model: PreTrainedModel, tokenizer, stop_token_ids: Sequence[int], run_dir: Path | None = None
+    config: RunConfig,
+    model: PreTrainedModel,
+    tokenizer,
+    stop_token_ids: Sequence[int],
+    run_dir: Path | None = None,
+    **settings: Any,
 ) -> VLLMGenerator:
-    """A generator on ``vllm.url``, or on a server started from ``model``'s weights.
+    """A generator on the options' ``url``, or on a server started from ``model``'s weights;
+    ``settings`` are ``generation.backend_options`` as ``VLLMOptions`` checked them.
 
     The model is saved (in the server's dtype) to a temporary directory the server loads at
     start; the server's log goes to ``<run_dir>/vllm/`` (beside the saved model outside a run).
     Its context holds the run's longest request (``served_context``), and its KV cache at least
     one such sequence (``server_kv_cache``). A server that does not start (an incompatible
-    environment) is a ValueError naming ``vllm.python`` and the log's last line.
+    environment) is a ValueError naming the ``python`` option and the log's last line.
     """
-    cfg = config.vllm
+    cfg = VLLMOptions.model_validate(settings)
     lora = config.lora.rank > 0
     if lora:
         max_lora_rank(config.lora.rank)  # before a server starts
@@ -102,7 +110,7 @@ def build_vllm_generator(
     )
     if cfg.url is not None:
         return VLLMGenerator(url=cfg.url, adapters=_adapters(config, model, run_dir), **options)
-    server, weights_path, python = _started_server(config, model, tokenizer, run_dir, options["collective"])
+    server, weights_path, python = _started_server(config, cfg, model, tokenizer, run_dir, options["collective"])
     adapters = _adapters(config, model, run_dir)
     try:
         generator = VLLMGenerator(server=server, weights_path=weights_path, adapters=adapters, **options)
@@ -110,11 +118,12 @@ def build_vllm_generator(
         shutil.rmtree(server.model_dir, ignore_errors=True)
         if adapters is not None:
             shutil.rmtree(adapters.directory, ignore_errors=True)
-        raise ValueError(f"vllm.python: {python} could not serve the model: {err}") from None
+        raise ValueError(f"generation.backend_options.python: {python} could not serve the model: {err}") from None
     generator.model_dir = server.model_dir
     return generator
 
 
+build_vllm_generator.Options = VLLMOptions  # generation.backend_options
 build_vllm_generator.writes_to_run_dir = True  # the server's log, and the adapters it loads
 build_vllm_generator.takes_lora_adapters = True
 
@@ -135,12 +144,16 @@ def _adapters(config: RunConfig, model: PreTrainedModel, run_dir: Path | None) -
 
 
 def _started_server(
-    config: RunConfig, model: PreTrainedModel, tokenizer, run_dir: Path | None, collective: str | None
+    config: RunConfig,
+    cfg: VLLMOptions,
+    model: PreTrainedModel,
+    tokenizer,
+    run_dir: Path | None,
+    collective: str | None,
 ) -> tuple[VLLMServer, Path, str]:
     """The server for ``model``, the file its weight updates are written to, and the interpreter
     it runs in: dtype, context and KV cache chosen for this machine, the model saved where the
     server loads it from."""
-    cfg = config.vllm
     gpu = torch.cuda.is_available()
     head_size = _head_size(model.config)
     if not gpu and head_size not in CPU_HEAD_SIZES:
@@ -149,8 +162,8 @@ def _started_server(
             f"supports {list(CPU_HEAD_SIZES)}; change model.hidden_size or model.num_heads"
         )
     dtype = server_dtype(cfg.dtype, config.trainer.dtype, gpu)
-    max_model_len = served_context(config, tokenizer, model.config.max_position_embeddings)
-    kv_cache_bytes = server_kv_cache(config, model.config, dtype, max_model_len, gpu)
+    max_model_len = served_context(config, cfg, tokenizer, model.config.max_position_embeddings)
+    kv_cache_bytes = server_kv_cache(config, cfg, model.config, dtype, max_model_len, gpu)
     python = checked_python(cfg.python, "gpu" if gpu else "cpu")
     remove_dead_runs_files()
     model_dir = Path(tempfile.mkdtemp(prefix=f"{TEMP_PREFIX}{os.getpid()}-model-"))
@@ -177,7 +190,7 @@ def _started_server(
 
 
 def server_dtype(setting: str, trainer_dtype: str, gpu: bool) -> str:
-    """``vllm.dtype``; auto: bfloat16 on a GPU, else the trainer's dtype (vLLM has no float64)."""
+    """the ``dtype`` option; auto: bfloat16 on a GPU, else the trainer's dtype (vLLM has no float64)."""
     if setting != "auto":
         return setting
     if gpu:
@@ -185,40 +198,44 @@ def server_dtype(setting: str, trainer_dtype: str, gpu: bool) -> str:
     return "float32" if trainer_dtype == "float64" else trainer_dtype
 
 
-def served_context(config: RunConfig, tokenizer, max_positions: int) -> int:
-    """``vllm.max_model_len``, else the run's longest request: the task's longest prompt, or with an
+def served_context(config: RunConfig, cfg: VLLMOptions, tokenizer, max_positions: int) -> int:
+    """The ``max_model_len`` option, else the run's longest request: the task's longest prompt, or with an
     environment its longest templated opening plus the whole episode, then a turn's
     ``generation.max_new_tokens`` (``asyncrl.environments.context``). A server sized to the
     model's whole context would need its KV cache for one such sequence."""
     opening, room = request_bound(build_task(config.data, tokenizer), config, tokenizer)
     needed = opening + room.tokens
-    length = config.vllm.max_model_len or needed
+    length = cfg.max_model_len or needed
     if length > max_positions:
-        raise ValueError(f"vllm.max_model_len: {length} tokens exceed the model's {max_positions} positions")
+        raise ValueError(
+            f"generation.backend_options.max_model_len: {length} tokens exceed the model's {max_positions} positions"
+        )
     if length < needed:
         raise ValueError(
-            f"vllm.max_model_len: {length} tokens do not hold the task's longest {room.opening} ({opening} tokens) "
+            f"generation.backend_options.max_model_len: {length} tokens do not hold the task's longest {room.opening} ({opening} tokens) "
             f"and {room.terms}; raise it to {needed} or leave it null"
         )
     return length
 
 
-def server_kv_cache(config: RunConfig, model_config, dtype: str, max_model_len: int, gpu: bool) -> int | None:
-    """KV cache bytes of a started server: ``vllm.kv_cache_mib``, at least one sequence of
+def server_kv_cache(
+    config: RunConfig, cfg: VLLMOptions, model_config, dtype: str, max_model_len: int, gpu: bool
+) -> int | None:
+    """KV cache bytes of a started server: the ``kv_cache_mib`` option, at least one sequence of
     ``max_model_len``; unset, a step's sequences on CPU (at most ``CPU_KV_CACHE_CAP``, one at
-    least), and on a GPU None: vLLM fills ``vllm.gpu_memory_utilization``."""
+    least), and on a GPU None: vLLM fills ``gpu_memory_utilization``."""
     per_token = kv_bytes_per_token(model_config, SERVER_DTYPES[dtype].itemsize)
     sequence = -(-max_model_len // KV_BLOCK_TOKENS) * KV_BLOCK_TOKENS * per_token
-    mib = config.vllm.kv_cache_mib
+    mib = cfg.kv_cache_mib
     if mib is None:
         if gpu:
             return None
-        step = config.grpo.prompts_per_step * config.grpo.generations_per_prompt
+        step = config.step.prompts_per_step * config.step.generations_per_prompt
         return max(sequence, min(step * sequence, CPU_KV_CACHE_CAP))
     if mib * 2**20 < sequence:
         raise ValueError(
-            f"vllm.kv_cache_mib: {mib} MiB do not hold one sequence of vllm.max_model_len {max_model_len} tokens "
-            f"({-(-sequence // 2**20)} MiB in {dtype}); raise it, or lower vllm.max_model_len or "
+            f"generation.backend_options.kv_cache_mib: {mib} MiB do not hold one sequence of generation.backend_options.max_model_len {max_model_len} tokens "
+            f"({-(-sequence // 2**20)} MiB in {dtype}); raise it, or lower generation.backend_options.max_model_len or "
             "generation.max_new_tokens"
         )
     return mib * 2**20
@@ -370,7 +387,7 @@ class VLLMGenerator(GeneratorBase):
             if not all(future.done() for future in futures):
                 raise ServerError(
                     f"{self.url}: a batch of {len(requests)} requests did not return within its deadline, "
-                    f"{limit_s:g}s ({limit_s / self.timeout:g} x vllm.request_timeout_s)"
+                    f"{limit_s:g}s ({limit_s / self.timeout:g} x generation.backend_options.request_timeout_s)"
                 )
             return [future.result() for future in futures]
         except BaseException:
@@ -403,7 +420,7 @@ class VLLMGenerator(GeneratorBase):
         if wait(futures, timeout=self.timeout).not_done:
             raise ServerError(
                 f"{self.url}: {len(running)} aborted requests of a failed batch still ran "
-                f"vllm.request_timeout_s {self.timeout:g}s later"
+                f"generation.backend_options.request_timeout_s {self.timeout:g}s later"
             )
 
     def load_weights(self, state_dict: Mapping[str, Tensor], version: int) -> None:
@@ -554,7 +571,7 @@ class VLLMGenerator(GeneratorBase):
         except TimeoutError:
             raise ServerError(
                 f"{self.url}: the server's worker did not join the weight-transfer group within "
-                f"2 x vllm.request_timeout_s {self.timeout:g}s"
+                f"2 x generation.backend_options.request_timeout_s {self.timeout:g}s"
             ) from None
 
     def _update(self, version: int, weights: Mapping[str, Tensor] | None) -> None:
@@ -607,7 +624,7 @@ class VLLMGenerator(GeneratorBase):
         """A new server process in place of the dead one, with its weight-transfer engine (counted)."""
         if self.restarts >= self.max_restarts:
             raise ServerError(
-                f"the vLLM server died and vllm.max_restarts={self.max_restarts} restarts are used up; "
+                f"the vLLM server died and generation.backend_options.max_restarts={self.max_restarts} restarts are used up; "
                 f"see {self.server.log_path}"
             )
         self.restarts += 1

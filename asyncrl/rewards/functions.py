@@ -6,10 +6,10 @@ Built-ins, by name:
 - ``numeric_match``: both parse as numbers and are equal ("19", "19.0", " 19 " all match 19);
   anything that is not a plain decimal number scores 0.
 - ``math``: equivalence checked by math-verify (LaTeX, fractions, boxed answers, ...).
-- ``format``: the stripped completion matches a regex as a whole (``rewards.format_pattern``, or
-  the task's own pattern).
+- ``format``: the stripped completion matches a regex as a whole (its option ``pattern``, or the
+  task's own pattern).
 - ``overlong``: DAPO's soft overlong penalty, from the response's length in tokens alone
-  (``OverlongPenalty``; docs/data.md).
+  (``OverlongPenalty``, its option ``cache``; docs/data.md).
 - ``task``: the task's own checker (a reasoning-gym dataset's ``score_answer``, running_sum's credit
   per partial sum).
 - ``package.module:attr``: a function (or an instance) taking (completion, answer), or a class
@@ -34,6 +34,8 @@ from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
 from typing import Any
 
+from pydantic import BaseModel, Field, field_validator
+
 from asyncrl.plugins import resolve, validate_options
 
 RewardFn = Callable[[str, str], float]
@@ -43,10 +45,9 @@ RewardFn = Callable[[str, str], float]
 class RewardContext:
     """What a reward built by ``from_run`` may need from the run besides its options."""
 
-    format_pattern: str | None = None  # rewards.format_pattern, else the task's own
+    format_pattern: str | None = None  # the task's own, for a format reward given no pattern
     task_score: RewardFn | None = None  # the task's own checker
     max_new_tokens: int | None = None  # generation.max_new_tokens
-    overlong_cache: int | None = None  # rewards.overlong_cache
 
 
 _NUMBER = re.compile(r"[+-]?(\d+(\.\d*)?|\.\d+)([eE][+-]?\d+)?")
@@ -72,17 +73,38 @@ def numeric_match(completion: str, answer: str) -> float:
     return float(got is not None and expected is not None and got == expected)
 
 
+class FormatOptions(BaseModel):
+    """``rewards.options.format``."""
+
+    pattern: str | None = Field(
+        None, description="regex the whole stripped completion must match; null: the task's own"
+    )
+
+    @field_validator("pattern")
+    @classmethod
+    def _compiles(cls, pattern: str | None) -> str | None:
+        if pattern is not None:
+            try:
+                re.compile(pattern)
+            except re.error as err:
+                raise ValueError(f"invalid regex ({err})") from None
+        return pattern
+
+
 class FormatReward:
     """1.0 when the stripped completion matches ``pattern`` as a whole; the answer is not looked at."""
+
+    Options = FormatOptions
 
     def __init__(self, pattern: str) -> None:
         self.pattern = re.compile(pattern)
 
     @classmethod
-    def from_run(cls, context: RewardContext) -> FormatReward:
-        if context.format_pattern is None:
-            raise ValueError("rewards.format_pattern: the format reward needs a pattern and the task has none")
-        return cls(context.format_pattern)
+    def from_run(cls, context: RewardContext, pattern: str | None) -> FormatReward:
+        pattern = pattern if pattern is not None else context.format_pattern
+        if pattern is None:
+            raise ValueError("rewards.options.format.pattern: the format reward needs a pattern and the task has none")
+        return cls(pattern)
 
     def __call__(self, completion: str, answer: str) -> float:
         return float(self.pattern.fullmatch(completion.strip()) is not None)
@@ -95,20 +117,28 @@ class OverlongPenalty:
 
     uses_num_tokens = True
 
+    class Options(BaseModel):
+        """``rewards.options.overlong``."""
+
+        cache: int = Field(
+            ge=1,
+            description="L_cache: 0 up to generation.max_new_tokens - L_cache tokens, then linearly down to -1 at "
+            "max_new_tokens (DAPO)",
+        )
+
     def __init__(self, max_new_tokens: int, cache: int) -> None:
         if not 1 <= cache <= max_new_tokens:
             raise ValueError(
-                f"rewards.overlong_cache: {cache} must be between 1 and generation.max_new_tokens {max_new_tokens}"
+                f"rewards.options.overlong.cache: {cache} must be between 1 and generation.max_new_tokens "
+                f"{max_new_tokens}"
             )
         self.max_new_tokens, self.cache = max_new_tokens, cache
 
     @classmethod
-    def from_run(cls, context: RewardContext) -> OverlongPenalty:
-        if context.max_new_tokens is None or context.overlong_cache is None:
-            raise ValueError(
-                "rewards.overlong_cache: the overlong reward needs a cache length and generation.max_new_tokens"
-            )
-        return cls(context.max_new_tokens, context.overlong_cache)
+    def from_run(cls, context: RewardContext, cache: int) -> OverlongPenalty:
+        if context.max_new_tokens is None:
+            raise ValueError("rewards.options.overlong.cache: the overlong reward needs generation.max_new_tokens")
+        return cls(context.max_new_tokens, cache)
 
     def __call__(self, completion: str, answer: str, *, num_tokens: int) -> float:
         over = num_tokens - (self.max_new_tokens - self.cache)
@@ -162,7 +192,7 @@ class TaskReward:
 
 
 def reward_part(name: str, options: Mapping[str, Any] | None = None) -> tuple[Any, dict[str, Any]]:
-    """What ``name`` resolves to, and its checked options: what the config checks at load time."""
+    """What ``name`` resolves to, and its checked options: what ``parts.check_parts`` checks before a run."""
     part = resolve("reward", name, "rewards.functions")
     if not callable(part):
         raise ValueError(f"rewards.functions: '{name}' is not callable")
@@ -191,15 +221,15 @@ def resolve_reward(
     format_pattern: str | None = None,
     task_score: RewardFn | None = None,
     max_new_tokens: int | None = None,
-    overlong_cache: int | None = None,
 ) -> RewardFn:
     """The reward function ``name`` gives: a built-in name or a ``package.module:attr`` path, built
-    with ``options``. ``task_score`` is the task's own checker, the ``task`` reward."""
+    with ``options``. ``task_score`` is the task's own checker, the ``task`` reward, and
+    ``format_pattern`` its pattern, the format reward's when its options give none."""
     part, keywords = reward_part(name, options)
     fn = part
     if isinstance(part, type):
         build = getattr(part, "from_run", None)
-        context = RewardContext(format_pattern, task_score, max_new_tokens, overlong_cache)
+        context = RewardContext(format_pattern, task_score, max_new_tokens)
         fn = build(context, **keywords) if build else part(**keywords)
     if inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None)):  # noqa: B004 (not a callable check)
         raise ValueError(f"rewards.functions: '{name}' is async; rewards are called, not awaited: use a plain def")

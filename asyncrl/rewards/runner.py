@@ -134,17 +134,13 @@ class RewardRunner:
     def from_config(
         cls, cfg: RewardConfig, task: Task | None = None, max_new_tokens: int | None = None
     ) -> RewardRunner:
-        """``task`` supplies the format reward's pattern when ``rewards.format_pattern`` is not set,
-        and the ``task`` reward, its own checker; ``max_new_tokens`` (generation.max_new_tokens) is
-        the overlong reward's L_max."""
-        pattern = cfg.format_pattern
-        if pattern is None and task is not None:
-            pattern = task.format_pattern
+        """``task`` supplies the format reward's pattern when its options give none, and the
+        ``task`` reward, its own checker; ``max_new_tokens`` (generation.max_new_tokens) is the
+        overlong reward's L_max."""
         settings = {
-            "format_pattern": pattern,
+            "format_pattern": task.format_pattern if task is not None else None,
             "task_score": task.score if task is not None else None,
             "max_new_tokens": max_new_tokens,
-            "overlong_cache": cfg.overlong_cache,
         }
         functions = [(name, resolve_reward(name, cfg.options.get(name), **settings)) for name in cfg.functions]
         return cls(

@@ -126,16 +126,14 @@ class ParallelContext:
         self.casts_parameters = mixed_precision is not None
         return model
 
-    def reduce_step(
-        self, sums: Tensor, is_weight_min: Tensor, is_weight_max: Tensor
-    ) -> tuple[Tensor, tuple[Tensor, Tensor]]:
-        """Step counters summed, IS-weight range reduced, over all ranks (two collectives)."""
+    def reduce_step(self, sums: Tensor, low: Tensor, high: Tensor) -> tuple[Tensor, tuple[Tensor, Tensor]]:
+        """Step counters summed, the ranged metrics' (low, high) reduced, over all ranks (two collectives)."""
         group = self.ranks_mesh.get_group()
         sums = sums.clone()
         dist.all_reduce(sums, group=group)
-        extremes = torch.stack([-is_weight_min, is_weight_max])
+        extremes = torch.cat([-low, high])
         dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=group)
-        return sums, (-extremes[0], extremes[1])
+        return sums, (-extremes[: len(low)], extremes[len(low) :])
 
 
 def init_parallel(cfg: ParallelConfig, device: torch.device | str = "cpu") -> ParallelContext:

@@ -28,7 +28,7 @@ import torch
 from torch import Tensor, nn
 
 from asyncrl.algorithms import Algorithm, build_algorithm
-from asyncrl.config import LossConfig, RunConfig, TrainerConfig
+from asyncrl.config import RunConfig, TrainerConfig
 from asyncrl.models import SampledDistribution, token_logprobs
 from asyncrl.models.attention import use_autocast_attention
 from asyncrl.models.factory import DTYPES
@@ -47,17 +47,15 @@ if TYPE_CHECKING:
 # trainer.dtype values that are a compute dtype only: parameters and optimizer state stay float32.
 _LOW_PRECISION = {"bfloat16": torch.bfloat16}
 
-# Per-token metrics reduced as (masked sum, token count); "is_weight" also keeps min and max.
-_SUMMED_METRICS = ("clip", "is_weight", "ratio", "kl", "entropy", "mismatch_kl")
-
 
 class StepInProgressError(RuntimeError):
     """begin_train_step was called while a step is open (or a step method without one)."""
 
 
 # Step counters accumulate in one float64 vector (summed over micro-batches, later over ranks, in
-# one collective): the loss sum, the counts behind D, then each metric's masked sum.
-_COUNTERS = ("loss_sum", "num_tokens", "num_sequences", *(f"{name}_sum" for name in _SUMMED_METRICS))
+# one collective): the loss sum, the counts behind D, the entropy's masked sum, then the masked sum
+# of each metric the algorithm declares (``PolicyTrainer.counters``).
+_COUNTS = ("loss_sum", "num_tokens", "num_sequences", "entropy_sum")
 
 
 @dataclass
@@ -67,8 +65,8 @@ class _StepState:
     step: int
     rng_state: dict[str, Tensor]
     sums: Tensor
-    is_weight_min: Tensor
-    is_weight_max: Tensor
+    low: Tensor  # the smallest value of each ranged metric (``PolicyTrainer.ranged``)
+    high: Tensor  # and the largest
     num_microbatches: int = 0  # since the last update
     expected: tuple[int, int] | None = None  # (tokens, sequences) of the groups since the last update, if told
     updates: list[_Update] = field(default_factory=list)
@@ -82,7 +80,7 @@ class _Update:
     grad_norm: float
     lr: float
     totals: Tensor  # the counters, summed over ranks
-    is_weight_range: tuple[Tensor, Tensor]
+    extremes: tuple[Tensor, Tensor]  # (low, high) of the ranged metrics, over ranks
     num_microbatches: int
     skipped: bool  # non-finite: not applied
     empty: bool  # no response token: nothing to apply
@@ -107,8 +105,9 @@ class PolicyTrainer:
         parallel: ParallelContext | None = None,
         distribution: SampledDistribution = SampledDistribution(),
     ) -> None:
-        """``algorithm``: advantages and the per-token loss (asyncrl/algorithms); its ``options`` are
-        the ``loss`` section, whose aggregation and scoring options the trainer reads.
+        """``algorithm``: advantages and the per-token loss (asyncrl/algorithms); the trainer scores
+        what its ``scoring`` asks for, aggregates its loss by ``trainer.aggregation`` and reduces the
+        metrics it declares, whatever their names.
 
         ``parallel``: this rank's place among the trainer ranks; the policy is wrapped (FSDP2 or
         DDP) and both models get context-parallel attention. Every rank then makes the same calls.
@@ -120,8 +119,8 @@ class PolicyTrainer:
         casts the gathered parameters (MixedPrecisionPolicy), otherwise autocast does. Both models
         stay in eval mode: the loss forward scores with dropout off, like the proximal logprobs,
         so an on-policy ratio is exactly 1."""
-        if algorithm.options.kl_coef > 0 and reference_model is None:
-            raise ValueError("loss.kl_coef: a KL penalty needs a reference model")
+        if algorithm.scoring.reference and reference_model is None:
+            raise ValueError("algorithm: its loss scores against a reference, but no reference model was given")
         if distribution.temperature <= 0:
             raise ValueError(f"temperature: must be > 0, got {distribution.temperature}")
         self.distribution = distribution
@@ -133,6 +132,8 @@ class PolicyTrainer:
         self.reference_model = reference_model
         self.cfg = trainer_cfg
         self.algorithm = algorithm
+        self.counters = (*_COUNTS, *(f"{name}_sum" for name in algorithm.metrics))
+        self.ranged = tuple(name for name, keys in algorithm.metrics.items() if keys.low or keys.high)
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = build_optimizer(self.params, trainer_cfg)
         self.scheduler = build_scheduler(self.optimizer, trainer_cfg, total_steps)
@@ -182,7 +183,8 @@ class PolicyTrainer:
         runtime starts from the same adapters; the reference is that base.
 
         ``parallel``: this rank's context from ``trainer.parallel.start_rank(config.parallel, ...)``."""
-        reference = copy.deepcopy(model).requires_grad_(False) if config.loss.kl_coef > 0 else None
+        algorithm = build_algorithm(config)
+        reference = copy.deepcopy(model).requires_grad_(False) if algorithm.scoring.reference else None
         if config.lora.rank > 0:
             if reference is not None:
                 reference.to(DTYPES[config.trainer.dtype])
@@ -191,18 +193,14 @@ class PolicyTrainer:
         return cls(
             model,
             config.trainer,
-            build_algorithm(config),
-            total_steps=config.grpo.max_steps,
+            algorithm,
+            total_steps=config.step.max_steps,
             reference_model=reference,
             parallel=parallel,
             distribution=SampledDistribution(
                 config.scoring_temperature, config.generation.top_k, config.generation.top_p
             ),
         )
-
-    @property
-    def loss_cfg(self) -> LossConfig:
-        return self.algorithm.options
 
     @property
     def device(self) -> torch.device:
@@ -232,20 +230,20 @@ class PolicyTrainer:
         self._step = _StepState(
             step=step,
             rng_state=self._rng_state(),
-            sums=torch.zeros(len(_COUNTERS), dtype=torch.float64, device=self.device),
-            is_weight_min=torch.tensor(float("inf"), dtype=torch.float64, device=self.device),
-            is_weight_max=torch.tensor(float("-inf"), dtype=torch.float64, device=self.device),
+            sums=torch.zeros(len(self.counters), dtype=torch.float64, device=self.device),
+            low=torch.full((len(self.ranged),), float("inf"), dtype=torch.float64, device=self.device),
+            high=torch.full((len(self.ranged),), float("-inf"), dtype=torch.float64, device=self.device),
         )
 
     def train_microbatch(self, batch: TrainBatch) -> dict[str, Tensor]:
         """Forward + backward of one micro-batch; gradients accumulate, nothing is stepped."""
         state = self._require_step("train_microbatch")
         batch = batch.to(self.device, self.compute_dtype)
-        loss_sum, counters, (is_min, is_max) = self._microbatch_loss(batch)
+        loss_sum, counters, (low, high) = self._microbatch_loss(batch)
         loss_sum.backward()
         state.sums += counters
-        state.is_weight_min = torch.minimum(state.is_weight_min, is_min)
-        state.is_weight_max = torch.maximum(state.is_weight_max, is_max)
+        state.low = torch.minimum(state.low, low)
+        state.high = torch.maximum(state.high, high)
         state.num_microbatches += 1
         return {"loss_sum": counters[0], "num_tokens": counters[1]}
 
@@ -286,8 +284,8 @@ class PolicyTrainer:
 
     def _update(self, state: _StepState) -> None:
         """Normalize the accumulated gradients once by D, clip, step; then reset the accumulators."""
-        totals, is_weight_range = self._step_totals(state)
-        sums = dict(zip(_COUNTERS, totals.tolist()))
+        totals, extremes = self._step_totals(state)
+        sums = dict(zip(self.counters, totals.tolist()))
         count_error = self._check_counts(state, sums)
         lr = self.optimizer.param_groups[0]["lr"]
         if sums["num_tokens"] == 0:
@@ -312,7 +310,7 @@ class PolicyTrainer:
                 grad_norm,
                 lr,
                 totals,
-                is_weight_range,
+                extremes,
                 state.num_microbatches,
                 skipped,
                 sums["num_tokens"] == 0,
@@ -321,8 +319,8 @@ class PolicyTrainer:
         )
         state.expected = None
         state.sums = torch.zeros_like(state.sums)
-        state.is_weight_min = torch.full_like(state.is_weight_min, float("inf"))
-        state.is_weight_max = torch.full_like(state.is_weight_max, float("-inf"))
+        state.low = torch.full_like(state.low, float("inf"))
+        state.high = torch.full_like(state.high, float("-inf"))
         state.num_microbatches = 0
 
     def _check_counts(self, state: _StepState, sums: dict[str, float]) -> float:
@@ -349,10 +347,10 @@ class PolicyTrainer:
         totals = updates[0].totals
         for update in updates[1:]:
             totals = totals + update.totals
-        sums = dict(zip(_COUNTERS, totals.tolist()))
-        is_weight_range = (
-            min((update.is_weight_range[0] for update in updates), key=float),
-            max((update.is_weight_range[1] for update in updates), key=float),
+        sums = dict(zip(self.counters, totals.tolist()))
+        extremes = (
+            torch.stack([update.extremes[0] for update in updates]).amin(0),
+            torch.stack([update.extremes[1] for update in updates]).amax(0),
         )
         scored = [update for update in updates if not update.empty]
         return StepResult(
@@ -363,7 +361,7 @@ class PolicyTrainer:
             num_sequences=round(sums["num_sequences"]),
             num_tokens=round(sums["num_tokens"]),
             num_microbatches=sum(update.num_microbatches for update in updates),
-            metrics=self._reduce_metrics(is_weight_range, sums),
+            metrics=self._reduce_metrics(extremes, sums),
             skipped=any(update.skipped for update in updates),
             num_updates=sum(update.taken for update in updates),
             count_error=max(update.count_error for update in updates),
@@ -396,30 +394,37 @@ class PolicyTrainer:
     # ---- loss -------------------------------------------------------------------------------
 
     def _microbatch_loss(self, batch: TrainBatch) -> tuple[Tensor, Tensor, tuple[Tensor, Tensor]]:
-        """(sum of local_w * mask * loss, this micro-batch's counters, (min, max) response IS weight)."""
+        """(sum of local_w * mask * loss, this micro-batch's counters, (low, high) of the ranged
+        metrics over its response tokens)."""
         inputs = self._loss_inputs(batch)
         loss, metrics = self.algorithm.token_loss(inputs)
-        metrics.setdefault("is_weight", torch.ones_like(loss).detach())  # no importance weight: 1
+        if metrics.keys() != self.algorithm.metrics.keys():
+            raise ValueError(
+                f"algorithm: its loss returned the metrics {sorted(metrics)}, but it declares {sorted(self.algorithm.metrics)}"
+            )
         mask = inputs.response_mask
         loss_sum = (inputs.weights * loss).sum()
-        zero = mask.new_zeros(())
+        entropy_sum = (inputs.entropy.detach() * mask).sum() if inputs.entropy is not None else mask.new_zeros(())
         counters = torch.stack(
             [
                 loss_sum.detach(),
                 inputs.num_tokens,
                 inputs.num_sequences,
-                *((metrics[name] * mask).sum() if name in metrics else zero for name in _SUMMED_METRICS),
+                entropy_sum,
+                *((metrics[name] * mask).sum() for name in self.algorithm.metrics),
             ]
         ).double()
-        is_weight = metrics["is_weight"].double()
-        is_range = (is_weight.where(mask > 0, float("inf")).min(), is_weight.where(mask > 0, float("-inf")).max())
-        return loss_sum, counters, is_range
+        ranged = [metrics[name].double() for name in self.ranged]
+        low = [value.where(mask > 0, float("inf")).min() for value in ranged]
+        high = [value.where(mask > 0, float("-inf")).max() for value in ranged]
+        empty = counters.new_zeros(0)
+        return loss_sum, counters, (torch.stack(low) if low else empty, torch.stack(high) if high else empty)
 
     def _loss_inputs(self, batch: TrainBatch) -> TokenLossInputs:
         """Score the micro-batch: whole rows here, this rank's shard under context parallelism."""
         scoring = {
-            "with_entropy": self.loss_cfg.entropy_coef > 0 or self.loss_cfg.track_entropy,
-            "entropy_grad": self.loss_cfg.entropy_coef > 0,
+            "with_entropy": self.scores_entropy,
+            "entropy_grad": self.algorithm.scoring.entropy,
             "distribution": self.distribution,
             "chunk_tokens": chunk_tokens_for(self.cfg.logprob_chunk_tokens, self.device),
             "packed": self.cfg.packing,
@@ -447,29 +452,38 @@ class PolicyTrainer:
     def _local_weights(self, batch: TrainBatch) -> Tensor:
         """Per-token weights that depend only on each sequence (docs/loss.md); no local counts."""
         return normalization.local_token_weights(
-            batch.response_mask, batch.response_lengths, self.loss_cfg.mode, self.loss_cfg.norm_constant
+            batch.response_mask, batch.response_lengths, self.cfg.aggregation, self.cfg.norm_constant
         )
 
     def _step_normalizer(self, state: _StepState, sums: dict[str, float]) -> float:
         """D, the one divisor of the step, from counts summed over every micro-batch."""
-        return normalization.step_normalizer(self.loss_cfg.mode, sums["num_tokens"], sums["num_sequences"])
+        return normalization.step_normalizer(self.cfg.aggregation, sums["num_tokens"], sums["num_sequences"])
 
     def _step_totals(self, state: _StepState) -> tuple[Tensor, tuple[Tensor, Tensor]]:
-        """The step's counters and IS-weight range, over every rank when there are several."""
+        """The step's counters and the ranged metrics' (low, high), over every rank when there are several."""
         if self.parallel is None:
-            return state.sums, (state.is_weight_min, state.is_weight_max)
-        return self.parallel.reduce_step(state.sums, state.is_weight_min, state.is_weight_max)
+            return state.sums, (state.low, state.high)
+        return self.parallel.reduce_step(state.sums, state.low, state.high)
 
-    def _reduce_metrics(self, is_weight_range: tuple[Tensor, Tensor], sums: dict[str, float]) -> dict[str, float]:
+    @property
+    def scores_entropy(self) -> bool:
+        """Whether the policy's entropy is scored: the algorithm's loss uses it, or ``trainer.track_entropy``."""
+        return self.algorithm.scoring.entropy or self.cfg.track_entropy
+
+    def _reduce_metrics(self, extremes: tuple[Tensor, Tensor], sums: dict[str, float]) -> dict[str, float | None]:
+        """Each declared metric's mean over the step's response tokens under its key, and the ranged
+        ones' smallest and largest value (None without a token); the entropy's mean where scored."""
         tokens = max(sums["num_tokens"], 1.0)
-        metrics = {f"{name}_mean": sums[f"{name}_sum"] / tokens for name in _SUMMED_METRICS}
-        if self.reference_model is None:
-            metrics.pop("kl_mean")
-        if not (self.loss_cfg.entropy_coef > 0 or self.loss_cfg.track_entropy):
-            metrics.pop("entropy_mean")
-        if sums["num_tokens"]:
-            metrics["is_weight_min"] = float(is_weight_range[0])
-            metrics["is_weight_max"] = float(is_weight_range[1])
+        metrics: dict[str, float | None] = {}
+        if self.scores_entropy:
+            metrics["entropy"] = sums["entropy_sum"] / tokens
+        for name, keys in self.algorithm.metrics.items():
+            metrics[keys.mean] = sums[f"{name}_sum"] / tokens
+        for index, name in enumerate(self.ranged):
+            keys = self.algorithm.metrics[name]
+            for key, value in ((keys.low, extremes[0][index]), (keys.high, extremes[1][index])):
+                if key is not None:
+                    metrics[key] = float(value) if sums["num_tokens"] else None
         return metrics
 
     def _require_step(self, method: str) -> _StepState:
@@ -489,7 +503,7 @@ class PolicyTrainer:
         """
         model = self.reference_model if reference else self.model
         if model is None:
-            raise ValueError("compute_logprobs: no reference model (loss.kl_coef is 0)")
+            raise ValueError("compute_logprobs: no reference model (algorithm.options.kl_coef is 0)")
         size = micro_batch_size or self.cfg.micro_batch_size
         scoring = {
             "distribution": self.distribution,

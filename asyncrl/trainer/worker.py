@@ -8,7 +8,7 @@ budget (a longer sequence trains alone), so long and short sequences cost a micr
 micro-batch composition depends only on the order of the groups, never on how the step happened
 to be chunked: the same groups in the same order give a bit-identical step.
 
-With ``grpo.num_minibatches`` K or ``num_epochs`` E above 1 the worker collects the step instead,
+With ``step.num_minibatches`` K or ``num_epochs`` E above 1 the worker collects the step instead,
 and ``finish_step`` cuts its groups into K mini-batches of consecutive groups, packs each the same
 way, scores every micro-batch once with the weights at step start (the proximal logprobs every
 update's ratio is taken against), then trains the mini-batches E times over, one optimizer update
@@ -46,7 +46,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from asyncrl.checkpoint import read_weights, save_checkpoint
-from asyncrl.config import GRPOConfig, IntegrityConfig
+from asyncrl.config import IntegrityConfig, StepConfig
 from asyncrl.generation.base import sample_seed
 from asyncrl.integrity import IntegrityGuard
 from asyncrl.models.lora import check_base, is_lora, read_adapter, save_adapter
@@ -77,7 +77,7 @@ class TrainerWorker:
     def __init__(
         self,
         trainer: PolicyTrainer,
-        grpo_cfg: GRPOConfig,
+        step_cfg: StepConfig,
         tokenizer,
         *,
         rank: int = 0,
@@ -97,7 +97,7 @@ class TrainerWorker:
             guard = IntegrityGuard(integrity)
             trainer.count_check = partial(_check_loss_counts, guard)
         self.tokenizer = tokenizer
-        self.grpo = grpo_cfg
+        self.step_cfg = step_cfg
         self.rank = rank
         self.seed = seed
         self.dp = 1 if trainer.parallel is None else trainer.parallel.dp
@@ -105,7 +105,7 @@ class TrainerWorker:
         self.micro_batch_size = trainer.cfg.micro_batch_size
         self.micro_batch_tokens = trainer.cfg.micro_batch_tokens
         # K mini-batches or E passes: the step is collected first, then trained update by update
-        self.collect = grpo_cfg.num_minibatches * grpo_cfg.num_epochs > 1
+        self.collect = step_cfg.num_minibatches * step_cfg.num_epochs > 1
         self.exported: Sample | None = None  # a sample of the last weights exported (rank 0)
         self._reset_step()
 
@@ -131,7 +131,7 @@ class TrainerWorker:
         """Add a chunk of the step; trains every full round. Returns sequences received so far."""
         for group in groups:
             failed = self.guarded and bool(group.reward_errors)  # a failure is never trained as a number
-            filtered = not failed and self.grpo.filter_zero_variance and not group.informative
+            filtered = not failed and self.step_cfg.filter_zero_variance and not group.informative
             advantages = None if failed or filtered else self.trainer.algorithm.advantages(group.rewards)
             self._data.add(group, self.trainer.version, advantages)
             if failed:
@@ -251,12 +251,12 @@ class TrainerWorker:
         """K mini-batches of consecutive groups, E passes, one update each (the last is left to
         ``finish_train_step``). Every micro-batch is scored first, with the weights at step start:
         those proximal logprobs are what every update's ratio is taken against."""
-        rounds = [self._rounds_of(part) for part in split_evenly(self._collected, self.grpo.num_minibatches)]
+        rounds = [self._rounds_of(part) for part in split_evenly(self._collected, self.step_cfg.num_minibatches)]
         batches = [[self._scored(self._round_batches(round_)) for round_ in minibatch] for minibatch in rounds]
         self._fetched.clear()
         updates = [
             (rounds[k], batches[k])
-            for epoch in range(self.grpo.num_epochs)
+            for epoch in range(self.step_cfg.num_epochs)
             for k in self._pass_order(epoch, len(rounds))
         ]
         for index, (minibatch_rounds, minibatch_batches) in enumerate(updates):
@@ -341,7 +341,7 @@ class TrainerWorker:
         tokens = sequences = 0
         for part in rows:
             for index in range(part.start, part.stop):
-                masked = self.grpo.mask_truncated and part.group.finish_reasons[index] == "length"
+                masked = self.step_cfg.mask_truncated and part.group.finish_reasons[index] == "length"
                 count = 0 if masked else part.group.row_response_tokens[index]
                 tokens, sequences = tokens + count, sequences + (count > 0)
         self.trainer.expect_counts(tokens, sequences)
@@ -361,7 +361,7 @@ class TrainerWorker:
             truncated.extend(reason == "length" for reason in group.finish_reasons[rows.start : rows.stop])
             offset += group.size
         batch = batch.select(index)
-        if self.grpo.mask_truncated and any(truncated):
+        if self.step_cfg.mask_truncated and any(truncated):
             # out of the loss and out of its counts: a row with n_i = 0 is padding (docs/loss.md)
             keep = ~torch.tensor(truncated)
             batch = replace(

@@ -51,22 +51,29 @@ def rows(n: int) -> list[dict]:
     "text, message",
     [
         ("trainer:\n  lrr: 0.1\n", "trainer.lrr: unknown key (did you mean 'trainer.lr'?)"),
-        ("grpo:\n  max_stepz: 3\n", "grpo.max_stepz: unknown key (did you mean 'grpo.max_steps'?)"),
-        ("grpo:\n  max_steps: many\n", "grpo.max_steps: Input should be a valid integer"),
+        ("step:\n  max_stepz: 3\n", "step.max_stepz: unknown key (did you mean 'step.max_steps'?)"),
+        ("step:\n  max_steps: many\n", "step.max_steps: Input should be a valid integer"),
+        ("grpo:\n  max_steps: 3\n", "grpo.max_steps: moved to step.max_steps"),
+        ("loss:\n  kl_coef: 0.1\n", "loss.kl_coef: moved to algorithm.options.kl_coef"),
+        ("loss:\n  mode: token-mean\n", "loss.mode: moved to trainer.aggregation"),
+        (
+            "grpo:\n  max_stepz: 3\n",
+            "grpo.max_stepz: the grpo section moved; its keys are now in step (the step's shape) and algorithm.options (baseline, scale_by_std)",
+        ),
         ("generation:\n  max_new_tokens: true\n", "generation.max_new_tokens: expected a number, got true"),
         ("rewards:\n  weights: [1.0, false]\n", "rewards.weights: expected a number, got [1.0, false]"),
         ("trainer:\n  lr: -1\n", "trainer.lr: Input should be greater than 0 (got -1)"),
         ("trainer:\n  lr: .inf\n", "trainer.lr: must be a finite number (got .inf)"),
         ("trainer:\n  betas: [0.9]\n", "trainer.betas: too few values (got [0.9])"),
         (
-            "grpo:\n  max_steps:\n",
-            "grpo.max_steps: cannot be null (an empty value is null); give a value, e.g. the default 400",
+            "step:\n  max_steps:\n",
+            "step.max_steps: cannot be null (an empty value is null); give a value, e.g. the default 400",
         ),
-        ("grpo: 3\n", "grpo: is a section, so it takes keys such as grpo.prompts_per_step, not a value (got 3)"),
+        ("step: 3\n", "step: is a section, so it takes keys such as step.prompts_per_step, not a value (got 3)"),
         ("sampler:\n  buffer_capacity: 4\n", "sampler.buffer_capacity: 4 < 32 groups required"),
         (
-            "loss:\n  mode: seq-mean-token-sum-norm\n",
-            "loss.norm_constant: required when loss.mode is seq-mean-token-sum-norm",
+            "trainer:\n  aggregation: seq-mean-token-sum-norm\n",
+            "trainer.norm_constant: required when trainer.aggregation is seq-mean-token-sum-norm",
         ),
         ("data:\n  task: jsonl\n", "data.path: required when data.task is jsonl"),
     ],
@@ -91,10 +98,10 @@ def test_unreadable_config_files_name_the_file_and_line(tmp_path, capsys):
         error(capsys, "config", "--config", str(tmp_path)) == f"--config: '{tmp_path}' is a directory, not a YAML file"
     )
     path = tmp_path / "run.yaml"
-    assert config_error(b"seed: 1\ngrpo: [unclosed\n").startswith(f"--config: '{path}' line 3: invalid YAML")
+    assert config_error(b"seed: 1\nstep: [unclosed\n").startswith(f"--config: '{path}' line 3: invalid YAML")
     assert config_error(b"seed: 1\nseed: 2\n") == f"--config: '{path}' line 2: invalid YAML (key 'seed' is given twice)"
     assert config_error(b"seed: 1\n# caf\xe9\n") == f"--config: '{path}' line 2: not UTF-8 text; save the file as UTF-8"
-    assert config_error(b"- grpo\n- loss\n") == f"--config: '{path}' must hold a mapping of sections, got list"
+    assert config_error(b"- step\n- trainer\n") == f"--config: '{path}' must hold a mapping of sections, got list"
     tagged = config_error(b"seed: !!python/object/apply:os.system ['true']\n")
     assert tagged.startswith(f"--config: '{path}' line 1: invalid YAML (could not determine a constructor")
 
@@ -113,16 +120,22 @@ def test_an_empty_config_file_is_the_defaults(tmp_path, capsys):
     "argv, message",
     [
         (
-            ["grpo.max_steps="],
-            "grpo.max_steps: cannot be null (an empty value is null); give a value, e.g. the default 400",
+            ["step.max_steps="],
+            "step.max_steps: cannot be null (an empty value is null); give a value, e.g. the default 400",
         ),
-        (["trainer.max_grad_norm=", "grpo.max_steps=x"], "grpo.max_steps: Input should be a valid integer"),
-        (["grpo=1"], "grpo: is a section, so it takes keys such as grpo.prompts_per_step, not a value (got 1)"),
+        (["trainer.max_grad_norm=", "step.max_steps=x"], "step.max_steps: Input should be a valid integer"),
+        (["step=1"], "step: is a section, so it takes keys such as step.prompts_per_step, not a value (got 1)"),
+        (["grpo.baseline=mean"], "grpo.baseline: moved to algorithm.options.baseline"),
+        (["loss.track_entropy=false"], "loss.track_entropy: moved to trainer.track_entropy"),
+        (
+            ["grpo=1"],
+            "grpo: the grpo section moved; its keys are now in step (the step's shape) and algorithm.options (baseline, scale_by_std)",
+        ),
         (["model="], "model: is a section, so it takes keys such as model.path, not a value (got null)"),
-        (["grpoo.max_steps=1"], "grpoo: unknown key (did you mean 'grpo'?)"),
+        (["stepp.max_steps=1"], "stepp: unknown key (did you mean 'step'?)"),
         (["nonsense.key=1"], "nonsense: unknown key (valid keys: seed, model, tokenizer, data"),
-        (["grpo.max_steps"], "override 'grpo.max_steps': expected key=value, e.g. loss.mode=token-mean"),
-        (["grpo..max_steps=1"], "override 'grpo..max_steps=1': empty key"),
+        (["step.max_steps"], "override 'step.max_steps': expected key=value, e.g. step.max_steps=50"),
+        (["step..max_steps=1"], "override 'step..max_steps=1': empty key"),
         (["seed.x=1"], "seed: is a value, not a section"),
         (["trainer.lr=nan"], "trainer.lr: Input should be greater than 0 (got 'nan')"),
         (["trainer.lr=inf"], "trainer.lr: must be a finite number (got .inf)"),
@@ -497,7 +510,7 @@ def trained(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("trained")
     run(
-        root, "run", "grpo.max_steps=2", "checkpoint.every_steps=1", "logging.eval_every_steps=null", "data.eval_size=2"
+        root, "run", "step.max_steps=2", "checkpoint.every_steps=1", "logging.eval_every_steps=null", "data.eval_size=2"
     )
     return root / "run"
 
@@ -692,7 +705,7 @@ def test_a_long_value_is_cut_short_in_the_message(capsys):
             "generation.top_k=1",
             "generation.top_k: top_k 1 makes the samples of a prompt identical, so every advantage is 0",
         ),
-        ("grpo.generations_per_prompt=1", "grpo.generations_per_prompt: 1 sample per prompt makes every advantage 0"),
+        ("step.generations_per_prompt=1", "step.generations_per_prompt: 1 sample per prompt makes every advantage 0"),
         ("rewards.weights=[0.0]", "rewards.weights: all 0, so every reward and every advantage is 0"),
     ],
 )

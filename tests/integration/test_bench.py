@@ -264,8 +264,8 @@ def test_trl_settings_map_every_shared_setting():
     always = {"sampling seeds", "generation.batch_size", "trainer.micro_batch_size", "advantage epsilon"}
     assert set(base["unmatched"]) == always
     changes = [
-        ("grpo.generations_per_prompt=4", "num_generations", 4),
-        ("grpo.prompts_per_step=3", "per_device_train_batch_size", 3 * 8),
+        ("step.generations_per_prompt=4", "num_generations", 4),
+        ("step.prompts_per_step=3", "per_device_train_batch_size", 3 * 8),
         ("generation.max_new_tokens=7", "max_completion_length", 7),
         ("generation.top_p=0.9", "top_p", 0.9),
         ("generation.top_k=5", "top_k", 5),
@@ -277,41 +277,46 @@ def test_trl_settings_map_every_shared_setting():
         ("trainer.max_grad_norm=0.5", "max_grad_norm", 0.5),
         ("trainer.max_grad_norm=null", "max_grad_norm", 0.0),
         ("trainer.lr_schedule=cosine", "lr_scheduler_type", "cosine_with_min_lr"),
-        ("loss.clip_low=0.1", "epsilon", 0.1),
-        ("loss.clip_high=0.3", "epsilon_high", 0.3),
-        ("loss.dual_clip=5.0", "delta", 5.0),
-        ("loss.dual_clip=null", "delta", None),
-        ("loss.mode=seq-mean-token-mean", "loss_type", "grpo"),
-        ("loss.mode=seq-mean-token-sum", "loss_type", "luspo"),
-        ("grpo.scale_by_std=false", "scale_rewards", "none"),
+        ("algorithm.options.clip_low=0.1", "epsilon", 0.1),
+        ("algorithm.options.clip_high=0.3", "epsilon_high", 0.3),
+        ("algorithm.options.dual_clip=5.0", "delta", 5.0),
+        ("algorithm.options.dual_clip=null", "delta", None),
+        ("trainer.aggregation=seq-mean-token-mean", "loss_type", "grpo"),
+        ("trainer.aggregation=seq-mean-token-sum", "loss_type", "luspo"),
+        ("algorithm.options.scale_by_std=false", "scale_rewards", "none"),
         # with what they cannot match, listed under "unmatched"
         ("generation.temperature=0.7", "temperature", 0.7),
         ("trainer.warmup_steps=10", "warmup_steps", 10),
-        ("loss.kl_coef=0.01", "beta", 0.01),
-        ("loss.entropy_coef=0.01", "entropy_coef", 0.01),
-        ("loss.mode=seq-mean-token-sum-norm", "loss_type", "dr_grpo"),
+        ("algorithm.options.kl_coef=0.01", "beta", 0.01),
+        ("algorithm.options.entropy_coef=0.01", "entropy_coef", 0.01),
+        ("trainer.aggregation=seq-mean-token-sum-norm", "loss_type", "dr_grpo"),
     ]
     for override, key, value in changes:
-        changed = trl_settings(load_config(None, [*constant, "loss.norm_constant=16", override]))["kwargs"]
+        changed = trl_settings(load_config(None, [*constant, "trainer.norm_constant=16", override]))["kwargs"]
         assert changed[key] == value != kwargs[key], override
     cosine = trl_settings(load_config(None, ["trainer.lr_schedule=cosine", "trainer.min_lr_ratio=0.1"]))["kwargs"]
     assert cosine["lr_scheduler_kwargs"] == {"min_lr_rate": 0.1}
     unmatched = [
         ("generation.temperature=0.7", "generation.temperature"),
         ("trainer.warmup_steps=10", "trainer.warmup_steps"),
-        ("loss.kl_coef=0.01", "loss.kl_clamp"),
-        ("grpo.baseline=leave_one_out", "grpo.baseline"),
-        ("grpo.filter_zero_variance=true", "grpo.filter_zero_variance"),
-        ("loss.importance_sampling=icepop", "loss.importance_sampling"),
+        ("algorithm.options.kl_coef=0.01", "algorithm.options.kl_clamp"),
+        ("algorithm.options.baseline=leave_one_out", "algorithm.options.baseline"),
+        ("step.filter_zero_variance=true", "step.filter_zero_variance"),
+        ("algorithm.options.importance_sampling=icepop", "algorithm.options.importance_sampling"),
         ("sampler.max_lag=1", "sampler.max_lag"),
-        ("loss.dual_clip=1.2", "loss.dual_clip"),
-        ("loss.entropy_coef=0.01 loss.mode=seq-mean-token-mean", "loss.entropy_coef"),
+        ("algorithm.options.dual_clip=1.2", "algorithm.options.dual_clip"),
+        (
+            "algorithm.options.entropy_coef=0.01 trainer.aggregation=seq-mean-token-mean",
+            "algorithm.options.entropy_coef",
+        ),
     ]
     for override, key in unmatched:
         assert key in trl_settings(load_config(None, ["sampler.max_lag=0", *override.split()]))["unmatched"], override
-    norm = ["sampler.max_lag=0", "loss.mode=seq-mean-token-sum-norm", "generation.max_new_tokens=16"]
-    assert "loss.norm_constant" not in trl_settings(load_config(None, [*norm, "loss.norm_constant=16"]))["unmatched"]
-    assert "loss.norm_constant" in trl_settings(load_config(None, [*norm, "loss.norm_constant=8"]))["unmatched"]
+    norm = ["sampler.max_lag=0", "trainer.aggregation=seq-mean-token-sum-norm", "generation.max_new_tokens=16"]
+    assert (
+        "trainer.norm_constant" not in trl_settings(load_config(None, [*norm, "trainer.norm_constant=16"]))["unmatched"]
+    )
+    assert "trainer.norm_constant" in trl_settings(load_config(None, [*norm, "trainer.norm_constant=8"]))["unmatched"]
 
 
 @pytest.mark.slow

@@ -239,7 +239,7 @@ def test_a_full_disk_during_a_checkpoint_stops_in_one_line_and_the_previous_one_
         return real_save(obj, FullDisk(f) if full else f, *args, **kwargs)
 
     monkeypatch.setattr(torch, "save", disk_full)
-    train = ["train", "--output-dir", str(run_dir), *SMALL, "grpo.max_steps=3", "checkpoint.every_steps=1"]
+    train = ["train", "--output-dir", str(run_dir), *SMALL, "step.max_steps=3", "checkpoint.every_steps=1"]
     assert main(train) == 1
     assert capsys.readouterr().err == (
         f"error: checkpoint step-000002 could not be written in {root} (OSError: [Errno 28] No space left on "
@@ -272,7 +272,7 @@ def test_a_checkpoint_reloads_in_transformers_exactly_as_trained(tmp_path):
 @pytest.mark.slow
 def test_a_run_starts_from_a_checkpoint_given_as_model_path(tmp_path, capsys):
     path = save(tmp_path / "first", 1, tiny(0))
-    args = ["train", "--output-dir", str(tmp_path / "second"), *SMALL, "grpo.max_steps=1", f"model.path={path}"]
+    args = ["train", "--output-dir", str(tmp_path / "second"), *SMALL, "step.max_steps=1", f"model.path={path}"]
     args.append("data.task=running_sum")  # prompts with spaces: "running sum 3 8 5 1:"
     assert main(args) == 0, capsys.readouterr().err
     assert len(read_jsonl(tmp_path / "second" / "metrics.jsonl")) == 1

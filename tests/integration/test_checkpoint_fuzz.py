@@ -27,7 +27,7 @@ FLIPS_PER_FILE = 12
 def trained(tmp_path_factory):
     root = tmp_path_factory.mktemp("fuzz")
     run(
-        root, "run", "grpo.max_steps=2", "checkpoint.every_steps=1", "logging.eval_every_steps=null", "data.eval_size=2"
+        root, "run", "step.max_steps=2", "checkpoint.every_steps=1", "logging.eval_every_steps=null", "data.eval_size=2"
     )
     return root / "run"
 

@@ -44,7 +44,7 @@ def test_the_run_directory_is_the_command_lines_and_is_recorded_where_the_run_sa
     config_file.write_text(f"logging:\n  output_dir: {tmp_path / 'from-config'}\n")
     run_dir = tmp_path / "from-cli"
     backend = "generation.backend=test_cli_train:backend_writing_to_the_run_dir"
-    argv = ["train", "--config", str(config_file), "--output-dir", str(run_dir), *SMALL, "grpo.max_steps=1", backend]
+    argv = ["train", "--config", str(config_file), "--output-dir", str(run_dir), *SMALL, "step.max_steps=1", backend]
     assert main(argv) == 0
     assert not (tmp_path / "from-config").exists()
     saved = [run_dir / "config.yaml", *run_dir.glob("checkpoints/*/run.yaml")]
@@ -67,13 +67,13 @@ def test_a_buffer_too_small_for_the_sampler_stops_train_before_any_model_is_buil
 @pytest.mark.slow
 def test_train_then_resume_eval_and_plot(tmp_path, capsys):
     run_dir = tmp_path / "run"
-    assert main(["train", "--output-dir", str(run_dir), *SMALL, "grpo.max_steps=2"]) == 0
+    assert main(["train", "--output-dir", str(run_dir), *SMALL, "step.max_steps=2"]) == 0
     out = capsys.readouterr().out
     assert "after 2 steps" in out and str(run_dir) in out
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == 2 and {"initial_eval_accuracy", "final_eval_accuracy", "wall_seconds"} <= summary.keys()
 
-    assert main(["train", "--resume", str(run_dir), "grpo.max_steps=3"]) == 0  # the run's own config.yaml
+    assert main(["train", "--resume", str(run_dir), "step.max_steps=3"]) == 0  # the run's own config.yaml
     assert json.loads((run_dir / "summary.json").read_text())["steps"] == 3
     capsys.readouterr()
 
@@ -89,9 +89,9 @@ def test_train_then_resume_eval_and_plot(tmp_path, capsys):
 @pytest.mark.slow
 def test_resuming_with_an_incompatible_config_is_a_one_line_error(tmp_path, capsys):
     run_dir = tmp_path / "run"
-    assert main(["train", "--output-dir", str(run_dir), *SMALL, "grpo.max_steps=1"]) == 0
+    assert main(["train", "--output-dir", str(run_dir), *SMALL, "step.max_steps=1"]) == 0
     capsys.readouterr()
-    err = one_line_error(capsys, ["train", "--resume", str(run_dir), "grpo.prompts_per_step=2"])
-    assert "grpo.prompts_per_step" in err
+    err = one_line_error(capsys, ["train", "--resume", str(run_dir), "step.prompts_per_step=2"])
+    assert "step.prompts_per_step" in err
     err = one_line_error(capsys, ["train", "--resume", str(run_dir), "model.num_layers=3"])
     assert "weights do not match the model" in err

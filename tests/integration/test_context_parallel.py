@@ -10,7 +10,6 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from asyncrl.algorithms.grpo import GRPO
 from asyncrl.config import ParallelConfig
 from asyncrl.models import SampledDistribution, position_ids_from_mask, token_logprobs
 from asyncrl.trainer import PolicyTrainer
@@ -104,13 +103,13 @@ def single_rank_group(tmp_path):
     dist.destroy_process_group()
 
 
-def run_step(model, batch, loss_cfg, trainer_cfg, parallel):
+def run_step(model, batch, algorithm, trainer_cfg, parallel):
     """At a sampling temperature of 0.7 with top-k and top-p: every path scores the truncated
     distribution, the shards' too."""
     trainer = PolicyTrainer(
         copy.deepcopy(model),
         trainer_cfg,
-        GRPO(loss_cfg, "tis"),
+        algorithm,
         total_steps=10,
         reference_model=copy.deepcopy(model),
         parallel=parallel,
@@ -127,12 +126,12 @@ def run_step(model, batch, loss_cfg, trainer_cfg, parallel):
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize("padded", [True, False])
 def test_cp1_through_the_context_parallel_path_is_bit_identical(single_rank_group, dtype, padded):
-    model, batch, loss_cfg, trainer_cfg = build_problem("seq-mean-token-mean", dtype, 0)
+    model, batch, algorithm, trainer_cfg = build_problem("seq-mean-token-mean", dtype, 0)
     if not padded:
         batch = replace(batch, attention_mask=torch.ones_like(batch.attention_mask))
     through_cp = replace(init_parallel(ParallelConfig()), context=ContextParallel(dist.group.WORLD))
-    plain, plain_lp, plain_ref = run_step(model, batch, loss_cfg, trainer_cfg, None)
-    sharded, sharded_lp, sharded_ref = run_step(model, batch, loss_cfg, trainer_cfg, through_cp)
+    plain, plain_lp, plain_ref = run_step(model, batch, algorithm, trainer_cfg, None)
+    sharded, sharded_lp, sharded_ref = run_step(model, batch, algorithm, trainer_cfg, through_cp)
     assert (sharded.loss, sharded.grad_norm, sharded.metrics) == (plain.loss, plain.grad_norm, plain.metrics)
     for name in plain.grads:
         assert torch.equal(sharded.grads[name], plain.grads[name]), name

@@ -13,23 +13,23 @@ from asyncrl.models import build_tokenizer
 @pytest.mark.slow
 @pytest.mark.parametrize("reward", ["constant_zero", "constant_one"])
 def test_a_run_where_every_group_is_filtered_completes_and_resumes(tmp_path, reward):
-    settings = ["grpo.filter_zero_variance=true", f"rewards.functions=[reward_functions:{reward}]"]
-    summary, metrics, _ = run(tmp_path, "run", *settings, "grpo.max_steps=2", "checkpoint.every_steps=1")
+    settings = ["step.filter_zero_variance=true", f"rewards.functions=[reward_functions:{reward}]"]
+    summary, metrics, _ = run(tmp_path, "run", *settings, "step.max_steps=2", "checkpoint.every_steps=1")
     assert summary["steps"] == 2
     assert [m["num_updates"] for m in metrics] == [0, 0]
     assert [m["empty_steps"] for m in metrics] == [1, 2]
     assert [m["num_filtered_groups"] for m in metrics] == [4, 4] and metrics[0]["loss"] is None
-    summary, resumed, _ = run(tmp_path, "run", *settings, "grpo.max_steps=3", resume=tmp_path / "run")
+    summary, resumed, _ = run(tmp_path, "run", *settings, "step.max_steps=3", resume=tmp_path / "run")
     assert summary["steps"] == 3 and resumed[-1]["empty_steps"] == 3
 
 
 @pytest.mark.slow
 def test_refill_keeps_every_step_at_prompts_per_step_informative_groups_reproducibly(tmp_path):
     settings = [
-        "grpo.filter_zero_variance=true",
-        "grpo.max_refill_groups=32",
+        "step.filter_zero_variance=true",
+        "step.max_refill_groups=32",
         "rewards.functions=[reward_functions:even_answers_score_even_lengths]",
-        "grpo.max_steps=3",
+        "step.max_steps=3",
     ]
     _, metrics, groups = run(tmp_path, "a", *settings)
     assert [m["num_informative_groups"] for m in metrics] == [4, 4, 4]
@@ -45,10 +45,10 @@ def test_refill_works_under_the_windowed_sampler(tmp_path):
     """The windowed sampler admits up to capacity; the refill budget's slots stay free for refills."""
     settings = [
         "sampler.name=windowed",
-        "grpo.filter_zero_variance=true",
-        "grpo.max_refill_groups=32",
+        "step.filter_zero_variance=true",
+        "step.max_refill_groups=32",
         "rewards.functions=[reward_functions:even_answers_score_even_lengths]",
-        "grpo.max_steps=3",
+        "step.max_steps=3",
     ]
     _, metrics, _ = run(tmp_path, "windowed", *settings)
     assert all(m["num_informative_groups"] == 4 for m in metrics)
@@ -64,13 +64,13 @@ def test_refills_given_up_after_their_stream_runs_out_do_not_hold_up_the_step(tm
         "data.num_problems=24",
         "data.eval_size=8",
         "data.epochs=1",
-        "grpo.filter_zero_variance=true",
-        "grpo.max_refill_groups=8",
+        "step.filter_zero_variance=true",
+        "step.max_refill_groups=8",
         "rewards.functions=[reward_functions:constant_zero]",
         "runtime.on_rollout_failure=skip",
         "runtime.max_rollout_retries=0",
         "runtime.watchdog_s=120",
-        "grpo.max_steps=2",
+        "step.max_steps=2",
     ]
     config = load_config(None, [*SMALL, *settings])
     train_prompts = build_task(config.data, build_tokenizer(config)).train
@@ -91,8 +91,8 @@ def test_refills_are_trained_in_the_step_they_refill_under_every_sampler(tmp_pat
     settings = [
         f"sampler.name={sampler}",
         f"sampler.max_lag={max_lag}",
-        "grpo.filter_zero_variance=true",
-        "grpo.max_refill_groups=32",
+        "step.filter_zero_variance=true",
+        "step.max_refill_groups=32",
         "rewards.functions=[reward_functions:even_answers_score_even_lengths]",
     ]
     _, metrics, groups = run(tmp_path, "run", *settings)

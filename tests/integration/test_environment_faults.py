@@ -22,7 +22,7 @@ pytestmark = pytest.mark.slow
 EPISODES = (
     "environment.max_turns=2",
     "environment.max_tokens=24",
-    "grpo.max_steps=2",
+    "step.max_steps=2",
     "warm_start.steps=60",
     "warm_start.lr=0.01",
 )

@@ -32,7 +32,7 @@ def test_held_out_accuracy_of_feedback_episodes_rises_from_the_warm_start(tmp_pa
             f"seed={seed}",
             f"warm_start.cache_dir={warm_start_cache}",
             f"logging.output_dir={tmp_path}",
-            "grpo.max_steps=60",
+            "step.max_steps=60",
             "logging.eval_every_steps=null",  # the first and the last evaluation only
             "logging.progress=false",
             "logging.tensorboard=false",

@@ -30,7 +30,7 @@ def documented_episode_keys() -> tuple[set[str], set[str]]:
 
 @pytest.mark.slow
 def test_a_multi_turn_run_writes_every_documented_episode_metric_and_trains_sampled_tokens_only(tmp_path):
-    _, metrics, _ = run(tmp_path, "run", *EPISODES, "grpo.max_steps=2")
+    _, metrics, _ = run(tmp_path, "run", *EPISODES, "step.max_steps=2")
     written = {key for record in metrics for key in record if "episode/" in key}
     common, added = documented_episode_keys()
     assert common <= written <= common | added and "episode/solved" in written  # the feedback environment's
@@ -43,9 +43,9 @@ def test_a_multi_turn_run_writes_every_documented_episode_metric_and_trains_samp
 
 @pytest.mark.slow
 def test_a_resumed_multi_turn_in_order_run_matches_the_uninterrupted_one(tmp_path):
-    _, full, full_groups = run(tmp_path, "full", *EPISODES, "grpo.max_steps=4", "checkpoint.every_steps=2")
-    run(tmp_path, "part", *EPISODES, "grpo.max_steps=2")
-    _, resumed, resumed_groups = run(tmp_path, "part", *EPISODES, "grpo.max_steps=4", resume=tmp_path / "part")
+    _, full, full_groups = run(tmp_path, "full", *EPISODES, "step.max_steps=4", "checkpoint.every_steps=2")
+    run(tmp_path, "part", *EPISODES, "step.max_steps=2")
+    _, resumed, resumed_groups = run(tmp_path, "part", *EPISODES, "step.max_steps=4", resume=tmp_path / "part")
     assert deterministic(resumed) == deterministic(full)
     assert resumed_groups == full_groups
     assert max(record["episode/turns"] for record in full) > 1
@@ -61,7 +61,7 @@ def test_a_skyrl_gym_environment_trains_whole_episodes_with_its_own_rewards(tmp_
         "environment.max_turns=3",
         "environment.max_tokens=400",  # its requests for another answer are about 130 tokens each
     )
-    _, metrics, groups = run(tmp_path, "run", *skyrl, "grpo.max_steps=2")
+    _, metrics, groups = run(tmp_path, "run", *skyrl, "step.max_steps=2")
     assert [record["step"] for record in metrics] == [1, 2]
     assert max(record["episode/turns"] for record in metrics) > 1  # its feedback asks for another answer
     assert all(record["episode/masked_tokens"] > 0 for record in metrics)

@@ -26,9 +26,11 @@ def test_every_other_row_of_the_batch_has_an_observation_inside_its_response():
 
 @pytest.mark.parametrize("ratio_level", ["token", "sequence"])
 def test_masked_rows_split_match_monolithic_and_training_the_observations_fails(ratio_level):
-    for r in verify(AGG_MODES, micro_batches=3, dtype="float64", ratio_level=ratio_level):
+    for r in verify(AGG_MODES, micro_batches=3, dtype="float64", options={"ratio_level": ratio_level}):
         assert r.passed and r.worst_error[0] <= 1e-9, (r.mode, r.worst_error)
-    for r in verify(AGG_MODES, micro_batches=3, dtype="float64", ratio_level=ratio_level, plant="observation-trained"):
+    for r in verify(
+        AGG_MODES, micro_batches=3, dtype="float64", options={"ratio_level": ratio_level}, plant="observation-trained"
+    ):
         assert not r.passed and r.worst_error[0] > 1e-3, (r.mode, r.worst_error)
 
 

@@ -66,16 +66,16 @@ def test_a_failed_train_step_is_aborted_and_rerun_exactly(tmp_path):
 
 
 def test_a_train_step_that_keeps_failing_stops_with_a_checkpoint_that_resumes_exactly(tmp_path):
-    _, clean, clean_groups = run(tmp_path, "clean", "sampler.max_lag=0", "grpo.min_groups_per_chunk=2")
+    _, clean, clean_groups = run(tmp_path, "clean", "sampler.max_lag=0", "step.min_groups_per_chunk=2")
     with pytest.raises(TrainStepError, match=r"train step 2 failed 1 times \(trainer.max_step_retries=0\)") as err:
-        run(tmp_path, "part", "sampler.max_lag=0", "grpo.min_groups_per_chunk=2", "faults.train_errors=[2]")
+        run(tmp_path, "part", "sampler.max_lag=0", "step.min_groups_per_chunk=2", "faults.train_errors=[2]")
     assert err.value.checkpoint == tmp_path / "part" / "checkpoints" / "step-000002"
     state = load_state(err.value.checkpoint)["run"]
     taken, ready = len(state["step_groups"]), len(state["buffer"]["ready"])
     # the aborted step's chunks (how many were ready at its first chunk is timing), the rest still ready
     assert state["version"] == 2 and taken >= 2 and taken + ready == 4
     summary, resumed, resumed_groups = run(
-        tmp_path, "part", "sampler.max_lag=0", "grpo.min_groups_per_chunk=2", resume=tmp_path / "part"
+        tmp_path, "part", "sampler.max_lag=0", "step.min_groups_per_chunk=2", resume=tmp_path / "part"
     )
     assert summary["steps"] == 4
     assert without(resumed) == without(clean)
@@ -83,9 +83,9 @@ def test_a_train_step_that_keeps_failing_stops_with_a_checkpoint_that_resumes_ex
 
 
 def test_a_non_finite_step_is_skipped_and_counted(tmp_path):
-    _, clean, _ = run(tmp_path, "clean", "sampler.max_lag=0", "grpo.max_steps=2")
+    _, clean, _ = run(tmp_path, "clean", "sampler.max_lag=0", "step.max_steps=2")
     summary, metrics, groups = run(
-        tmp_path, "nan", "sampler.max_lag=0", "grpo.max_steps=3", "faults.nonfinite_steps=[1]"
+        tmp_path, "nan", "sampler.max_lag=0", "step.max_steps=3", "faults.nonfinite_steps=[1]"
     )
     assert [m["skipped"] for m in metrics] == [False, True, False]
     assert [m["nonfinite_steps"] for m in metrics] == [0, 1, 1]
@@ -105,7 +105,7 @@ def test_consecutive_non_finite_steps_stop_the_run_with_a_checkpoint(tmp_path):
 
 def first_prompt(tmp_path) -> str:
     """The task uid (epoch suffix dropped) of the first prompt a small run trains."""
-    _, _, groups = run(tmp_path, "probe", "grpo.max_steps=1")
+    _, _, groups = run(tmp_path, "probe", "step.max_steps=1")
     return groups[0]["prompt_uid"].rsplit("/", 1)[0]
 
 
@@ -239,7 +239,7 @@ def start_cli(tmp_path, name, *overrides):
 
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
 def test_a_signal_checkpoints_the_run_and_exits_128_plus_signal(tmp_path, signum):
-    process = start_cli(tmp_path, "run", "grpo.max_steps=100000", "checkpoint.every_steps=null")
+    process = start_cli(tmp_path, "run", "step.max_steps=100000", "checkpoint.every_steps=null")
     metrics = tmp_path / "run" / "metrics.jsonl"
     deadline = time.monotonic() + 120
     while not (metrics.exists() and len(read_jsonl(metrics)) >= 2):
@@ -309,7 +309,7 @@ def test_a_signal_while_the_run_waits_on_a_rollout_worker_checkpoints_before_the
 
 
 def test_a_kill_during_a_checkpoint_write_leaves_the_previous_one_intact(tmp_path, capsys):
-    process = start_cli(tmp_path, "run", "grpo.max_steps=3", "checkpoint.every_steps=1", "faults.kill_in_checkpoint=2")
+    process = start_cli(tmp_path, "run", "step.max_steps=3", "checkpoint.every_steps=1", "faults.kill_in_checkpoint=2")
     _, err = process.communicate(timeout=300)
     assert process.returncode == -signal.SIGKILL, err
     root = tmp_path / "run" / "checkpoints"

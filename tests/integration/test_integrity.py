@@ -18,8 +18,8 @@ def without_integrity(records):
 
 @pytest.mark.slow
 def test_the_guard_changes_no_metric_of_an_in_order_run(tmp_path):
-    _, guarded, guarded_groups = run(tmp_path, "on", "grpo.max_steps=3")
-    _, unguarded, unguarded_groups = run(tmp_path, "off", "grpo.max_steps=3", "integrity.enabled=false")
+    _, guarded, guarded_groups = run(tmp_path, "on", "step.max_steps=3")
+    _, unguarded, unguarded_groups = run(tmp_path, "off", "step.max_steps=3", "integrity.enabled=false")
     assert deterministic(without_integrity(guarded)) == deterministic(unguarded)
     assert guarded_groups == unguarded_groups
     assert all(key.startswith("integrity/") for key in set(guarded[0]) - set(unguarded[0]))
@@ -101,7 +101,7 @@ def test_a_template_that_rewrites_the_transcript_stops_a_multi_turn_run(tmp_path
     assert "met a chat template that rendered the transcript differently once messages were appended" in line
 
 
-TINY = [key for key in SMALL if key.startswith(("model.", "grpo.", "logging.", "trainer.micro"))]
+TINY = [key for key in SMALL if key.startswith(("model.", "step.", "logging.", "trainer.micro"))]
 HEALTHY = {  # the shipped configs, at the small model's size and a few steps (the default: the first test)
     "tool-use": (
         ROOT / "configs" / "tool-use.yaml",
@@ -117,7 +117,7 @@ def test_healthy_runs_of_the_shipped_configs_never_trip_the_guard(tmp_path, name
     from asyncrl.run import train
 
     path, overrides = HEALTHY[name]
-    train(load_config(path, [*TINY, "grpo.max_steps=3", f"logging.output_dir={tmp_path}", *overrides]))
+    train(load_config(path, [*TINY, "step.max_steps=3", f"logging.output_dir={tmp_path}", *overrides]))
     metrics = read_jsonl(tmp_path / "metrics.jsonl")
     assert len(metrics) == 3
     measured = {"integrity/sampling"}  # the probe's logprob gap: rounding in a healthy float32 run

@@ -95,8 +95,8 @@ def test_a_lora_run_syncs_adapter_bytes_only(tmp_path):
 def test_lora_trains_multi_turn_episodes_in_mini_batches(tmp_path):
     """Adapters with two mini-batch updates a step, on feedback episodes whose replies are masked."""
     episodes = ["environment.name=feedback", "environment.max_turns=3", "environment.max_tokens=40"]
-    overrides = [*SMALL, *LORA, *episodes, "grpo.num_minibatches=2", "warm_start.steps=60", "warm_start.lr=0.01"]
-    summary = train(load_config(None, [*overrides, f"logging.output_dir={tmp_path / 'run'}", "grpo.max_steps=2"]))
+    overrides = [*SMALL, *LORA, *episodes, "step.num_minibatches=2", "warm_start.steps=60", "warm_start.lr=0.01"]
+    summary = train(load_config(None, [*overrides, f"logging.output_dir={tmp_path / 'run'}", "step.max_steps=2"]))
     metrics = read_jsonl(tmp_path / "run" / "metrics.jsonl")
     assert summary["steps"] == 2
     assert [m["num_updates"] for m in metrics] == [2, 2]

@@ -28,7 +28,7 @@ def runs(tmp_path_factory):
     """An uninterrupted 4-step LoRA run, and one stopped after 2 steps and resumed to 4."""
     tmp = tmp_path_factory.mktemp("lora")
     full = run(tmp, "full", *LORA, "checkpoint.every_steps=2")
-    run(tmp, "part", *LORA, "grpo.max_steps=2")
+    run(tmp, "part", *LORA, "step.max_steps=2")
     resumed = run(tmp, "part", *LORA, resume=tmp / "part")
     return tmp, full, resumed
 
@@ -90,7 +90,7 @@ WARM = ["warm_start.steps=20", "environment.name=feedback", "environment.max_tur
 @pytest.mark.slow
 def test_merge_and_eval_rebuild_the_warm_started_base_of_the_run(tmp_path, capsys):
     """The run warm-starts on its environment's demonstrations; merge and eval must do the same."""
-    run(tmp_path, "warm", *LORA, *WARM, "grpo.max_steps=2")
+    run(tmp_path, "warm", *LORA, *WARM, "step.max_steps=2")
     cold, warm = base_model().state_dict(), base_model(*WARM).state_dict()
     assert any(not torch.equal(cold[name], warm[name]) for name in cold)  # the warm start moved the base
     merged_matches_base_and_adapter(tmp_path / "warm", tmp_path / "merged", *WARM)

@@ -12,7 +12,7 @@ from asyncrl.models import build_model, build_tokenizer
 from asyncrl.models.lora import base_sha256
 
 # max_lag 0: step 2's groups come from the weights of the sync after step 1
-LORA = ("trainer.device=cpu", "lora.rank=4", "grpo.max_steps=2", "sampler.max_lag=0", "runtime.name=ray")
+LORA = ("trainer.device=cpu", "lora.rank=4", "step.max_steps=2", "sampler.max_lag=0", "runtime.name=ray")
 
 
 DIGITS = "rewards.functions=[reward_functions:digits]"

@@ -28,7 +28,9 @@ def lora_served(vllm_python, tmp_path_factory):
     """(the trainer, its tokenizer, a vLLM generator with LoRA enabled on the same base), one
     server for the module; no vLLM process it started outlives it."""
     run_dir = tmp_path_factory.mktemp("lora-vllm-run")
-    config = load_config(None, [*LORA_VLLM, f"logging.output_dir={run_dir}", "vllm.max_model_len=256"])
+    config = load_config(
+        None, [*LORA_VLLM, f"logging.output_dir={run_dir}", "generation.backend_options.max_model_len=256"]
+    )
     tokenizer = build_tokenizer(config)
     model = build_model(config, tokenizer)
     before = vllm_processes()
@@ -119,13 +121,13 @@ def test_a_synced_adapter_gives_the_trainers_logprobs_and_older_ones_are_served_
 
 @pytest.mark.slow
 def test_a_lora_run_on_vllm_finishes_and_syncs_adapter_bytes_only(lora_served, tmp_path):
-    """On the module's server (``vllm.url``: its LoRA-enabled start is the fixture's), under adapter
+    """On the module's server (``generation.backend_options.url``: its LoRA-enabled start is the fixture's), under adapter
     names of its own; the run's base is the module's (the same tiny model and seed)."""
     _, _, generator = lora_served
     run_dir = tmp_path / "run"
     model = ["model.hidden_size=128", "model.intermediate_size=512"]
-    overrides = [*SMALL, *LORA_VLLM, *model, "grpo.max_steps=2", "logging.eval_every_steps=null"]
-    overrides.append(f"vllm.url={generator.url}")
+    overrides = [*SMALL, *LORA_VLLM, *model, "step.max_steps=2", "logging.eval_every_steps=null"]
+    overrides.append(f"generation.backend_options.url={generator.url}")
     assert main(["train", "--output-dir", str(run_dir), *overrides]) == 0
     metrics = read_jsonl(run_dir / "metrics.jsonl")
     # the module's server holds the same tiny model's adapters: rank 4 over every projection, float32

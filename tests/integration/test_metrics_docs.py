@@ -22,7 +22,14 @@ def documented_keys(file_name: str) -> set[str]:
 def run_dir(tmp_path_factory):
     """One step of the small run, with every conditional key on: `kl` (a reference model) and `entropy`."""
     tmp_path = tmp_path_factory.mktemp("metrics")
-    run(tmp_path, "run", "grpo.max_steps=1", "data.eval_size=2", "loss.kl_coef=0.01", "loss.track_entropy=true")
+    run(
+        tmp_path,
+        "run",
+        "step.max_steps=1",
+        "data.eval_size=2",
+        "algorithm.options.kl_coef=0.01",
+        "trainer.track_entropy=true",
+    )
     return tmp_path / "run"
 
 

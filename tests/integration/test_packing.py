@@ -10,7 +10,7 @@ from helpers import run
 from transformers import AttentionInterface
 
 from asyncrl.algorithms.grpo import GRPO
-from asyncrl.config import GRPOConfig, LossConfig, TrainerConfig
+from asyncrl.config import StepConfig, TrainerConfig
 from asyncrl.models import SampledDistribution, build_tiny_model, token_logprobs
 from asyncrl.models.packing import Packing
 from asyncrl.trainer import PolicyTrainer, context_parallel
@@ -20,6 +20,8 @@ from asyncrl.trainer.recompute import checkpoint_activations
 from asyncrl.trainer.worker import TrainerWorker
 from asyncrl.types import RolloutGroup
 from asyncrl.verify import CP_PLANTS, PACKED_LEAK, Case, _packed_leak, check_layout, verify, verify_parallel
+
+SEQUENCE = {"ratio_level": "sequence"}  # grpo's sequence ratio (GSPO)
 
 
 def padded(lengths: list[int], width: int, *, left: bool = False, vocab: int = 48, seed: int = 0):
@@ -105,7 +107,7 @@ def test_a_packed_forward_and_its_recomputation_read_the_segments_to_the_host_on
 def test_verify_packed_split_steps_match_and_a_leak_across_sequences_fails():
     for result in verify(AGG_MODES, micro_batches=4, packing=True):
         assert result.passed and result.worst_error[0] < 1e-9, result
-    for result in verify(("token-mean",), micro_batches=2, packing=True, updates=2, ratio_level="sequence"):
+    for result in verify(("token-mean",), micro_batches=2, packing=True, updates=2, options=SEQUENCE):
         assert result.passed, result
     for result in verify(("token-mean", "seq-mean-token-sum"), micro_batches=4, packing=True, plant="packed-leak"):
         assert not result.passed and result.worst_error[0] > 1e-3, result
@@ -120,10 +122,10 @@ def test_packed_rows_on_dp2_x_cp2_match_and_their_planted_mistakes_fail():
     must fail on packed rows too."""
     cases = (
         [Case(mode, packing=True) for mode in AGG_MODES]
-        + [Case("seq-mean-token-mean", ratio_level="sequence", packing=True)]
+        + [Case("seq-mean-token-mean", options=SEQUENCE, packing=True)]
         + [Case("token-mean", lora=True, packing=True)]
         + [Case(mode, plant="packed-leak", packing=True) for mode in AGG_MODES]
-        + [Case("token-mean", plant="cp-shard-mean", ratio_level="sequence", packing=True)]
+        + [Case("token-mean", plant="cp-shard-mean", options=SEQUENCE, packing=True)]
         + [Case("token-mean", plant=plant, packing=True) for plant in CP_PLANTS if plant != "cp-shard-mean"]
     )
     results = verify_parallel(cases, dp=2, cp=2, micro_batches=2)
@@ -138,10 +140,10 @@ def test_a_model_whose_attention_ignores_the_segments_is_refused_when_the_traine
     """What an architecture whose layers drop the attention keywords would do: the trainer's probe
     compares a packed forward with the rows' and refuses it in one line."""
     model = build_tiny_model(48, seed=0, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2)
-    PolicyTrainer(copy.deepcopy(model), TrainerConfig(packing=True), GRPO(LossConfig(), "none"), total_steps=1)
+    PolicyTrainer(copy.deepcopy(model), TrainerConfig(packing=True), GRPO(), total_steps=1)
     monkeypatch.setitem(AttentionInterface._global_mapping, ATTN_IMPLEMENTATION, _packed_leak)
     with pytest.raises(ValueError, match=r"^trainer\.packing: a 'qwen2' model scores packed sequences differently"):
-        PolicyTrainer(model, TrainerConfig(packing=True), GRPO(LossConfig(), "none"), total_steps=1)
+        PolicyTrainer(model, TrainerConfig(packing=True), GRPO(), total_steps=1)
 
 
 # ---- token-budget micro-batches ------------------------------------------------------------------
@@ -167,7 +169,7 @@ def worker(**trainer_options) -> tuple[TrainerWorker, list[list[int]]]:
     """A worker over a float64 tiny trainer, and the real-token lengths of each micro-batch it trains."""
     model = build_tiny_model(48, seed=0, dtype=torch.float64, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2)
     config = TrainerConfig(lr=1e-3, dtype="float64", **trainer_options)
-    trainer = PolicyTrainer(model, config, GRPO(LossConfig(), "none"), total_steps=4)
+    trainer = PolicyTrainer(model, config, GRPO(), total_steps=4)
     trained: list[list[int]] = []
     train = trainer.train_microbatch
 
@@ -176,7 +178,7 @@ def worker(**trainer_options) -> tuple[TrainerWorker, list[list[int]]]:
         return train(batch)
 
     trainer.train_microbatch = record
-    return TrainerWorker(trainer, GRPOConfig(), tokenizer=None), trained
+    return TrainerWorker(trainer, StepConfig(), tokenizer=None), trained
 
 
 GROUPS = [[9, 4, 6, 3], [12, 2, 5, 5], [3, 3, 3, 30]]

@@ -13,9 +13,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from asyncrl.algorithms.grpo import GRPO
+from asyncrl.algorithms.grpo import GRPO, GRPOOptions
 from asyncrl.cli import main
-from asyncrl.config import ConfigError, LossConfig, ParallelConfig, load_config
+from asyncrl.config import ConfigError, ParallelConfig, load_config
 from asyncrl.trainer import PolicyTrainer
 from asyncrl.trainer.context_parallel import gather_sequence, head_tail_columns
 from asyncrl.trainer.normalization import AGG_MODES
@@ -93,12 +93,11 @@ STEPS = 2
 
 
 def two_step_trainer(parallel=None):
-    model, _, _, trainer_cfg = build_problem("token-mean", torch.float64, 0)
-    loss_cfg = LossConfig(mode="seq-mean-token-mean", kl_coef=0.05, entropy_coef=0.01)
+    model, _, algorithm, trainer_cfg = build_problem("seq-mean-token-mean", torch.float64, 0)
     trainer = PolicyTrainer(
         model,
         trainer_cfg,
-        GRPO(loss_cfg, "tis"),
+        algorithm,
         total_steps=10,
         reference_model=copy.deepcopy(model),
         parallel=parallel,
@@ -264,7 +263,7 @@ def test_parallel_config_defaults_to_one_rank_and_checks_its_neighbours():
         (["parallel.backend=nccl", "trainer.device=cpu"], "parallel.backend: nccl needs GPU trainer ranks"),
         (["parallel.backend=gloo", "trainer.device=cuda"], "parallel.backend: gloo runs CPU trainer ranks"),
         (
-            ["runtime.name=ray", "grpo.prompts_per_step=2", "grpo.generations_per_prompt=4", "parallel.dp=9"],
+            ["runtime.name=ray", "step.prompts_per_step=2", "step.generations_per_prompt=4", "parallel.dp=9"],
             "parallel.dp: 9 data-parallel ranks but only 8 sequences per step",
         ),
         (["parallel.cp=0"], "parallel.cp:"),
@@ -291,12 +290,11 @@ def _abort_after_updates_on_fsdp_ranks(rank: int, world_size: int) -> bytes:
     """Two FSDP ranks: steps of three updates, the faulty trainer aborting each once after two."""
     from helpers import updates_of
 
-    model, batch, loss_cfg, trainer_cfg = build_problem("token-mean", torch.float64, 0, updates=3)
-    loss_cfg = loss_cfg.model_copy(update={"kl_coef": 0.0})
+    model, batch, _, trainer_cfg = build_problem("token-mean", torch.float64, 0, updates=3)
+    algorithm = GRPO(GRPOOptions(entropy_coef=0.01), "tis")
     parallel = init_parallel(ParallelConfig(dp=2))
     clean, faulty = (
-        PolicyTrainer(copy.deepcopy(model), trainer_cfg, GRPO(loss_cfg, "tis"), total_steps=5, parallel=parallel)
-        for _ in range(2)
+        PolicyTrainer(copy.deepcopy(model), trainer_cfg, algorithm, total_steps=5, parallel=parallel) for _ in range(2)
     )
     share = batch.select([(4 * rank + row) % len(batch) for row in range(12)])
     for _ in range(2):

@@ -9,8 +9,9 @@ import pytest
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from asyncrl.algorithms import build_algorithm
 from asyncrl.algorithms.grpo import GRPO
-from asyncrl.config import LossConfig, ParallelConfig, TrainerConfig, load_config
+from asyncrl.config import ParallelConfig, TrainerConfig, load_config
 from asyncrl.generation import build_generator
 from asyncrl.generation.hf import sample_next
 from asyncrl.models import SampledDistribution, build_model, build_tiny_model, build_tokenizer, token_logprobs
@@ -23,9 +24,8 @@ STEPS = 10
 
 
 def trainer_for(model, dtype, parallel=None, **trainer_fields):
-    cfg = TrainerConfig(lr=1e-6, max_grad_norm=None, dtype=dtype, **trainer_fields)
-    loss = LossConfig(mode="seq-mean-token-mean")
-    return PolicyTrainer(model, cfg, GRPO(loss, "none"), total_steps=STEPS, parallel=parallel)
+    cfg = TrainerConfig(lr=1e-6, max_grad_norm=None, dtype=dtype, aggregation="seq-mean-token-mean", **trainer_fields)
+    return PolicyTrainer(model, cfg, GRPO(), total_steps=STEPS, parallel=parallel)
 
 
 def relative_updates(dtype, parallel=None) -> dict[str, float]:
@@ -173,8 +173,8 @@ def test_an_on_policy_run_at_temperature_0_7_needs_no_correction(tmp_path):
         "t07",
         "sampler.max_lag=0",
         "generation.temperature=0.7",
-        "loss.importance_sampling=tis",
-        "grpo.max_steps=3",
+        "algorithm.options.importance_sampling=tis",
+        "step.max_steps=3",
     )
     assert len(metrics) == 3
     for record in metrics:
@@ -191,12 +191,12 @@ def test_an_on_policy_run_at_temperature_0_7_needs_no_correction(tmp_path):
         (["generation.top_p=0.9"], "none"),  # the trainer scores the truncated distribution
         (["generation.top_k=20"], "none"),
         (["trainer.dtype=bfloat16"], "tis"),
-        (["trainer.dtype=bfloat16", "loss.importance_sampling=icepop"], "icepop"),
+        (["trainer.dtype=bfloat16", "algorithm.options.importance_sampling=icepop"], "icepop"),
     ],
 )
 def test_auto_importance_sampling_is_on_whenever_the_distributions_can_differ(overrides, mode):
     config = load_config(None, ["sampler.max_lag=0", *overrides])
-    assert config.importance_sampling == mode
+    assert build_algorithm(config).importance_sampling == mode
 
 
 # ---- dropout, activation checkpointing, entropy ------------------------------------------------
@@ -223,7 +223,7 @@ def on_policy_step(train_mode: bool):
 def test_an_on_policy_step_has_ratio_exactly_one_with_dropout_configured():
     result = on_policy_step(train_mode=False)
     assert result.metrics["ratio_mean"] == pytest.approx(1.0, abs=1e-12)
-    assert result.metrics["clip_mean"] == 0.0
+    assert result.metrics["clip_fraction"] == 0.0
     # the twin: a loss forward in train mode, dropout on, has ratios off 1 by noise (the noise is
     # about zero-mean, so their mean can land within 1e-4 of 1, never within 1e-12 of it)
     assert abs(on_policy_step(train_mode=True).metrics["ratio_mean"] - 1) > 1e-8

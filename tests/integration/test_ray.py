@@ -236,7 +236,7 @@ def test_an_in_order_episode_run_warm_starts_the_ranks_on_the_environments_demon
         "environment.max_tokens=40",
         "warm_start.steps=60",
         "warm_start.lr=0.01",
-        "grpo.max_steps=3",
+        "step.max_steps=3",
         f"warm_start.cache_dir={tmp_path / 'cache'}",
     )
     _, local, local_groups = run(tmp_path, "local", *episodes)
@@ -261,12 +261,12 @@ def test_the_controller_runs_in_an_actor_and_broadcasts_weights_to_two_generator
 def test_a_generator_that_dies_mid_run_is_restarted_with_the_latest_weights(ray_cluster, tmp_path, local_run):
     marker = ray_cluster
     marker.write_text("")
-    _, _, local_groups = local_run("grpo.max_steps=5")
+    _, _, local_groups = local_run("step.max_steps=5")
     summary, _, groups = run(
         tmp_path,
         "ray",
         RAY,
-        "grpo.max_steps=5",
+        "step.max_steps=5",
         "rewards.functions=[reward_functions:exit_once]",
         "rewards.processes=1",
     )
@@ -368,7 +368,7 @@ def close(a, b) -> bool:
 @pytest.mark.parametrize("layout", ["parallel.dp=2", "parallel.cp=2"])
 def test_trainer_ranks_match_the_single_rank_run(ray_cluster, tmp_path, local_run, layout):
     """dp=2 also broadcasts weights from rank 0, beside the ranks' own process group."""
-    synchronous = (DIGITS, "sampler.max_lag=0", "grpo.max_steps=3")
+    synchronous = (DIGITS, "sampler.max_lag=0", "step.max_steps=3")
     _, single, _ = local_run(*synchronous)
     transport = "sync.transport=broadcast" if layout == "parallel.dp=2" else "sync.transport=object_store"
     _, ranks, _ = run(tmp_path, "ranks", RAY, layout, transport, *synchronous)
@@ -427,7 +427,7 @@ def test_an_interrupted_cli_run_on_ray_leaves_no_ray_process_behind(tmp_path):
         str(run_dir),
         *SMALL,
         RAY,
-        "grpo.max_steps=500",
+        "step.max_steps=500",
     ]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:

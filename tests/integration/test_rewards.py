@@ -18,6 +18,7 @@ import pytest
 
 from asyncrl.config import ConfigError, RewardConfig, load_config
 from asyncrl.data import Task
+from asyncrl.parts import check_parts
 from asyncrl.rewards import FormatReward, OverlongPenalty, RewardRunner, exact_match, numeric_match, resolve_reward
 from asyncrl.rewards import processes as processes_module
 from asyncrl.rewards import runner as runner_module
@@ -187,7 +188,7 @@ def test_resolve_builtins_and_custom_paths():
         ("operator:no_such_fn", "cannot load 'operator:no_such_fn'"),
         ("math:pi", "'math:pi' is not callable"),
         ("operator:not_", "'operator:not_' must accept \\(completion, answer\\)"),
-        ("format", "rewards.format_pattern: the format reward needs a pattern"),
+        ("format", "rewards.options.format.pattern: the format reward needs a pattern"),
     ],
 )
 def test_resolve_rejects_bad_names_naming_the_field(name, match):
@@ -374,13 +375,14 @@ def test_runner_rejects_bad_arguments(kwargs, match):
         RewardRunner(kwargs.pop("functions"), **kwargs)
 
 
-def test_from_config_takes_the_format_pattern_from_config_then_task():
+def test_from_config_takes_the_format_pattern_from_its_options_then_the_task():
     task = Task("t", train=[], heldout=[], format_pattern=r"\d+(,\d+)*")
     from_task = RewardRunner.from_config(RewardConfig(functions=["format"]), task)
     assert from_task.score(["1,2"], [""]).rewards == [1.0]
-    configured = RewardRunner.from_config(RewardConfig(functions=["format"], format_pattern=r"[a-z]+"), task)
+    own = RewardConfig(functions=["format"], options={"format": {"pattern": r"[a-z]+"}})
+    configured = RewardRunner.from_config(own, task)
     assert configured.score(["1,2", "ab"], ["", ""]).rewards == [0.0, 1.0]
-    with pytest.raises(ValueError, match="^rewards.format_pattern"):
+    with pytest.raises(ValueError, match="^rewards.options.format.pattern"):
         RewardRunner.from_config(RewardConfig(functions=["format"]))
     runner = RewardRunner.from_config(
         RewardConfig(functions=["exact_match", "operator:eq"], weights=[1.0, 0.5], timeout_s=2.0, processes=3)
@@ -400,13 +402,14 @@ def test_overlong_penalty_is_zero_then_falls_linearly_to_minus_one_at_the_limit(
     penalty = OverlongPenalty(20, 4)
     lengths = [0, 16, 17, 18, 20, 25]
     assert [penalty("", "", num_tokens=n) for n in lengths] == [0.0, 0.0, -0.25, -0.5, -1.0, -1.0]
-    with pytest.raises(ValueError, match="^rewards.overlong_cache"):
+    with pytest.raises(ValueError, match="^rewards.options.overlong.cache"):
         OverlongPenalty(20, 21)
 
 
 def test_overlong_is_configured_beside_other_rewards_and_scored_on_token_counts():
     cfg = load_config(
-        None, ["rewards.functions=[exact_match,overlong]", "rewards.overlong_cache=4", "rewards.weights=[1,0.5]"]
+        None,
+        ["rewards.functions=[exact_match,overlong]", "rewards.options.overlong.cache=4", "rewards.weights=[1,0.5]"],
     )
     with RewardRunner.from_config(cfg.rewards, max_new_tokens=cfg.generation.max_new_tokens) as runner:
         result = runner.score(["19", "19", "x"], ["19", "19", "19"], num_tokens=[3, 14, 16])
@@ -414,13 +417,17 @@ def test_overlong_is_configured_beside_other_rewards_and_scored_on_token_counts(
         assert result.rewards == [1.0, 0.75, -0.5] and result.correct == [True, True, False]
         with pytest.raises(ValueError, match="overlong needs num_tokens"):
             runner.score(["19"], ["19"])
-    for overrides, message in [
-        (["rewards.functions=[overlong]"], "rewards.overlong_cache: the overlong reward needs a cache length"),
-        (["rewards.functions=[overlong]", "rewards.overlong_cache=17"], "rewards.overlong_cache: 17 is more than"),
-    ]:
-        with pytest.raises(ConfigError) as info:
-            load_config(None, overrides)
-        assert str(info.value).startswith(message)
+    with pytest.raises(ValueError) as info:  # the options are checked where the run checks its parts
+        check_parts(load_config(None, ["rewards.functions=[overlong]"]))
+    assert str(info.value) == "rewards.options.overlong.cache: Field required"
+    too_long = load_config(None, ["rewards.functions=[overlong]", "rewards.options.overlong.cache=17"])
+    with pytest.raises(ValueError, match="^rewards.options.overlong.cache: 17 must be between 1 and generation"):
+        RewardRunner.from_config(too_long.rewards, max_new_tokens=too_long.generation.max_new_tokens)
+    with pytest.raises(ConfigError, match="^rewards.overlong_cache: moved to rewards.options.overlong.cache"):
+        load_config(None, ["rewards.overlong_cache=4"])
+    bad_regex = load_config(None, ["rewards.functions=[format]", "rewards.options.format.pattern=("])
+    with pytest.raises(ValueError, match=r"^rewards.options.format.pattern: invalid regex \(missing \)"):
+        check_parts(bad_regex)
 
 
 @pytest.mark.parametrize(
@@ -429,7 +436,7 @@ def test_overlong_is_configured_beside_other_rewards_and_scored_on_token_counts(
         ("rewards.functions=[exact]", "rewards.functions: unknown reward 'exact'"),
         ("rewards.functions=[]", "rewards.functions: at least one reward function is needed"),
         ("rewards.functions=[format,format]", "rewards.functions: 'format' is listed twice"),
-        ("rewards.format_pattern='('", "rewards.format_pattern: invalid regex"),
+        ("rewards.format_pattern=x", "rewards.format_pattern: moved to rewards.options.format.pattern"),
         ("rewards.processes=0", "rewards.processes"),
         ("rewards.threads=32", "rewards.threads: unknown key"),
         ("rewards.max_hung_threads=64", "rewards.max_hung_threads: unknown key"),
@@ -511,7 +518,7 @@ def test_a_run_whose_reward_holds_the_interpreter_lock_finishes_its_steps(tmp_pa
     summary, metrics, _ = run(
         tmp_path,
         "gil",
-        "grpo.max_steps=2",
+        "step.max_steps=2",
         "rewards.functions=[user_rewards:backtrack]",
         "rewards.timeout_s=0.5",
         "runtime.watchdog_s=30",
@@ -537,7 +544,7 @@ def test_a_stalled_run_leaves_no_reward_processes(tmp_path):
 def test_sigterm_leaves_no_reward_processes(tmp_path):
     from helpers import SMALL
 
-    args = ["train", "--output-dir", str(tmp_path / "run"), *SMALL, "grpo.max_steps=100000"]
+    args = ["train", "--output-dir", str(tmp_path / "run"), *SMALL, "step.max_steps=100000"]
     process = subprocess.Popen([sys.executable, "-m", "asyncrl.cli", *args], stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 120
     while not (workers := reward_processes(process.pid)):

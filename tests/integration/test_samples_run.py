@@ -60,7 +60,7 @@ def test_the_default_config_gives_no_warning(tmp_path):
     from asyncrl.run import train
 
     overrides = [
-        "grpo.max_steps=20",
+        "step.max_steps=20",
         f"logging.output_dir={tmp_path / 'run'}",
         f"warm_start.cache_dir={tmp_path / 'warm_start'}",
         "logging.eval_every_steps=null",

@@ -30,7 +30,7 @@ def test_in_order_runs_are_reproducible_and_use_the_prescribed_weights(tmp_path,
 
 @pytest.mark.slow
 def test_max_lag_one_overlaps_the_loops_but_never_exceeds_the_bound(tmp_path):
-    summary, metrics, groups = run(tmp_path, "lag", "sampler.max_lag=1", "grpo.max_steps=5")
+    summary, metrics, groups = run(tmp_path, "lag", "sampler.max_lag=1", "step.max_steps=5")
     lags = [g["trained_at"] - g["start_version"] for g in groups]
     assert max(lags) == 1 and lags.count(1) >= 4 * 4  # every step after the first trained lag-1 data
     assert summary["max_lag_trained"] == 1
@@ -38,9 +38,9 @@ def test_max_lag_one_overlaps_the_loops_but_never_exceeds_the_bound(tmp_path):
 
 @pytest.mark.slow
 def test_resume_continues_exactly_like_an_uninterrupted_run(tmp_path):
-    _, full, full_groups = run(tmp_path, "full", "grpo.max_steps=5", "checkpoint.every_steps=2")
-    _, head, _ = run(tmp_path, "part", "grpo.max_steps=2")
-    summary, resumed, resumed_groups = run(tmp_path, "part", "grpo.max_steps=5", resume=tmp_path / "part")
+    _, full, full_groups = run(tmp_path, "full", "step.max_steps=5", "checkpoint.every_steps=2")
+    _, head, _ = run(tmp_path, "part", "step.max_steps=2")
+    summary, resumed, resumed_groups = run(tmp_path, "part", "step.max_steps=5", resume=tmp_path / "part")
     assert deterministic(resumed) == deterministic(full)
     assert resumed_groups == full_groups
     assert read_jsonl(tmp_path / "part" / "samples.jsonl") == read_jsonl(tmp_path / "full" / "samples.jsonl")
@@ -50,7 +50,7 @@ def test_resume_continues_exactly_like_an_uninterrupted_run(tmp_path):
 @pytest.mark.slow
 def test_the_end_of_the_data_stops_the_run_cleanly(tmp_path):
     before = set(threading.enumerate())  # threads earlier tests of the session left are theirs
-    summary, metrics, _ = run(tmp_path, "short", "data.epochs=1", "data.num_problems=18", "grpo.max_steps=100")
+    summary, metrics, _ = run(tmp_path, "short", "data.epochs=1", "data.num_problems=18", "step.max_steps=100")
     assert summary["steps"] == len(metrics) == 3  # 10 prompts: steps of 4, 4 and the last 2
     assert metrics[-1]["num_groups"] == 2
     assert set(threading.enumerate()) <= before, "the run left threads running"
@@ -64,7 +64,7 @@ def test_rewards_that_raise_drop_their_group_and_rewards_that_hang_score_zero_an
     summary, metrics, _ = run(
         tmp_path,
         "faulty",
-        "grpo.max_steps=2",
+        "step.max_steps=2",
         "rewards.functions=[exact_match, reward_functions:raising_reward, reward_functions:hanging_reward]",
         "rewards.timeout_s=0.1",
         "integrity.failures.action=warn",
@@ -78,9 +78,9 @@ def test_rewards_that_raise_drop_their_group_and_rewards_that_hang_score_zero_an
     _, metrics, _ = run(
         tmp_path,
         "hanging",
-        "grpo.max_steps=1",
-        "grpo.prompts_per_step=1",
-        "grpo.generations_per_prompt=2",
+        "step.max_steps=1",
+        "step.prompts_per_step=1",
+        "step.generations_per_prompt=2",
         "rewards.functions=[exact_match, reward_functions:hanging_reward]",
         "rewards.timeout_s=0.1",
     )
@@ -137,27 +137,27 @@ def test_max_lag_zero_reproduces_a_plain_synchronous_loop(tmp_path):
     from asyncrl.types import RolloutJob
 
     steps = 3
-    _, metrics, _ = run(tmp_path, "async", "sampler.max_lag=0", f"grpo.max_steps={steps}")
+    _, metrics, _ = run(tmp_path, "async", "sampler.max_lag=0", f"step.max_steps={steps}")
 
     config = load_config(None, [*SMALL, "sampler.max_lag=0"])
     tokenizer = build_tokenizer(config)
     model = build_model(config, tokenizer)
     task = build_task(config.data, tokenizer)
-    trainer = TrainerWorker(PolicyTrainer.from_config(config, model), config.grpo, tokenizer)
+    trainer = TrainerWorker(PolicyTrainer.from_config(config, model), config.step, tokenizer)
     rewards = RewardRunner.from_config(config.rewards, task)
     rollout = RolloutWorker(
         build_generator(config, copy.deepcopy(model), tokenizer),
         rewards,
         tokenizer,
         run_seed=config.seed,
-        group_size=config.grpo.generations_per_prompt,
+        group_size=config.step.generations_per_prompt,
         sampling=SamplingParams.from_config(config.generation),
     )
     loader = PromptLoader(task.train, shuffle_seed=config.data.shuffle_seed, epochs=None)
-    per_batch = config.generation.batch_size // config.grpo.generations_per_prompt
+    per_batch = config.generation.batch_size // config.step.generations_per_prompt
     reference = []
     for step in range(steps):
-        jobs = [RolloutJob(i, loader.next(), step, step) for i in range(config.grpo.prompts_per_step)]
+        jobs = [RolloutJob(i, loader.next(), step, step) for i in range(config.step.prompts_per_step)]
         groups = [g for b in range(0, len(jobs), per_batch) for g in rollout.generate(jobs[b : b + per_batch]).groups]
         trainer.begin_step(step)
         trainer.train_groups(groups)
@@ -210,7 +210,7 @@ def test_the_multi_token_task_trains_with_a_format_reward(tmp_path):
         "generation.max_new_tokens=8",
         "rewards.functions=[exact_match, format]",
         "rewards.weights=[1.0, 0.1]",
-        "grpo.max_steps=2",
+        "step.max_steps=2",
     )
     assert summary["steps"] == 2 and summary["reward_errors"] == 0
     assert all(0.0 <= m["reward_mean"] <= 1.1 for m in metrics)
@@ -218,8 +218,8 @@ def test_the_multi_token_task_trains_with_a_format_reward(tmp_path):
 
 @pytest.mark.slow
 def test_a_run_trains_with_the_sequence_ratio_and_the_overlong_penalty(tmp_path):
-    overrides = ["loss.ratio_level=sequence", "grpo.num_minibatches=2", "grpo.max_steps=2"]
-    overrides += ["rewards.functions=[exact_match,overlong]", "rewards.overlong_cache=2"]
+    overrides = ["algorithm.options.ratio_level=sequence", "step.num_minibatches=2", "step.max_steps=2"]
+    overrides += ["rewards.functions=[exact_match,overlong]", "rewards.options.overlong.cache=2"]
     _, metrics, groups = run(tmp_path, "gspo", *overrides)
     assert len(metrics) == 2 and all(math.isfinite(m["loss"]) for m in metrics)
     assert any(g["reward_mean"] < 0 for g in groups)  # 4-token responses that reach the limit are penalized

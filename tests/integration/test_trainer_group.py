@@ -149,8 +149,8 @@ SMALL = [
     "model.intermediate_size=64",
     "trainer.device=cpu",
     "trainer.lr=0.01",
-    "grpo.prompts_per_step=5",
-    "grpo.generations_per_prompt=4",
+    "step.prompts_per_step=5",
+    "step.generations_per_prompt=4",
     "warm_start.steps=3",
     "warm_start.batch_size=8",
 ]
@@ -189,8 +189,8 @@ MICRO_BATCH = 6  # groups of 4: some lie in one micro-batch, some straddle two; 
 RANK_OVERRIDES = [
     "runtime.name=ray",
     f"trainer.micro_batch_size={MICRO_BATCH}",
-    "grpo.filter_zero_variance=true",
-    "loss.kl_coef=0.05",  # the reference logprobs run on every micro-batch too, padding included
+    "step.filter_zero_variance=true",
+    "algorithm.options.kl_coef=0.05",  # the reference logprobs run on every micro-batch too, padding included
     # AdamW moves a coordinate by about lr * g / (|g| + eps): with the default eps a gradient that is
     # zero up to rounding (the key bias's, which softmax ignores) moves by a rounding-decided lr.
     "trainer.eps=1e-6",

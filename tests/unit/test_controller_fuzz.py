@@ -110,7 +110,7 @@ class Scenario:
     max_step_retries: int
     checkpoint_every: int | None
     eval_every: int | None
-    refill_budget: int | None  # None: no filtering; else grpo.max_refill_groups with filtering on
+    refill_budget: int | None  # None: no filtering; else step.max_refill_groups with filtering on
     schedule_seed: int
 
 
@@ -381,7 +381,7 @@ def step_report(version: int, groups: list[RolloutGroup]) -> StepReport:
         num_sequences=len(groups),
         num_tokens=len(groups),
         num_microbatches=1,
-        metrics={"clip_mean": 0.0, "is_weight_mean": 1.0, "mismatch_kl_mean": 0.0},
+        metrics={"clip_fraction": 0.0, "is_weight_mean": 1.0, "mismatch_kl": 0.0},
     )
     data = StepData()
     for group in groups:
@@ -461,7 +461,7 @@ class Sink:
 def run_config(sampler_name: str, scenario: Scenario) -> RunConfig:
     s = scenario
     return RunConfig(
-        grpo={
+        step={
             "prompts_per_step": s.prompts_per_step,
             "generations_per_prompt": 2,
             "max_steps": s.max_steps,

@@ -56,7 +56,7 @@ class Quiet:
 
 def test_a_worker_that_stops_the_run_is_not_retried():
     config = RunConfig(
-        grpo={"prompts_per_step": 2, "generations_per_prompt": 2, "max_steps": 2},
+        step={"prompts_per_step": 2, "generations_per_prompt": 2, "max_steps": 2},
         generation={"batch_size": 4},
         runtime={"max_rollout_retries": 2},
         logging={"tensorboard": False, "progress": False},

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from asyncrl.config import ConfigError, DataConfig, RunConfig, load_config
+from asyncrl.config import DataConfig, RunConfig, load_config
 from asyncrl.data import ARITHMETIC_LEVELS, Prompt, PromptLoader, build_task, encode_prompts
 from asyncrl.data.prompts import apply_chat_template
 from asyncrl.data.synthetic import evaluate
@@ -86,7 +86,7 @@ def test_the_default_task_is_too_large_to_memorize_in_a_default_run():
     assert (task.name, len(task.heldout), len(task.train)) == ("running_sum", 256, 10_000 - 256)
     assert all(re.fullmatch(r"running sum( \d){4}:", p.text) for p in task.heldout)
     defaults = RunConfig()
-    assert defaults.grpo.max_steps * defaults.grpo.prompts_per_step <= len(task.train)  # no prompt is seen twice
+    assert defaults.step.max_steps * defaults.step.prompts_per_step <= len(task.train)  # no prompt is seen twice
 
 
 def test_running_sum_writes_out_every_partial_sum():
@@ -137,6 +137,16 @@ def test_too_few_problems_for_the_held_out_split_is_a_config_error():
     assert (len(small.train), len(small.heldout)) == (80, 20)
 
 
+def data_error(overrides) -> str:
+    """The first problem of a config's data settings: a bad name when the config loads, a task's
+    settings where the run checks its parts (before anything is built)."""
+    from asyncrl.parts import check_parts
+
+    with pytest.raises(ValueError) as info:
+        check_parts(load_config(None, overrides))
+    return str(info.value)
+
+
 @pytest.mark.parametrize(
     "overrides, message",
     [
@@ -155,9 +165,7 @@ def test_too_few_problems_for_the_held_out_split_is_a_config_error():
     ],
 )
 def test_config_rejects_inconsistent_data_settings(overrides, message):
-    with pytest.raises(ConfigError) as info:
-        load_config(None, overrides)
-    assert str(info.value).startswith(message)
+    assert data_error(overrides).startswith(message)
 
 
 # --- user files
@@ -294,7 +302,7 @@ def test_a_run_trains_on_a_saved_dataset_dict(tmp_path):
 
     path = saved_splits(tmp_path / "saved", train=sums(0, 40), test=sums(40, 48))
     settings = ["data.task=hf_dataset", f"data.path={path}", "data.prompt_field=q", "data.answer_field=a"]
-    summary, metrics, groups = run(tmp_path, "run", *settings, "data.eval_split=test", "grpo.max_steps=2")
+    summary, metrics, groups = run(tmp_path, "run", *settings, "data.eval_split=test", "step.max_steps=2")
     assert summary["steps"] == 2 and [m["num_groups"] for m in metrics] == [4, 4]
     assert all(g["prompt_uid"].startswith("train/") for g in groups)
     assert [e["num_prompts"] for e in read_jsonl(tmp_path / "run" / "eval.jsonl")] == [8, 8]
@@ -387,9 +395,7 @@ def test_a_loader_over_a_reloaded_hf_dataset_resumes_where_the_saved_one_was(tmp
     ],
 )
 def test_split_keys_belong_to_hf_dataset(overrides, message):
-    with pytest.raises(ConfigError) as info:
-        load_config(None, overrides)
-    assert str(info.value).startswith(message)
+    assert data_error(overrides).startswith(message)
 
 
 # --- chat templates

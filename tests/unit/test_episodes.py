@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from asyncrl.algorithms.grpo import GRPO
-from asyncrl.config import GRPOConfig, LossConfig, TrainerConfig
+from asyncrl.config import StepConfig, TrainerConfig
 from asyncrl.data import Prompt
 from asyncrl.environments import Environment, Turn
 from asyncrl.environments.episode import EpisodeLimits, MultiTurn, turn_seed
@@ -317,13 +317,15 @@ def test_a_backend_taking_concurrent_calls_gets_turns_that_become_ready_while_a_
 
 def _trainer(**grpo) -> TrainerWorker:
     model = build_tiny_model(len(TOKENIZER), seed=0, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2)
-    trainer = PolicyTrainer(model, TrainerConfig(lr=1e-2, micro_batch_size=4), GRPO(LossConfig(), "tis"), total_steps=2)
-    return TrainerWorker(trainer, GRPOConfig(generations_per_prompt=2, **grpo), TOKENIZER)
+    trainer = PolicyTrainer(
+        model, TrainerConfig(lr=1e-2, micro_batch_size=4), GRPO(importance_sampling="tis"), total_steps=2
+    )
+    return TrainerWorker(trainer, StepConfig(generations_per_prompt=2, **grpo), TOKENIZER)
 
 
 def test_mask_truncated_leaves_out_a_cut_turn_but_trains_an_episode_ended_by_its_turn_limit():
     """An unsolved episode at max_turns is a failure GRPO must learn from; only a turn cut at
-    generation.max_new_tokens (or the token budget) is what grpo.mask_truncated leaves out."""
+    generation.max_new_tokens (or the token budget) is what step.mask_truncated leaves out."""
     unsolved, cut = [ids("9") + [EOS]] * 3, [ids("123456789")]  # no end token within max_new_tokens 8
     completions, _ = run({1: unsolved, 2: cut}, [Prompt("p", "2+2=", "4")] * 2, EpisodeLimits(2, 200))
     assert [c.rollout.finish_reason for c in completions] == ["max_turns", "length"]
@@ -356,7 +358,7 @@ def test_a_non_finite_environment_reward_scores_zero_and_is_counted_as_a_reward_
     ).groups
     episodes.close()
     assert group.rewards.tolist() == [0.0, 0.0] and group.reward_errors == 2
-    assert torch.isfinite(GRPO(LossConfig(), "tis").advantages(group.rewards)).all()
+    assert torch.isfinite(GRPO(importance_sampling="tis").advantages(group.rewards)).all()
 
 
 class _Hangs(FeedbackEnvironment):

@@ -59,10 +59,12 @@ def test_device_resolution():
 
 
 def test_trainer_from_config_wires_loss_schedule_and_reference():
-    config = load_config(None, ["model.num_layers=1", "loss.kl_coef=0.1", "sampler.max_lag=0", "grpo.max_steps=7"])
+    config = load_config(
+        None, ["model.num_layers=1", "algorithm.options.kl_coef=0.1", "sampler.max_lag=0", "step.max_steps=7"]
+    )
     model = build_model(config, build_tokenizer(config))
     trainer = PolicyTrainer.from_config(config, model)
-    assert trainer.loss_cfg.kl_coef == 0.1 and trainer.algorithm.importance_sampling == "none"
+    assert trainer.algorithm.options.kl_coef == 0.1 and trainer.algorithm.importance_sampling == "none"
     assert trainer.reference_model is not None and trainer.reference_model is not model
     assert not any(p.requires_grad for p in trainer.reference_model.parameters())
     assert PolicyTrainer.from_config(load_config(None, ["model.num_layers=1"]), model).reference_model is None

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from asyncrl.algorithms.grpo import (
+    GRPOOptions,
     clipped_surrogate,
     group_advantages,
     importance_weights,
@@ -14,7 +15,6 @@ from asyncrl.algorithms.grpo import (
     token_loss,
     zero_variance_groups,
 )
-from asyncrl.config import LossConfig
 from asyncrl.trainer.normalization import AGG_MODES, local_token_weights, step_normalizer
 
 SQRT3 = math.sqrt(3.0)
@@ -223,7 +223,7 @@ def test_mismatch_kl_estimates_kl_of_generator_from_trainer():
     exact = float((gen * (gen.log() - train.log())).sum())
     tokens = torch.multinomial(gen, 200_000, replacement=True, generator=torch.Generator().manual_seed(0))
     lp_gen, lp_train = gen.log()[tokens][None], train.log()[tokens][None]
-    _, metrics = token_loss(lp_train, lp_train, lp_gen, f64([[1.0]]), cfg=LossConfig(), is_mode="tis")
+    _, metrics = token_loss(lp_train, lp_train, lp_gen, f64([[1.0]]), cfg=GRPOOptions(), is_mode="tis")
     assert float(metrics["mismatch_kl"].mean()) == pytest.approx(exact, rel=0.03)
     twin = float(kl_k3(lp_train, lp_gen).mean())
     assert twin != pytest.approx(exact, rel=0.03)
@@ -243,7 +243,7 @@ def test_token_loss_composition_and_metrics():
     behaviour = f64([[-math.log(1.5)]])
     ref = logprobs.detach() + 1
     entropy = f64([[2.0]]).requires_grad_()
-    cfg = LossConfig(kl_coef=0.1, entropy_coef=0.01)
+    cfg = GRPOOptions(kl_coef=0.1, entropy_coef=0.01)
     loss, metrics = token_loss(
         logprobs, old, behaviour, f64([[2.0]]), cfg=cfg, is_mode="tis", ref_logprobs=ref, entropy=entropy
     )
@@ -252,7 +252,7 @@ def test_token_loss_composition_and_metrics():
     assert_close(metrics["is_weight"], [[1.5]])
     assert_close(metrics["ratio"], [[0.9]])
     assert_close(metrics["kl"], [[math.e - 2]])
-    assert_close(metrics["entropy"], [[2.0]])
+    assert "entropy" not in metrics  # the trainer's to report
     assert_close(metrics["mismatch_kl"], [[0.5 - math.log(1.5)]])
     assert all(m.grad_fn is None for m in metrics.values())
     # d l / d lp = w_is * (-A r) + kl_coef * (1 - e^d) = 1.5 * -1.8 + 0.1 * (1 - e)
@@ -264,24 +264,24 @@ def test_token_loss_composition_and_metrics():
 def test_token_loss_optional_terms():
     lp = f64([[-1.0, -2.0]])
     advantages = f64([[1.0]])
-    bare, metrics = token_loss(lp, lp, lp, advantages, cfg=LossConfig(), is_mode="tis")
+    bare, metrics = token_loss(lp, lp, lp, advantages, cfg=GRPOOptions(), is_mode="tis")
     # r = 1, w = 1: l = -A
     assert_close(bare, [[-1.0, -1.0]])
     assert set(metrics) == {"clip", "is_weight", "ratio", "mismatch_kl"}
-    # ref and entropy given with zero coefficients: reported, not added to the loss
+    # ref and entropy given with zero coefficients: not added to the loss; the KL is reported
     loss, metrics = token_loss(
-        lp, lp, lp, advantages, cfg=LossConfig(), is_mode="tis", ref_logprobs=lp + 1, entropy=lp.exp()
+        lp, lp, lp, advantages, cfg=GRPOOptions(), is_mode="tis", ref_logprobs=lp + 1, entropy=lp.exp()
     )
     assert torch.equal(loss, bare)
-    assert set(metrics) == {"clip", "is_weight", "ratio", "mismatch_kl", "kl", "entropy"}
+    assert set(metrics) == {"clip", "is_weight", "ratio", "mismatch_kl", "kl"}
 
 
 def test_token_loss_requires_inputs_for_its_terms():
     lp = f64([[-1.0]])
     with pytest.raises(ValueError, match="ref_logprobs"):
-        token_loss(lp, lp, lp, lp, cfg=LossConfig(kl_coef=0.1), is_mode="tis")
+        token_loss(lp, lp, lp, lp, cfg=GRPOOptions(kl_coef=0.1), is_mode="tis")
     with pytest.raises(ValueError, match="entropy"):
-        token_loss(lp, lp, lp, lp, cfg=LossConfig(entropy_coef=0.1), is_mode="tis")
+        token_loss(lp, lp, lp, lp, cfg=GRPOOptions(entropy_coef=0.1), is_mode="tis")
 
 
 def test_sequence_ratio_is_the_geometric_mean_of_response_token_ratios_clipped_per_sequence():
@@ -293,7 +293,7 @@ def test_sequence_ratio_is_the_geometric_mean_of_response_token_ratios_clipped_p
     old = torch.zeros_like(logprobs)
     s0 = math.sqrt(1.32)
     assert_close(sequence_ratio(logprobs, old, mask), [[s0] * 3, [1.5] * 3])
-    cfg = LossConfig(dual_clip=None, ratio_level="sequence")
+    cfg = GRPOOptions(dual_clip=None, ratio_level="sequence")
     loss, metrics = token_loss(logprobs, old, old, f64([[1.0], [1.0]]), cfg=cfg, is_mode="none", response_mask=mask)
     assert_close(loss * mask, [[-s0, -s0, 0.0], [-1.28] * 3])
     assert_close(metrics["clip"], [[0.0] * 3, [1.0] * 3])

@@ -310,7 +310,7 @@ def test_step_record_is_a_function_of_its_inputs():
         num_sequences=8,
         num_tokens=40,
         num_microbatches=2,
-        metrics={"clip_mean": 0.1, "is_weight_mean": 1.0, "mismatch_kl_mean": 0.0, "kl_mean": 0.5},
+        metrics={"clip_fraction": 0.1, "is_weight_mean": 1.0, "mismatch_kl": 0.0, "kl": 0.5},
     )
     data = StepData(num_groups=2, num_samples=8, reward_sum=4.0, reward_sq_sum=4.0, lag_histogram=Counter({0: 1, 2: 1}))
     sync = SyncReport(version=3, pause_s=0.5, transfer_s=0.25, bytes=100, transport="in_process")

@@ -123,7 +123,7 @@ def my_parts(tmp_path, monkeypatch):
 
 @pytest.mark.slow
 def test_a_run_uses_a_users_sampler_reward_task_and_backend_with_their_options(tmp_path, my_parts):
-    config = load_config(None, [*SMALL, *PARTS, f"logging.output_dir={tmp_path / 'run'}", "grpo.max_steps=2"])
+    config = load_config(None, [*SMALL, *PARTS, f"logging.output_dir={tmp_path / 'run'}", "step.max_steps=2"])
     assert my_parts.built_samplers == []  # validating the config checked its name only
     train(config)
     assert my_parts.built_samplers == ["run"]  # the run built it, once

@@ -7,6 +7,7 @@ from asyncrl.config import load_config
 from asyncrl.data import build_task, check_prompt_lengths, longest_prompt
 from asyncrl.environments.context import first_requests, request_bound
 from asyncrl.generation.vllm import served_context
+from asyncrl.generation.vllm_options import VLLMOptions
 from asyncrl.models.factory import build_tokenizer
 
 
@@ -26,12 +27,12 @@ def test_a_runs_longest_request_is_its_templated_opening_its_episode_and_a_turn(
     assert longest_prompt(task, tokenizer) == raw
     longest, budget = request_bound(task, config, tokenizer)
     assert (longest, longest + budget.tokens) == (opening, bound)
-    assert served_context(config, tokenizer, 1024) == bound
+    assert served_context(config, VLLMOptions(), tokenizer, 1024) == bound
     check_prompt_lengths(first_requests(task, config, tokenizer), config, bound)
     with pytest.raises(ValueError, match=rf"the templated opening is {opening} tokens, and with environment.max_tok"):
         check_prompt_lengths(first_requests(task, config, tokenizer), config, bound - 1)
-    config.vllm.max_model_len = bound - 1
     with pytest.raises(
-        ValueError, match=rf"^vllm.max_model_len: {bound - 1} tokens do not hold .* raise it to {bound}"
+        ValueError,
+        match=rf"^generation.backend_options.max_model_len: {bound - 1} tokens do not hold .* raise it to {bound}",
     ):
-        served_context(config, tokenizer, 1024)
+        served_context(config, VLLMOptions(max_model_len=bound - 1), tokenizer, 1024)

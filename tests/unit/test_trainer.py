@@ -8,8 +8,8 @@ import torch
 from helpers import updates_of
 
 from asyncrl.algorithms import grpo
-from asyncrl.algorithms.grpo import GRPO
-from asyncrl.config import LossConfig, TrainerConfig
+from asyncrl.algorithms.grpo import GRPO, GRPOOptions
+from asyncrl.config import TrainerConfig
 from asyncrl.generation.base import SampleRequest, SamplingParams
 from asyncrl.generation.hf import HFGenerator
 from asyncrl.models import SampledDistribution, build_tiny_model
@@ -27,7 +27,7 @@ def make_trainer(seed: int = 0, **trainer_overrides) -> PolicyTrainer:
         VOCAB, seed=seed, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=64
     )
     cfg = TrainerConfig(lr=1e-2, **trainer_overrides)
-    return PolicyTrainer(model, cfg, GRPO(LossConfig(), "tis"), total_steps=10)
+    return PolicyTrainer(model, cfg, GRPO(GRPOOptions(), "tis"), total_steps=10)
 
 
 def batch_for(trainer: PolicyTrainer, seed: int):
@@ -187,11 +187,11 @@ def test_step_result_counts_and_metrics():
     assert result.num_sequences == 12
     assert result.num_tokens == int(batch.response_mask.sum())
     assert result.num_microbatches == 1
-    assert 0.0 <= result.metrics["clip_mean"] <= 1.0
+    assert 0.0 <= result.metrics["clip_fraction"] <= 1.0
     assert result.metrics["is_weight_max"] <= 2.0  # tis cap
     assert result.metrics["is_weight_min"] > 0.0
-    assert result.metrics["entropy_mean"] > 0.0
-    assert "kl_mean" not in result.metrics
+    assert result.metrics["entropy"] > 0.0
+    assert "kl" not in result.metrics
 
 
 def test_gradient_clipping_caps_the_norm():
@@ -257,8 +257,8 @@ def test_kl_penalty_requires_a_reference_model():
     model = build_tiny_model(
         VOCAB, seed=0, hidden_size=32, num_layers=1, num_heads=4, num_kv_heads=2, intermediate_size=64
     )
-    with pytest.raises(ValueError, match="loss.kl_coef"):
-        PolicyTrainer(model, TrainerConfig(), GRPO(LossConfig(kl_coef=0.1), "none"), total_steps=1)
+    with pytest.raises(ValueError, match="scores against a reference, but no reference model"):
+        PolicyTrainer(model, TrainerConfig(), GRPO(GRPOOptions(kl_coef=0.1), "none"), total_steps=1)
 
 
 def test_lr_schedule_warmup_constant_and_cosine():
@@ -331,10 +331,10 @@ def test_step_loss_and_gradient_equal_the_design_formula(mode):
         num_kv_heads=2,
         intermediate_size=64,
     )
-    loss_cfg = LossConfig(mode=mode, norm_constant=3.0 if mode.endswith("norm") else None)
-    trainer = PolicyTrainer(
-        copy.deepcopy(model), TrainerConfig(max_grad_norm=None), GRPO(loss_cfg, "tis"), total_steps=1
+    trainer_cfg = TrainerConfig(
+        max_grad_norm=None, aggregation=mode, norm_constant=3.0 if mode.endswith("norm") else None
     )
+    trainer = PolicyTrainer(copy.deepcopy(model), trainer_cfg, GRPO(importance_sampling="tis"), total_steps=1)
     batch = random_batch(model, num_groups=3, group_size=4, vocab_size=VOCAB, seed=5).to("cpu", torch.float64)
     trainer.begin_train_step()
     for micro in batch.split([5, 7]):
@@ -347,7 +347,7 @@ def test_step_loss_and_gradient_equal_the_design_formula(mode):
         batch.prox_logprobs,
         batch.behaviour_logprobs,
         batch.advantages[:, None],
-        cfg=trainer.loss_cfg,
+        cfg=trainer.algorithm.options,
         is_mode="tis",
         entropy=entropy,
     )
@@ -380,7 +380,7 @@ def test_bfloat16_policy_trains_with_float32_loss_arithmetic():
         intermediate_size=64,
     )
     before = [p.detach().float() for p in model.parameters()]
-    trainer = PolicyTrainer(model, TrainerConfig(dtype="bfloat16"), GRPO(LossConfig(), "tis"), total_steps=1)
+    trainer = PolicyTrainer(model, TrainerConfig(dtype="bfloat16"), GRPO(GRPOOptions(), "tis"), total_steps=1)
     assert trainer.compute_dtype == torch.float32  # the masters are float32 (tests/test_precision.py)
     result = trainer.train_step(batch_for(make_trainer(), 0))
     assert result.version == 1 and torch.isfinite(torch.tensor(result.loss)) and result.grad_norm > 0
@@ -397,11 +397,11 @@ def test_behaviour_clip_takes_the_ratio_to_the_generator_and_one_update_alone_ne
         batch.prox_logprobs = batch.behaviour_logprobs.clone() if prox else None
         return trainer.train_step(batch)
 
-    bypass = step(LossConfig(clip_against="behaviour"), "none", prox=False)
-    as_proximal = step(LossConfig(), "none", prox=True)
+    bypass = step(GRPOOptions(clip_against="behaviour"), "none", prox=False)
+    as_proximal = step(GRPOOptions(), "none", prox=True)
     assert bypass.loss == as_proximal.loss and bypass.grad_norm == as_proximal.grad_norm
-    assert bypass.metrics["clip_mean"] > 0 and bypass.metrics["mismatch_kl_mean"] > 0
-    assert step(LossConfig(), "tis", prox=False).metrics["clip_mean"] == 0  # ratio identically 1
+    assert bypass.metrics["clip_fraction"] > 0 and bypass.metrics["mismatch_kl"] > 0
+    assert step(GRPOOptions(), "tis", prox=False).metrics["clip_fraction"] == 0  # ratio identically 1
 
 
 # ---- truncated sampling is scored as sampled -------------------------------------------------------
@@ -437,15 +437,15 @@ def test_on_policy_truncated_samples_have_unit_weights_and_nothing_clipped(trunc
         trainer = PolicyTrainer(
             copy.deepcopy(model),
             TrainerConfig(lr=1e-2, dtype="float64"),
-            GRPO(LossConfig(clip_against=clip_against), "tis" if clip_against == "proximal" else "none"),
+            GRPO(GRPOOptions(clip_against=clip_against), "tis" if clip_against == "proximal" else "none"),
             total_steps=10,
             distribution=scored_as,
         )
         metrics = trainer.train_step(copy.deepcopy(batch)).metrics
         unit = max(abs(metrics["is_weight_min"] - 1), abs(metrics["is_weight_max"] - 1), abs(metrics["ratio_mean"] - 1))
         if on_policy:
-            assert unit <= 1e-6 and metrics["clip_mean"] == 0, metrics
+            assert unit <= 1e-6 and metrics["clip_fraction"] == 0, metrics
         else:  # the twin: scored untruncated, the ratio to the generator is the kept mass, below 1
             assert unit > 1e-3, metrics
             if clip_against == "behaviour" and "top_k" in truncation:  # 5 of 40 tokens keep less than 0.8
-                assert metrics["clip_mean"] > 0, metrics
+                assert metrics["clip_fraction"] > 0, metrics

@@ -7,9 +7,9 @@ import torch
 from helpers import TOKENIZER, make_groups
 
 from asyncrl.algorithms import grpo
-from asyncrl.algorithms.grpo import GRPO
+from asyncrl.algorithms.grpo import GRPO, GRPOOptions
 from asyncrl.checkpoint import load_state, resolve_checkpoint
-from asyncrl.config import GRPOConfig, LossConfig, TrainerConfig
+from asyncrl.config import StepConfig, TrainerConfig
 from asyncrl.models import build_tiny_model
 from asyncrl.trainer import PolicyTrainer
 from asyncrl.trainer.worker import TrainerWorker
@@ -23,11 +23,11 @@ def make_worker(micro_batch_size=5, kl_coef=0.0, **grpo) -> TrainerWorker:
     trainer = PolicyTrainer(
         model,
         TrainerConfig(lr=1e-2, micro_batch_size=micro_batch_size),
-        GRPO(LossConfig(kl_coef=kl_coef), "tis"),
+        GRPO(GRPOOptions(kl_coef=kl_coef), "tis"),
         total_steps=10,
         reference_model=copy.deepcopy(model) if kl_coef else None,
     )
-    return TrainerWorker(trainer, GRPOConfig(generations_per_prompt=4, **grpo), TOKENIZER)
+    return TrainerWorker(trainer, StepConfig(generations_per_prompt=4, **grpo), TOKENIZER)
 
 
 def run_step(worker: TrainerWorker, groups, chunks):
@@ -85,7 +85,7 @@ def test_zero_variance_groups_are_filtered_but_counted():
 
 def test_kl_penalty_gets_reference_logprobs():
     report = run_step(make_worker(kl_coef=0.1), make_groups(5), [2, 3])
-    assert "kl_mean" in report.result.metrics
+    assert "kl" in report.result.metrics
 
 
 def test_abort_drops_the_partial_step():
@@ -177,7 +177,7 @@ def test_minibatch_updates_equal_whole_minibatch_updates_against_step_start_logp
     expected = reference.finish_train_step()
     assert report.result.num_updates == expected.num_updates == num_minibatches * num_epochs
     assert report.result.loss == pytest.approx(expected.loss, rel=1e-5)
-    assert report.result.metrics["clip_mean"] == expected.metrics["clip_mean"] > 0  # the clip acts
+    assert report.result.metrics["clip_fraction"] == expected.metrics["clip_fraction"] > 0  # the clip acts
     for name, tensor in worker.trainer.model.state_dict().items():
         torch.testing.assert_close(tensor, reference.model.state_dict()[name], rtol=1e-4, atol=1e-5)
 

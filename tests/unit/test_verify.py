@@ -8,6 +8,8 @@ from asyncrl.models import build_tiny_model
 from asyncrl.trainer.normalization import AGG_MODES
 from asyncrl.verify import Case, random_batch, uneven_split, verify, verify_parallel
 
+SEQUENCE = {"ratio_level": "sequence"}  # grpo's sequence ratio (GSPO)
+
 
 @pytest.mark.parametrize("micro_batches", [2, 4, 16])
 def test_float64_split_matches_monolithic_within_1e9_for_every_mode(micro_batches):
@@ -77,13 +79,13 @@ def test_cli_verify_passes_and_planted_mistake_exits_nonzero(capsys):
 
 
 def test_sequence_ratio_split_matches_monolithic_within_1e9():
-    for r in verify(("token-mean", "seq-mean-token-mean"), micro_batches=3, ratio_level="sequence"):
+    for r in verify(("token-mean", "seq-mean-token-mean"), micro_batches=3, options=SEQUENCE):
         assert r.passed and r.worst_error[0] <= 1e-9, (r.mode, r.worst_error)
 
 
 @pytest.mark.slow
 def test_sequence_ratio_split_over_two_updates_matches_monolithic_within_1e9():
-    for r in verify(AGG_MODES, micro_batches=3, updates=2, ratio_level="sequence"):
+    for r in verify(AGG_MODES, micro_batches=3, updates=2, options=SEQUENCE):
         assert r.passed and r.worst_error[0] <= 1e-9, (r.mode, r.worst_error)
 
 
@@ -91,8 +93,8 @@ def test_sequence_ratio_split_over_two_updates_matches_monolithic_within_1e9():
 @pytest.mark.parametrize("updates", [1, 2])
 def test_sequence_ratio_over_dp_and_cp_ranks_matches_and_a_per_shard_mean_fails(updates):
     modes = ("token-mean", "seq-mean-token-mean")
-    cases = [Case(mode, ratio_level="sequence") for mode in modes]
-    cases += [Case(mode, plant="cp-shard-mean", ratio_level="sequence") for mode in modes]
+    cases = [Case(mode, options=SEQUENCE) for mode in modes]
+    cases += [Case(mode, plant="cp-shard-mean", options=SEQUENCE) for mode in modes]
     for r in verify_parallel(cases, dp=2, cp=2, micro_batches=2, updates=updates):
         if r.case.plant is None:
             assert r.passed and r.worst_error[0] <= 1e-9, (updates, r.case, r.worst_error)
@@ -101,5 +103,5 @@ def test_sequence_ratio_over_dp_and_cp_ranks_matches_and_a_per_shard_mean_fails(
 
 
 def test_cp_shard_mean_plant_needs_the_sequence_ratio():
-    with pytest.raises(ValueError, match="--plant: cp-shard-mean .* --ratio-level sequence"):
+    with pytest.raises(ValueError, match="--plant: cp-shard-mean .* --option ratio_level=sequence"):
         verify(("token-mean",), cp=2, plant="cp-shard-mean")

@@ -1,0 +1,67 @@
+"""The parts a run config names, checked before anything is built.
+
+Loading a config checks names and shapes only (``plugins.check_spec``): it never builds a part or
+imports a user's module, so a config can be read anywhere (a worker, ``asyncrl config``, a test)
+without running code. ``check_parts`` is the one place that does, where a run starts and where
+``asyncrl config`` checks a file: each reward and the environment are resolved and their options
+validated, a user's module in a fresh process under its startup deadline (it may block or crash
+at import); the generation backend's options are checked (a backend is imported where the
+generator is built, in the run's process, anyway); the task part is built, which checks its
+settings; and what the task declares is checked against the rewards (a task scored by its own
+checker must list the ``task`` reward).
+Every problem is one ValueError naming the field.
+"""
+
+from __future__ import annotations
+
+from asyncrl.config import RunConfig
+from asyncrl.data.tasks import task_source
+from asyncrl.plugins import resolve, validate_options
+from asyncrl.rewards.processes import check_loads
+
+
+def check_parts(config: RunConfig) -> None:
+    """Every part ``config`` names, resolved and its options checked (module docstring)."""
+    _check_rewards(config)
+    _check_environment(config)
+    _check_backend(config)
+    _check_task(config)
+
+
+def _check_rewards(config: RunConfig) -> None:
+    rewards = config.rewards
+    checks = [
+        (name, "asyncrl.rewards.functions:reward_part", (name, rewards.options.get(name))) for name in rewards.functions
+    ]
+    setting, process = "rewards.startup_timeout_s", "a reward process"
+    check_loads("reward", checks, "rewards.functions", setting, rewards.startup_timeout_s, process)
+
+
+def _check_environment(config: RunConfig) -> None:
+    environment = config.environment
+    if environment.name is None:
+        return
+    check = (environment.name, "asyncrl.environments.base:environment_part", (environment.name, environment.options))
+    setting, process = "environment.startup_timeout_s", "a process loading the environment"
+    check_loads("environment", [check], "environment.name", setting, environment.startup_timeout_s, process)
+
+
+def _check_backend(config: RunConfig) -> None:
+    spec = config.generation.backend
+    backend = resolve("backend", spec, "generation.backend")
+    validate_options(backend, spec, config.generation.backend_options, "generation.backend_options")
+
+
+def _check_task(config: RunConfig) -> None:
+    """The task part built (its settings checked; its prompts are read only when the run builds
+    the task), and its checker against the rewards."""
+    source = task_source(config.data)
+    functions, task = config.rewards.functions, config.data.task
+    if getattr(source, "checker_required", False) and "task" not in functions:
+        raise ValueError(
+            f"rewards.functions: data.task {task} is scored by its own checker; list task (rewards.functions=[task])"
+        )
+    if not getattr(source, "has_checker", False) and "task" in functions:
+        raise ValueError(
+            f"rewards.functions: the task reward needs a task with its own checker; data.task '{task}' has none"
+        )
