@@ -56,15 +56,16 @@ def warm_start(
         return None
     if not prompts:
         raise ValueError("warm_start.steps: the train split is empty")
-    if demonstration is None:
-        examples = [_encode(tokenizer, p) for p in prompts]
-    else:
-        examples = [encode_conversation(tokenizer, demonstration(p), tools) for p in prompts]
-    key = _cache_key(model, model_path, tokenizer, prompts, cfg, examples if demonstration else None)
+    conversations = None if demonstration is None else [demonstration(p) for p in prompts]
+    key = _cache_key(model, model_path, tokenizer, prompts, cfg, conversations, tools)
     path = Path(cfg.cache_dir).expanduser() / f"{key}.safetensors"
     if path.is_file():
         _load_cached(model, path)
         return path
+    if conversations is None:
+        examples = [_encode(tokenizer, p) for p in prompts]
+    else:  # rendered only on a miss: templating every demonstration costs more than the cached load
+        examples = [encode_conversation(tokenizer, messages, tools) for messages in conversations]
     _train(model, examples, tokenizer.pad_token_id, cfg, on_progress)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
@@ -197,8 +198,13 @@ def _cache_key(
     tokenizer,
     prompts: Sequence[Prompt],
     cfg: WarmStartConfig,
-    demonstrations: list[tuple[list[int], list[int]]] | None = None,
+    conversations: list[list[dict]] | None = None,
+    tools: list[dict] | None = None,
 ) -> str:
+    """What determines the warm-started weights: the settings, the tokenizer (its vocabulary and
+    chat template), the prompts, the demonstrations as messages with the tools the template shows,
+    and the initial weights. The encoded examples follow from these, so they are not rendered to
+    find out whether the cache holds the result."""
     digest = hashlib.sha256()
     settings = {
         "steps": cfg.steps,
@@ -211,8 +217,10 @@ def _cache_key(
     digest.update(json.dumps(sorted(tokenizer.get_vocab().items())).encode())
     for prompt in prompts:
         digest.update(f"{prompt.text}\0{prompt.answer}\0".encode())
-    for ids, targets in demonstrations or []:
-        digest.update(json.dumps([ids, targets]).encode())
+    if conversations is not None:
+        digest.update(json.dumps([getattr(tokenizer, "chat_template", None), tools], sort_keys=True).encode())
+        for messages in conversations:
+            digest.update(json.dumps(messages, sort_keys=True).encode())
     for name, tensor in sorted(model.state_dict().items()):
         digest.update(f"{name}:{tensor.dtype}:{tuple(tensor.shape)}".encode())
         if model_path is None:

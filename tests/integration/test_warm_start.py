@@ -75,9 +75,39 @@ def test_a_checkpoint_is_keyed_by_its_files_and_the_tiny_model_by_its_weights(ch
     assert _cache_key(tiny, None, char, PROMPTS, cfg) != tiny_key
 
 
+def test_demonstrations_are_keyed_by_their_messages_tools_and_template_and_rendered_only_on_a_miss(
+    checkpoint, tmp_path, monkeypatch
+):
+    import asyncrl.warm_start as module
+
+    cfg = load_config(None, ["warm_start.steps=1", "warm_start.batch_size=1", f"warm_start.cache_dir={tmp_path}"])
+    cfg = cfg.warm_start
+    tokenizer = load_tokenizer(checkpoint)
+    model = load_model(checkpoint)
+    talk = [[{"role": "user", "content": "1+1="}, {"role": "assistant", "content": "2"}]]
+    tools = [{"type": "function", "function": {"name": "add", "parameters": {}}}]
+    key = _cache_key(model, str(checkpoint), tokenizer, PROMPTS, cfg, talk, tools)
+    other_reply = [[talk[0][0], {"role": "assistant", "content": "3"}]]
+    assert _cache_key(model, str(checkpoint), tokenizer, PROMPTS, cfg, other_reply, tools) != key
+    assert _cache_key(model, str(checkpoint), tokenizer, PROMPTS, cfg, talk, None) != key
+    monkeypatch.setattr(tokenizer, "chat_template", tokenizer.chat_template + " ")
+    assert _cache_key(model, str(checkpoint), tokenizer, PROMPTS, cfg, talk, tools) != key
+    monkeypatch.undo()
+
+    rendered = []
+    real = module.encode_conversation
+    monkeypatch.setattr(module, "encode_conversation", lambda *args: rendered.append(1) or real(*args))
+    tokenizer = load_tokenizer(checkpoint)
+    for _ in range(2):
+        warm_start(
+            load_model(checkpoint), tokenizer, PROMPTS, cfg, model_path=str(checkpoint), demonstration=lambda p: talk[0]
+        )
+    assert rendered == [1]  # the second warm start loads the cache without templating its demonstrations
+
+
 @pytest.mark.slow
 def test_the_example_checkpoint_trains_through_model_path_and_warm_starts_only_when_asked(checkpoint, tmp_path, capsys):
-    quick = [*SMALL[5:], f"model.path={checkpoint}", "grpo.max_steps=2", "data.chat_template=true"]
+    quick = [*SMALL[5:], f"model.path={checkpoint}", "step.max_steps=2", "data.chat_template=true"]
     plain = ["train", "--output-dir", str(tmp_path / "plain"), *quick, f"warm_start.cache_dir={tmp_path / 'warm'}"]
     plain.remove("warm_start.steps=0")
     assert main(plain) == 0
