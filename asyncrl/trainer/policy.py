@@ -503,7 +503,7 @@ class PolicyTrainer:
         """
         model = self.reference_model if reference else self.model
         if model is None:
-            raise ValueError("compute_logprobs: no reference model (algorithm.options.kl_coef is 0)")
+            raise ValueError("compute_logprobs: no reference model (the algorithm's scoring asks for none)")
         size = micro_batch_size or self.cfg.micro_batch_size
         scoring = {
             "distribution": self.distribution,

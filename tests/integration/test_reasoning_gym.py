@@ -9,11 +9,12 @@ from helpers import SMALL
 
 from asyncrl.checkpoint import load_state
 from asyncrl.cli import main
-from asyncrl.config import ConfigError, load_config
+from asyncrl.config import load_config
 from asyncrl.data import PromptLoader, build_task
 from asyncrl.data.reasoning_gym import EntryAnswer
 from asyncrl.metrics import read_jsonl
 from asyncrl.models.tokenizer import DEFAULT_ALPHABET
+from asyncrl.parts import check_parts
 from asyncrl.rewards import RewardRunner
 from asyncrl.run import train
 
@@ -124,8 +125,8 @@ def test_the_loader_resumes_a_reasoning_gym_split():
     ],
 )
 def test_config_rejects_inconsistent_reasoning_gym_settings(overrides, message):
-    with pytest.raises(ConfigError) as info:
-        load_config(None, overrides)
+    with pytest.raises(ValueError) as info:  # the task's settings, checked where the run checks its parts
+        check_parts(load_config(None, overrides))
     assert str(info.value).startswith(message)
 
 
