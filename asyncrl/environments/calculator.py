@@ -27,6 +27,7 @@ from asyncrl.data.prompts import Prompt, Task
 from asyncrl.environments.base import Message
 from asyncrl.environments.tool_env import ToolEnvironment
 from asyncrl.environments.tools import ToolResult
+from asyncrl.rewards.runner import STARTUP_TIMEOUT_S
 
 if TYPE_CHECKING:
     from asyncrl.config import DataConfig
@@ -128,12 +129,12 @@ class CalculatorEnvironment(ToolEnvironment):
         latency_sigma: float = Field(1.0, ge=0.0, description="spread of the lognormal latency (sigma of its log)")
         latency_seed: int = Field(0, description="seed of the simulated latencies, with the prompt's uid")
 
-    def __init__(
-        self, latency_median_s: float = 0.0, latency_sigma: float = 1.0, latency_seed: int = 0, **options: Any
-    ) -> None:
-        super().__init__(**options)
-        self.latency_median_s, self.latency_sigma, self.latency_seed = latency_median_s, latency_sigma, latency_seed
-        self.rng = random.Random(latency_seed)
+    def __init__(self, startup_timeout_s: float = STARTUP_TIMEOUT_S, **options: Any) -> None:
+        super().__init__(startup_timeout_s, **options)
+        settings = self.settings
+        self.latency_median_s, self.latency_sigma = settings.latency_median_s, settings.latency_sigma
+        self.latency_seed = settings.latency_seed
+        self.rng = random.Random(self.latency_seed)
 
     def reset(self, prompt: Prompt) -> list[Message]:
         self.rng = random.Random(f"{self.latency_seed}:{prompt.uid}")

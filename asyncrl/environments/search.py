@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import random
 import re
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -67,8 +67,9 @@ class SearchEnvironment(Environment):
             "direction", description="a wrong guess is told up / down, or the range the number is now known to be in"
         )
 
-    def __init__(self, bonus: float = 0.5, reply: str = "direction") -> None:
-        self.bonus, self.reply = bonus, reply
+    def __init__(self, **options: Any) -> None:
+        settings = self.Options(**options)  # each default written once, in Options
+        self.bonus, self.reply = settings.bonus, settings.reply
         self.target = self.low = self.high = 0
         self.guesses = 0
 
@@ -100,7 +101,7 @@ class SearchEnvironment(Environment):
         """An episode of the answer format and the rules, with no strategy in it: each guess is
         drawn uniformly (seeded by the prompt) from the numbers the replies so far still allow,
         never their middle on purpose, until one hits."""
-        rng, env = random.Random(prompt.uid), SearchEnvironment(self.bonus, self.reply)
+        rng, env = random.Random(prompt.uid), SearchEnvironment(bonus=self.bonus, reply=self.reply)
         messages = env.reset(prompt)
         for _ in range(env.high - env.low + 1):  # each wrong guess narrows the range, so one of these hits
             guess = {"role": "assistant", "content": str(rng.randint(env.low, env.high))}

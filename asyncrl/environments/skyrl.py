@@ -38,11 +38,14 @@ class SkyRLGymEnvironment(Environment):
             default_factory=dict, description="more of its extras (max_turns, ...); reward_spec comes from the prompt"
         )
 
-    def __init__(self, env: str, env_config: dict[str, Any] | None = None, extras: dict[str, Any] | None = None):
+    def __init__(self, **options: Any) -> None:
+        settings = self.Options(**options)  # each default written once, in Options
         registry = _skyrl_gym().registry
-        if env not in registry:
-            raise ValueError(f"environment.options.env: SkyRL-Gym has no environment '{env}' ({', '.join(registry)})")
-        self.env_id, self.env_config, self.extras = env, env_config or {}, extras or {}
+        if settings.env not in registry:
+            raise ValueError(
+                f"environment.options.env: SkyRL-Gym has no environment '{settings.env}' ({', '.join(registry)})"
+            )
+        self.env_id, self.env_config, self.extras = settings.env, settings.env_config, settings.extras
         self.env = None
         self.reward = 0.0
 

@@ -82,19 +82,16 @@ class ToolEnvironment(Environment):
         if len(set(names)) != len(names):
             raise ValueError(f"tools: names must be unique, got {names}")
 
-    def __init__(
-        self,
-        max_tool_calls: int = 4,
-        tool_timeout_s: float = 5.0,
-        tool_processes: int = 4,
-        parser: str = "hermes",
-        parser_options: dict[str, Any] | None = None,
-        startup_timeout_s: float = STARTUP_TIMEOUT_S,
-    ) -> None:
-        self.max_tool_calls = max_tool_calls
-        self.toolbox = shared_toolbox(self.functions, tool_timeout_s, tool_processes, startup_timeout_s)
+    def __init__(self, startup_timeout_s: float = STARTUP_TIMEOUT_S, **options: Any) -> None:
+        """``options``: the class's own ``Options`` (a subclass's extends them), each default written
+        once there; ``settings`` holds them checked."""
+        self.settings = settings = self.Options(**options)
+        self.max_tool_calls = settings.max_tool_calls
+        self.toolbox = shared_toolbox(
+            self.functions, settings.tool_timeout_s, settings.tool_processes, startup_timeout_s
+        )
         self.tools = self.toolbox.schemas
-        self.parser = build_parser(parser, parser_options or {}, "environment.options.parser")
+        self.parser = build_parser(settings.parser, settings.parser_options, "environment.options.parser")
         self.calls_made = 0
         self.parse_errors: list[str] = []
 
