@@ -36,7 +36,6 @@ from asyncrl.control.controller import SingleController
 from asyncrl.control.handles import RolloutHandle, TrainerHandle
 from asyncrl.control.health import run_warnings
 from asyncrl.data import PromptLoader, build_task, check_encodable, check_prompt_lengths
-from asyncrl.environments.context import first_requests
 from asyncrl.generation import build_generator
 from asyncrl.metrics import METRICS_FILE, MetricsWriter, ProgressDisplay, read_jsonl, write_json_atomic
 from asyncrl.models.factory import DTYPES, build_model, build_tokenizer
@@ -45,6 +44,7 @@ from asyncrl.models.lora import merged_model
 from asyncrl.parts import check_parts
 from asyncrl.plots import write_report
 from asyncrl.rewards import RewardRunner
+from asyncrl.rollout.context import first_requests
 from asyncrl.run_sampler import build_run_sampler
 from asyncrl.runtime import Runtime, build_runtime
 from asyncrl.trainer.group import TrainerGroup

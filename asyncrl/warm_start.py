@@ -30,7 +30,7 @@ from torch import nn
 
 from asyncrl.config import ConfigError, RunConfig, WarmStartConfig
 from asyncrl.data import Prompt, build_task, encode_prompts
-from asyncrl.environments.episode import environment_class
+from asyncrl.environments.base import environment_class
 from asyncrl.models.logprobs import token_logprobs
 
 

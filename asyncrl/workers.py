@@ -22,13 +22,13 @@ from asyncrl.algorithms import build_algorithm
 from asyncrl.checkpoint import STATE_FILE, load_contents, load_state
 from asyncrl.config import RunConfig
 from asyncrl.data import build_task
-from asyncrl.environments.episode import build_episodes
 from asyncrl.faults import inject_rollout_faults, inject_trainer_faults
 from asyncrl.generation import Generator, SamplingParams, build_generator
 from asyncrl.models.factory import DTYPES, build_model, build_tokenizer, resolve_device
 from asyncrl.models.lora import generator_copy
 from asyncrl.rewards import RewardRunner
 from asyncrl.rollout import RolloutWorker
+from asyncrl.rollout.episode import build_episodes
 from asyncrl.trainer.parallel import ParallelContext, init_parallel, start_rank
 from asyncrl.trainer.policy import PolicyTrainer
 from asyncrl.trainer.worker import TrainerWorker

@@ -18,7 +18,7 @@ from typing import Any
 
 from asyncrl.config import ConfigError, RunConfig
 from asyncrl.data import Prompt
-from asyncrl.environments.episode import environment_class
+from asyncrl.environments.base import environment_class
 from asyncrl.environments.tool_env import ToolEnvironment
 from asyncrl.models.tokenizer import CHAT_TEMPLATE
 

@@ -490,7 +490,7 @@ class SingleController:
 
     def _transcripts(self, group: RolloutGroup, version: int) -> str:
         """Promise 6: no episode of the group met a chat template that rewrote its transcript (the
-        episode ended there instead, environments/episode.py)."""
+        episode ended there instead, rollout/episode.py)."""
         breaks = group.episode_metrics.get("transcript_breaks", 0.0)
         return self.guard.check(
             "transcripts",

@@ -276,7 +276,7 @@ class Budget:
 
 def request_budget(config: RunConfig) -> Budget:
     """``generation.max_new_tokens``; with an environment, the whole episode
-    (``environment.max_tokens``) and then a turn's sampled tokens (asyncrl/environments/context.py)."""
+    (``environment.max_tokens``) and then a turn's sampled tokens (asyncrl/rollout/context.py)."""
     new = config.generation.max_new_tokens
     if config.environment.name is None:
         return Budget(new, f"generation.max_new_tokens {new}", "generation.max_new_tokens", new, "prompt")
@@ -291,7 +291,7 @@ def check_prompt_lengths(
     """Reject, naming its row, a prompt whose longest request does not fit the model's
     ``max_positions`` (None: the model sets no limit): its first request's ids (the prompt as the
     rollout worker encodes it, or an episode's templated opening: ``first_requests`` of
-    asyncrl/environments/context.py) and all a request may add to them (``request_budget``)."""
+    asyncrl/rollout/context.py) and all a request may add to them (``request_budget``)."""
     if max_positions is None:
         return
     data, room = config.data, request_budget(config)

@@ -16,10 +16,13 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from asyncrl.data.prompts import Prompt
 from asyncrl.plugins import resolve, validate_options
+
+if TYPE_CHECKING:
+    from asyncrl.config import RunConfig
 
 Message = dict[str, Any]  # a chat message: {"role": ..., "content": ..., "tool_calls": [...]}
 
@@ -59,3 +62,14 @@ def environment_part(spec: str, options: dict[str, Any]) -> tuple[type[Environme
     if not (isinstance(part, type) and issubclass(part, Environment)):
         raise ValueError(f"environment.name: '{spec}' is not a subclass of asyncrl.environments.Environment")
     return part, validate_options(part, spec, options, "environment.options")
+
+
+def environment_class(config: RunConfig) -> tuple[type[Environment], dict[str, Any]] | None:
+    """The class ``environment.name`` names and its checked options; None for single-turn runs."""
+    spec = config.environment.name
+    if spec is None:
+        return None
+    part, options = environment_part(spec, config.environment.options)
+    if getattr(part, "takes_startup_timeout", False):
+        options["startup_timeout_s"] = config.environment.startup_timeout_s
+    return part, options

@@ -49,12 +49,12 @@ from transformers import PreTrainedModel
 from asyncrl.checkpoint import ADAPTER_WEIGHTS_FILE
 from asyncrl.config import RunConfig
 from asyncrl.data import build_task
-from asyncrl.environments.context import request_bound
 from asyncrl.generation.base import GeneratorBase, SampleRequest, SamplingParams, check_vocabulary
 from asyncrl.generation.vllm_env import checked_python
 from asyncrl.generation.vllm_options import VLLMOptions
 from asyncrl.generation.vllm_process import ServerError, VLLMServer, http_json
 from asyncrl.models.lora import adapter_tensors, apply_lora, peft_config
+from asyncrl.rollout.context import request_bound
 from asyncrl.types import Rollout
 from asyncrl.weights.broadcast import BroadcastMember, Rendezvous
 from asyncrl.weights.fingerprint import Sample, fingerprint
@@ -201,7 +201,7 @@ def server_dtype(setting: str, trainer_dtype: str, gpu: bool) -> str:
 def served_context(config: RunConfig, cfg: VLLMOptions, tokenizer, max_positions: int) -> int:
     """The ``max_model_len`` option, else the run's longest request: the task's longest prompt, or with an
     environment its longest templated opening plus the whole episode, then a turn's
-    ``generation.max_new_tokens`` (``asyncrl.environments.context``). A server sized to the
+    ``generation.max_new_tokens`` (``asyncrl.rollout.context``). A server sized to the
     model's whole context would need its KV cache for one such sequence."""
     opening, room = request_bound(build_task(config.data, tokenizer), config, tokenizer)
     needed = opening + room.tokens

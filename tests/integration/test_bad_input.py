@@ -332,8 +332,8 @@ def test_a_prompt_too_long_for_the_context_is_rejected_by_row(tmp_path, capsys):
 def test_a_prompt_that_just_fits_is_accepted():
     from asyncrl.config import load_config
     from asyncrl.data import Prompt, Task, check_prompt_lengths
-    from asyncrl.environments.context import first_requests
     from asyncrl.models.tokenizer import build_char_tokenizer
+    from asyncrl.rollout.context import first_requests
 
     config, tokenizer = load_config(None, ["generation.max_new_tokens=4"]), build_char_tokenizer()
     fits = Task("t", train=[Prompt("train/1", "x" * 1020, "1")], heldout=[Prompt("heldout/2", "y", "1")])

@@ -6,12 +6,12 @@ import pytest
 
 from asyncrl.cli import main
 from asyncrl.data import Prompt
-from asyncrl.environments.episode import OBSERVATION_VERSION, EpisodeLimits, MultiTurn
 from asyncrl.environments.feedback import FeedbackEnvironment
 from asyncrl.environments.search import SearchEnvironment
 from asyncrl.generation import SamplingParams
 from asyncrl.metrics import read_jsonl
 from asyncrl.models.tokenizer import build_char_tokenizer
+from asyncrl.rollout.episode import OBSERVATION_VERSION, EpisodeLimits, MultiTurn
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
 

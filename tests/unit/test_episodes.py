@@ -14,7 +14,6 @@ from asyncrl.algorithms.grpo import GRPO
 from asyncrl.config import StepConfig, TrainerConfig
 from asyncrl.data import Prompt
 from asyncrl.environments import Environment, Turn
-from asyncrl.environments.episode import EpisodeLimits, MultiTurn, turn_seed
 from asyncrl.environments.feedback import FeedbackEnvironment
 from asyncrl.generation import GeneratorBase, SampleRequest, SamplingParams, sample_seed
 from asyncrl.generation.hf import HFGenerator
@@ -22,6 +21,7 @@ from asyncrl.models.tiny import build_tiny_model
 from asyncrl.models.tokenizer import build_char_tokenizer
 from asyncrl.rewards import RewardResult
 from asyncrl.rollout import RolloutWorker
+from asyncrl.rollout.episode import EpisodeLimits, MultiTurn, turn_seed
 from asyncrl.trainer import PolicyTrainer
 from asyncrl.trainer.worker import TrainerWorker
 from asyncrl.types import Rollout, RolloutGroup, RolloutJob
@@ -256,7 +256,7 @@ def test_the_environment_docs_example_runs_as_a_user_copies_it(tmp_path, monkeyp
     from helpers import ROOT
 
     from asyncrl.config import load_config
-    from asyncrl.environments.episode import environment_class
+    from asyncrl.environments.base import environment_class
 
     doc = (ROOT / "docs" / "environments.md").read_text()
     (tmp_path / "my_env.py").write_text(re.search(r"```python\n(# my_env.py\n.*?)```", doc, re.S).group(1))

@@ -2,13 +2,13 @@
 so the length it is held against is the episode's longest turn, never the turns' sum."""
 
 from asyncrl.data import Prompt
-from asyncrl.environments.episode import EpisodeLimits, MultiTurn
 from asyncrl.environments.feedback import FeedbackEnvironment
 from asyncrl.generation import GeneratorBase, SamplingParams
 from asyncrl.models.tokenizer import build_char_tokenizer
 from asyncrl.rewards import RewardResult
 from asyncrl.rewards.functions import OverlongPenalty
 from asyncrl.rollout import RolloutWorker
+from asyncrl.rollout.episode import EpisodeLimits, MultiTurn
 from asyncrl.types import Rollout, RolloutJob
 
 TOKENIZER = build_char_tokenizer(chat=True)

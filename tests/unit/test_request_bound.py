@@ -5,10 +5,10 @@ import pytest
 
 from asyncrl.config import load_config
 from asyncrl.data import build_task, check_prompt_lengths, longest_prompt
-from asyncrl.environments.context import first_requests, request_bound
 from asyncrl.generation.vllm import served_context
 from asyncrl.generation.vllm_options import VLLMOptions
 from asyncrl.models.factory import build_tokenizer
+from asyncrl.rollout.context import first_requests, request_bound
 
 
 @pytest.mark.parametrize(

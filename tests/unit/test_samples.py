@@ -16,10 +16,10 @@ from asyncrl.cli import main
 from asyncrl.config import LoggingConfig
 from asyncrl.data import Prompt
 from asyncrl.environments import Environment, Turn
-from asyncrl.environments.episode import EpisodeLimits, MultiTurn, turn_seed
 from asyncrl.generation import GeneratorBase, SamplingParams
 from asyncrl.metrics import MetricsWriter, read_jsonl
 from asyncrl.models.tokenizer import build_char_tokenizer
+from asyncrl.rollout.episode import EpisodeLimits, MultiTurn, turn_seed
 from asyncrl.sample_view import at_step, read_samples, show
 from asyncrl.samples import as_text, spread
 from asyncrl.types import Rollout, StepData

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 from asyncrl.data.files import TOKENIZE_BATCH, Budget, encoded_prompts, request_budget
 from asyncrl.data.prompts import Prompt, Task, encode_prompts
-from asyncrl.environments.episode import environment_class
+from asyncrl.environments.base import environment_class
 
 if TYPE_CHECKING:
     from asyncrl.config import RunConfig

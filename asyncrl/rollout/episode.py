@@ -33,7 +33,7 @@ from functools import partial
 from typing import TYPE_CHECKING, Any, Protocol
 
 from asyncrl.data import Prompt, encode_prompts
-from asyncrl.environments.base import Environment, Message, environment_part
+from asyncrl.environments.base import Environment, Message, environment_class
 from asyncrl.errors import RunStopped
 from asyncrl.generation import Generator, SampleRequest, SamplingParams
 from asyncrl.generation.base import SEED_BITS
@@ -454,17 +454,6 @@ def _environment(what: str, call: Callable[..., Any], *args: Any) -> Any:
 
 def _name(tokenizer) -> str:
     return getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__
-
-
-def environment_class(config: RunConfig) -> tuple[type[Environment], dict[str, Any]] | None:
-    """The class ``environment.name`` names and its checked options; None for single-turn runs."""
-    spec = config.environment.name
-    if spec is None:
-        return None
-    part, options = environment_part(spec, config.environment.options)
-    if getattr(part, "takes_startup_timeout", False):
-        options["startup_timeout_s"] = config.environment.startup_timeout_s
-    return part, options
 
 
 def build_episodes(config: RunConfig, generator: Generator, tokenizer) -> Episodes:

@@ -4,7 +4,7 @@ The worker is a plain object; a runtime puts it behind a handle (a thread, or a 
 ``generate`` call is one deterministic generation batch: the caller composes it, the worker keeps
 its order, and every sample's seed comes from (run seed, prompt uid, sample index) alone.
 
-How a prompt becomes a completion is the worker's ``episodes`` (asyncrl/environments/episode.py):
+How a prompt becomes a completion is the worker's ``episodes`` (asyncrl/rollout/episode.py):
 one turn by default, or multi-turn episodes against an environment. Either way a completion's
 reward is the environment's, when it gave one, or else the run's rewards' score of its text.
 """
@@ -22,9 +22,9 @@ from torch import Tensor
 
 from asyncrl.algorithms import Algorithm
 from asyncrl.data import Prompt
-from asyncrl.environments.episode import Completion, EpisodeError, Episodes, SingleTurn
 from asyncrl.generation import Generator, SamplingParams, sample_seed
 from asyncrl.rewards import RewardResult, RewardRunner
+from asyncrl.rollout.episode import Completion, EpisodeError, Episodes, SingleTurn
 from asyncrl.types import EvalResult, Rollout, RolloutBatch, RolloutGroup, RolloutJob
 
 
