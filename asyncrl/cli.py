@@ -19,7 +19,7 @@ from asyncrl.bench.cli import bench_app
 from asyncrl.choices import choices
 from asyncrl.config import AggMode, ConfigError, config_reference, dump_config, load_config, parse_options
 from asyncrl.errors import RunStopped
-from asyncrl.plants import PLANTS
+from asyncrl.tools.plants import PLANTS
 
 app = typer.Typer(
     add_completion=False,
@@ -105,8 +105,8 @@ def verify(
     ),
 ) -> None:
     """Check that a split (or dp x cp parallel) train step equals the monolithic step, for every loss mode."""
-    from asyncrl.verify import check_layout, checked_algorithm
-    from asyncrl.verify import verify as run_verify
+    from asyncrl.tools.verify import check_layout, checked_algorithm
+    from asyncrl.tools.verify import verify as run_verify
 
     dtype, plant, wrap = dtype.value, plant.value if plant else None, wrap.value
     options = parse_options(option or [], "--option")
@@ -186,7 +186,7 @@ def _results_table(title: str, results: list) -> Table:
 
 def _print_verdict(results: list, dtype: str, updates: int) -> bool:
     """Print the tolerance and the worst error over every mode; True when every mode passed."""
-    from asyncrl.verify import DTYPES, TOLERANCES
+    from asyncrl.tools.verify import DTYPES, TOLERANCES
 
     tol = TOLERANCES[DTYPES[dtype]]
     worst = max(results, key=lambda r: r.worst_error[0])
@@ -267,8 +267,8 @@ def merge(
     overrides: list[str] | None = typer.Argument(None, help="dotted overrides of the run config"),
 ) -> None:
     """Add a LoRA checkpoint's adapter into its base and save a plain HF model (docs/lora.md)."""
-    from asyncrl.merge import merge as run_merge
     from asyncrl.run import resumed_checkpoint, resumed_config_path
+    from asyncrl.tools.merge import merge as run_merge
 
     checkpoint_dir = resumed_checkpoint(checkpoint, "CHECKPOINT")
     run_config = load_config(config or resumed_config_path(checkpoint_dir), overrides or ())

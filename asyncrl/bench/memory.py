@@ -21,8 +21,8 @@ import torch
 from asyncrl.algorithms.grpo import GRPO
 from asyncrl.config import TrainerConfig
 from asyncrl.models import build_tiny_model
+from asyncrl.tools.verify import random_batch
 from asyncrl.trainer.policy import PolicyTrainer
-from asyncrl.verify import random_batch
 
 VOCAB = 32768
 # name -> model shape; the names are the approximate parameter counts.

@@ -12,8 +12,8 @@ from helpers import ROOT, run
 from asyncrl.algorithms import MetricKeys, Scoring, build_algorithm
 from asyncrl.algorithms.grpo import GRPO, GRPOOptions, token_loss
 from asyncrl.config import load_config
+from asyncrl.tools.verify import verify
 from asyncrl.types import RolloutGroup
-from asyncrl.verify import verify
 
 DOC = ROOT / "docs" / "plugins.md"
 

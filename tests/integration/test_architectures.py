@@ -16,6 +16,7 @@ import transformers
 from asyncrl.config import ConfigError, load_config
 from asyncrl.generation import HFGenerator, SampleRequest, SamplingParams
 from asyncrl.models import load_model, token_logprobs
+from asyncrl.tools.verify import PACKED_LEAK
 from asyncrl.trainer import context_parallel
 from asyncrl.trainer.context_parallel import (
     ContextParallel,
@@ -24,7 +25,6 @@ from asyncrl.trainer.context_parallel import (
 )
 from asyncrl.trainer.parallel import launch
 from asyncrl.types import TrainBatch
-from asyncrl.verify import PACKED_LEAK
 
 VOCAB, WINDOW, WIDTH = 64, 8, 24  # rows longer than the window
 LAYERS = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)

@@ -21,8 +21,8 @@ from asyncrl.models.logprobs import (
     position_ids_from_mask,
 )
 from asyncrl.models.lora import apply_lora
+from asyncrl.tools.verify import verify
 from asyncrl.trainer.normalization import AGG_MODES
-from asyncrl.verify import verify
 
 VOCAB = 40
 TRUNCATED = SampledDistribution(temperature=0.7, top_k=12, top_p=0.9)

@@ -12,6 +12,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from asyncrl.config import ParallelConfig
 from asyncrl.models import SampledDistribution, position_ids_from_mask, token_logprobs
+from asyncrl.tools.verify import DISTRIBUTION, StepOutcome, UntruncatedCP, build_problem, uneven_split
 from asyncrl.trainer import PolicyTrainer
 from asyncrl.trainer.context_parallel import (
     ATTN_IMPLEMENTATION,
@@ -21,7 +22,6 @@ from asyncrl.trainer.context_parallel import (
     head_tail_columns,
 )
 from asyncrl.trainer.parallel import init_parallel, launch
-from asyncrl.verify import DISTRIBUTION, StepOutcome, UntruncatedCP, build_problem, uneven_split
 
 
 def layout_view(size: int, rank: int) -> ContextParallel:
@@ -140,7 +140,7 @@ def test_cp1_through_the_context_parallel_path_is_bit_identical(single_rank_grou
 
 
 def test_shifting_after_sharding_pairs_tokens_across_the_chunk_seam():
-    from asyncrl.verify import ShiftAfterShardCP
+    from asyncrl.tools.verify import ShiftAfterShardCP
 
     model, batch, *_ = build_problem("token-mean", torch.float64, 0)
     right, wrong = layout_view(2, 0).shard(batch), ShiftAfterShardCP()

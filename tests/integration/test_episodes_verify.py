@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from asyncrl.models import build_tiny_model
+from asyncrl.tools.verify import Case, random_batch, verify, verify_parallel
 from asyncrl.trainer.normalization import AGG_MODES
-from asyncrl.verify import Case, random_batch, verify, verify_parallel
 
 
 def test_every_other_row_of_the_batch_has_an_observation_inside_its_response():

@@ -12,8 +12,8 @@ from asyncrl.metrics import read_jsonl
 from asyncrl.models import build_model, build_tokenizer, token_logprobs
 from asyncrl.models.lora import base_sha256
 from asyncrl.run import train
+from asyncrl.tools.verify import random_batch
 from asyncrl.trainer import PolicyTrainer
-from asyncrl.verify import random_batch
 
 LORA = ["trainer.device=cpu", "lora.rank=4"]  # over the small run of helpers
 

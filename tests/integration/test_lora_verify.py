@@ -5,7 +5,7 @@ import pytest
 from helpers import error
 
 from asyncrl.cli import main
-from asyncrl.verify import LORA_PLANTS, check_layout, verify
+from asyncrl.tools.verify import LORA_PLANTS, check_layout, verify
 
 
 def test_a_split_lora_step_equals_the_monolithic_one_in_float64():

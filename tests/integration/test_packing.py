@@ -13,13 +13,13 @@ from asyncrl.algorithms.grpo import GRPO
 from asyncrl.config import StepConfig, TrainerConfig
 from asyncrl.models import SampledDistribution, build_tiny_model, token_logprobs
 from asyncrl.models.packing import Packing
+from asyncrl.tools.verify import CP_PLANTS, PACKED_LEAK, Case, _packed_leak, check_layout, verify, verify_parallel
 from asyncrl.trainer import PolicyTrainer, context_parallel
 from asyncrl.trainer.context_parallel import ATTN_IMPLEMENTATION, blockwise_attention, enable_context_parallel_attention
 from asyncrl.trainer.normalization import AGG_MODES
 from asyncrl.trainer.recompute import checkpoint_activations
 from asyncrl.trainer.worker import TrainerWorker
 from asyncrl.types import RolloutGroup
-from asyncrl.verify import CP_PLANTS, PACKED_LEAK, Case, _packed_leak, check_layout, verify, verify_parallel
 
 SEQUENCE = {"ratio_level": "sequence"}  # grpo's sequence ratio (GSPO)
 

@@ -16,11 +16,7 @@ import torch.distributed as dist
 from asyncrl.algorithms.grpo import GRPO, GRPOOptions
 from asyncrl.cli import main
 from asyncrl.config import ConfigError, ParallelConfig, load_config
-from asyncrl.trainer import PolicyTrainer
-from asyncrl.trainer.context_parallel import gather_sequence, head_tail_columns
-from asyncrl.trainer.normalization import AGG_MODES
-from asyncrl.trainer.parallel import init_parallel, launch
-from asyncrl.verify import (
+from asyncrl.tools.verify import (
     LORA_PLANTS,
     PACKING_PLANTS,
     PLANTS,
@@ -31,6 +27,10 @@ from asyncrl.verify import (
     rank_micro_batches,
     verify_parallel,
 )
+from asyncrl.trainer import PolicyTrainer
+from asyncrl.trainer.context_parallel import gather_sequence, head_tail_columns
+from asyncrl.trainer.normalization import AGG_MODES
+from asyncrl.trainer.parallel import init_parallel, launch
 
 FLOAT64 = 1e-9
 

@@ -15,9 +15,9 @@ from asyncrl.config import ParallelConfig, TrainerConfig, load_config
 from asyncrl.generation import build_generator
 from asyncrl.generation.hf import sample_next
 from asyncrl.models import SampledDistribution, build_model, build_tiny_model, build_tokenizer, token_logprobs
+from asyncrl.tools.verify import random_batch, rank_micro_batches
 from asyncrl.trainer import PolicyTrainer, policy, recompute
 from asyncrl.trainer.parallel import init_parallel, launch
-from asyncrl.verify import random_batch, rank_micro_batches
 
 VOCAB = 48
 STEPS = 10

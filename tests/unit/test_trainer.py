@@ -13,11 +13,11 @@ from asyncrl.config import TrainerConfig
 from asyncrl.generation.base import SampleRequest, SamplingParams
 from asyncrl.generation.hf import HFGenerator
 from asyncrl.models import SampledDistribution, build_tiny_model
+from asyncrl.tools.verify import random_batch
 from asyncrl.trainer import PolicyTrainer, StepInProgressError
 from asyncrl.trainer.optim import lr_factor
 from asyncrl.trainer.snapshot import FileStore, HostStore
 from asyncrl.types import RolloutGroup, TrainBatch
-from asyncrl.verify import random_batch
 
 VOCAB = 40
 

@@ -5,8 +5,8 @@ import torch
 
 from asyncrl.cli import main
 from asyncrl.models import build_tiny_model
+from asyncrl.tools.verify import Case, random_batch, uneven_split, verify, verify_parallel
 from asyncrl.trainer.normalization import AGG_MODES
-from asyncrl.verify import Case, random_batch, uneven_split, verify, verify_parallel
 
 SEQUENCE = {"ratio_level": "sequence"}  # grpo's sequence ratio (GSPO)
 

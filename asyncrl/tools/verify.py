@@ -39,8 +39,8 @@ from asyncrl.algorithms import Algorithm, build_algorithm, grpo
 from asyncrl.config import ParallelConfig, RunConfig, TrainerConfig
 from asyncrl.models import SampledDistribution, build_tiny_model, token_logprobs
 from asyncrl.models.lora import apply_lora
-from asyncrl.plants import PLANTS, Plant
 from asyncrl.plugins import resolve
+from asyncrl.tools.plants import PLANTS, Plant
 from asyncrl.trainer import PolicyTrainer, normalization
 from asyncrl.trainer.context_parallel import ContextParallel, Shard, context_parallel_attention
 from asyncrl.trainer.parallel import ParallelContext, init_parallel, launch
