@@ -50,7 +50,7 @@ def drive(address: str) -> None:
     runtime = RayRuntime(cfg)
     try:
         handles = spawn(runtime, 60.0)
-        one = (torch.ones(1), torch.ones(()), torch.ones(()))
+        one = (torch.ones(1), torch.ones(1), torch.ones(1))  # sums, and the ranged metrics' lows and highs
         sums = ray.get([h.actor.call.remote(None, "reduce_step", one, {}) for h in handles])
         nodes = ray.get([h.actor.node_address.remote() for h in handles])
         seen = {"nodes": [ip for ip, _ in nodes], "sums": [s.item() for s, _ in sums]}
