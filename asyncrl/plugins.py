@@ -70,8 +70,8 @@ BUILTINS: dict[str, dict[str, str]] = {
 OPTIONS_AT = {
     "sampler": "sampler.options",
     "reward": "rewards.options.{name}",
-    "task": "data.task_options",
-    "backend": "generation.backend_options",
+    "task": "data.task.options",
+    "backend": "generation.backend.options",
     "algorithm": "algorithm.options",
     "environment": "environment.options",
 }
@@ -136,6 +136,8 @@ def checked_options(part: Any, spec: str, options: Mapping[str, Any], field: str
         if not first["loc"] and message.partition(": ")[0] in model.model_fields:
             raise ValueError(f"{field}.{message}") from None  # a check across options names the one it is about
         where = ".".join(str(p) for p in (field, *first["loc"]))
+        if first["type"] == "missing":
+            message = f"required by '{spec}'"
         raise ValueError(f"{where}: {message}") from None
 
 

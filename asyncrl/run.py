@@ -19,7 +19,6 @@ import torch
 import transformers
 import yaml
 
-from asyncrl.algorithms import build_algorithm
 from asyncrl.checkpoint import (
     RUN_CONFIG_FILE,
     STATE_FILE,
@@ -41,7 +40,7 @@ from asyncrl.metrics import METRICS_FILE, MetricsWriter, ProgressDisplay, read_j
 from asyncrl.models.factory import DTYPES, build_model, build_tokenizer
 from asyncrl.models.hf import stop_token_ids
 from asyncrl.models.lora import merged_model
-from asyncrl.parts import check_parts
+from asyncrl.parts import RunParts, build_run_parts, check_parts
 from asyncrl.plots import write_report
 from asyncrl.rewards import RewardRunner
 from asyncrl.rollout.context import first_requests
@@ -80,9 +79,9 @@ def open_run(config: RunConfig, output_dir: Path | None = None, resume: str | Pa
 
 
 @dataclass
-class _Parts:
+class _Built:
     """What the driver builds once from the config: the policy and its tokenizer, the task, the
-    rewards, and the control side's sampler and replay buffer."""
+    rewards, the algorithm and the environment, and the control side's sampler and replay buffer."""
 
     tokenizer: Any
     model: Any
@@ -90,6 +89,7 @@ class _Parts:
     rewards: RewardRunner
     sampler: Any
     buffer: ReplayBuffer
+    parts: RunParts
 
 
 def train(
@@ -99,7 +99,7 @@ def train(
     start = time.perf_counter()
     transformers.utils.logging.disable_progress_bar()  # loads and saves would print bars over the display and errors
     context = open_run(config, output_dir, resume)
-    parts = _build_parts(config)
+    built = _build(config)
     context.run_dir.mkdir(parents=True, exist_ok=True)
     (context.run_dir / "config.yaml").write_text(dump_config(config, context.run_dir))
     torch.manual_seed(config.seed)
@@ -109,11 +109,11 @@ def train(
     runtime = _input(build_runtime, config)
     try:
         with progress:
-            steps_done = _warm_start_then_run(runtime, config, context, parts, progress, metrics)
+            steps_done = _warm_start_then_run(runtime, config, context, built, progress, metrics)
             progress.status("writing the report")
     finally:
         runtime.shutdown()
-        parts.rewards.close()
+        built.rewards.close()
         if metrics is not None:
             metrics.close()
     summary = _summary(config, context.run_dir, steps_done, time.perf_counter() - start)
@@ -122,50 +122,51 @@ def train(
     return summary
 
 
-def _build_parts(config: RunConfig) -> _Parts:
-    """The sampler first (checking the buffer capacity it needs costs nothing), the algorithm's and
-    the environment's options, then the models, the checked task and the rewards."""
+def _build(config: RunConfig) -> _Built:
+    """The sampler first (checking the buffer capacity it needs costs nothing), every part's
+    options, the algorithm and the environment, then the models, the checked task and the rewards."""
     sampler, capacity = _input(build_run_sampler, config)
-    _input(build_algorithm, config)  # its options, checked against the run before anything heavy is built
-    _input(check_parts, config)  # rewards, environment and task: resolved, their options checked
+    _input(check_parts, config)  # rewards, environment, backend and task: resolved, their options checked
+    parts = _input(build_run_parts, config)  # the algorithm's options checked against the run, too
     tokenizer = _input(build_tokenizer, config)
     model = _input(build_model, config, tokenizer)
-    task = _checked_task(config, tokenizer, model)
+    task = _checked_task(config, parts, tokenizer, model)
     rewards = _input(RewardRunner.from_config, config.rewards, task, config.generation.max_new_tokens)
-    return _Parts(tokenizer, model, task, rewards, sampler, ReplayBuffer(capacity))
+    return _Built(tokenizer, model, task, rewards, sampler, ReplayBuffer(capacity), parts)
 
 
 def _warm_start_then_run(
-    runtime: Runtime, config: RunConfig, context: RunContext, parts: _Parts, progress: ProgressDisplay, metrics: Any
+    runtime: Runtime, config: RunConfig, context: RunContext, built: _Built, progress: ProgressDisplay, metrics: Any
 ) -> int:
     """Warm-start the policy, start the workers and drive the run to the end, in this process or,
     with ``runtime.controller_actor``, in a Ray actor; returns the steps taken in total."""
     # Once, here: on Ray every trainer rank then finds the result in the warm start cache.
     warm_start_policy(
-        parts.model,
-        parts.tokenizer,
+        built.model,
+        built.tokenizer,
         config,
-        prompts=parts.task.train,
+        built.parts.environment,
+        prompts=built.task.train,
         on_progress=lambda step, total, loss: progress.status(f"warm start {step}/{total}, loss {loss:.3f}"),
     )
-    trainer, rollout_workers = _start_workers(runtime, config, context, parts)
-    control = {"sampler": parts.sampler, "buffer": parts.buffer}
+    trainer, rollout_workers = _start_workers(runtime, config, context, built)
+    control = {"sampler": built.sampler, "buffer": built.buffer}
     if config.runtime.controller_actor:
         progress.status("training; the controller runs in a Ray actor")
         return runtime.run_controller(partial(drive_in_actor, config, context, trainer, rollout_workers, **control))
     return drive(
-        config, context, trainer, rollout_workers, task=parts.task, metrics=metrics, progress=progress, **control
+        config, context, trainer, rollout_workers, task=built.task, metrics=metrics, progress=progress, **control
     )
 
 
 def _start_workers(
-    runtime: Runtime, config: RunConfig, context: RunContext, parts: _Parts
+    runtime: Runtime, config: RunConfig, context: RunContext, built: _Built
 ) -> tuple[TrainerHandle, list[RolloutHandle]]:
     """The trainer and rollout worker handles, built by asyncrl/workers.py's builders wherever the
     runtime places them: a runtime in this process shares the driver's warm-started model,
     tokenizer and rewards with them. Rollout workers first: with LoRA their model copies the
     policy's base before the trainer turns the policy into its adapters' base in place."""
-    shared = Shared(parts.tokenizer, parts.model, parts.rewards) if runtime.in_process else None
+    shared = Shared(built.tokenizer, built.model, built.rewards, built.parts) if runtime.in_process else None
     resume_from = str(context.checkpoint_dir) if context.checkpoint_dir is not None else None
     generators = _input(
         runtime.spawn_generators,
@@ -188,14 +189,14 @@ def local_torch_threads(config: RunConfig) -> int:
     return config.runtime.torch_threads or max(1, (os.cpu_count() or 2) // 2)
 
 
-def _checked_task(config: RunConfig, tokenizer: Any, model: Any) -> Any:
+def _checked_task(config: RunConfig, parts: RunParts, tokenizer: Any, model: Any) -> Any:
     """The run's prompts, each checked to survive the tokenizer unchanged and to leave room for its
     response in the model's context; the end tokens the checkpoint declares, checked once here."""
     _input(stop_token_ids, tokenizer, config.model.path)
     task = _input(build_task, config.data, tokenizer)
-    _input(check_encodable, task, config.data, tokenizer)
+    _input(check_encodable, task, tokenizer)
     max_positions = getattr(model.config, "max_position_embeddings", None)
-    _input(check_prompt_lengths, first_requests(task, config, tokenizer), config, max_positions)
+    _input(check_prompt_lengths, first_requests(task, parts.environment, tokenizer), task, config, max_positions)
     return task
 
 
@@ -351,14 +352,15 @@ def evaluate(config: RunConfig, *, checkpoint: str | Path | None = None) -> dict
         _checkpoint_input(resolve_checkpoint, checkpoint, "--checkpoint") if checkpoint is not None else None
     )
     _input(check_parts, config)
+    parts = _input(build_run_parts, config)
     tokenizer = _input(build_tokenizer, config)
     model = _input(build_model, config, tokenizer)
-    task = _checked_task(config, tokenizer, model)
+    task = _checked_task(config, parts, tokenizer, model)
     adapter = checkpoint_dir is not None and is_adapter_checkpoint(checkpoint_dir)
     if checkpoint_dir is not None and not adapter:
         _checkpoint_input(load_weights, model, checkpoint_dir)
     else:  # the run's warm-started policy: also the base a LoRA checkpoint's adapter was trained over
-        warm_start_policy(model, tokenizer, config, prompts=task.train)
+        warm_start_policy(model, tokenizer, config, parts.environment, prompts=task.train)
     if adapter:  # LoRA: base + adapter, merged
         model = _checkpoint_input(merged_model, model, checkpoint_dir, DTYPES[config.trainer.dtype])
         config = config.model_copy(update={"lora": LoraConfig()})
@@ -366,7 +368,7 @@ def evaluate(config: RunConfig, *, checkpoint: str | Path | None = None) -> dict
     generator = worker = None
     try:
         generator = _input(build_generator, config, model, tokenizer)
-        worker = _input(rollout_worker, config, generator, rewards, tokenizer)
+        worker = _input(rollout_worker, config, parts, generator, rewards, tokenizer)
         result = worker.evaluate(list(task.heldout[: config.data.eval_size]))
     finally:
         rewards.close()

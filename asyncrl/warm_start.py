@@ -30,7 +30,7 @@ from torch import nn
 
 from asyncrl.config import ConfigError, RunConfig, WarmStartConfig
 from asyncrl.data import Prompt, build_task, encode_prompts
-from asyncrl.environments.base import environment_class
+from asyncrl.environments.base import EnvironmentPart
 from asyncrl.models.logprobs import token_logprobs
 
 
@@ -78,12 +78,14 @@ def warm_start_policy(
     model: nn.Module,
     tokenizer,
     config: RunConfig,
+    environment: EnvironmentPart | None,
     *,
     prompts: Sequence[Prompt] | None = None,
     on_progress: Callable[[int, int, float], None] | None = None,
 ) -> Path | None:
     """The run's warm start of ``model``, just built from ``config``: its train split (or
-    ``prompts``, that split already built), its checkpoint and its environment's demonstrations.
+    ``prompts``, that split already built), its checkpoint and the demonstrations of its
+    ``environment`` (``RunParts.environment``).
     Every process that needs the run's starting policy (the driver, each trainer rank on Ray,
     ``eval``) calls this, so all of them compute one cache key and start from the same weights."""
     if not config.warm_start.steps:
@@ -97,7 +99,7 @@ def warm_start_policy(
         config.warm_start,
         model_path=config.model.path,
         on_progress=on_progress,
-        **demonstrations(config),
+        **demonstrations(environment),
     )
 
 
@@ -139,13 +141,13 @@ def _train(
     model.train(was_training)
 
 
-def demonstrations(config: RunConfig) -> dict[str, Any]:
-    """The ``warm_start`` keywords of the config's environment: its ``demonstration`` and tools,
-    when it has one (the calculator environment); none otherwise."""
-    found = environment_class(config)
-    if found is None or not hasattr(found[0], "demonstration"):
+def demonstrations(environment: EnvironmentPart | None) -> dict[str, Any]:
+    """The ``warm_start`` keywords of the run's environment (``RunParts.environment``): its
+    ``demonstration`` and tools, when it has one (the calculator environment); none otherwise."""
+    if environment is None or not hasattr(environment[0], "demonstration"):
         return {}
-    env = found[0](**found[1])
+    cls, options = environment
+    env = cls(**options)
     return {"demonstration": env.demonstration, "tools": env.tools}
 
 

@@ -4,7 +4,8 @@ The local runtime, the Ray actors, ``asyncrl eval`` and the benchmarks all build
 their copies cannot disagree on the warm start (demonstrations included), the algorithm, the
 in-flight setting or fault injection. A runtime whose workers live in the driver's process
 (``Runtime.in_process``) hands the builders the driver's ``Shared`` objects, its warm-started
-model, tokenizer and rewards, instead of letting each build its own.
+model, tokenizer, rewards and ``RunParts`` (the algorithm, the environment), instead of letting
+each build its own; a worker in a process of its own builds each once there.
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ import torch.distributed as dist
 import transformers
 from torch import nn
 
-from asyncrl.algorithms import build_algorithm
 from asyncrl.checkpoint import STATE_FILE, load_contents, load_state
 from asyncrl.config import RunConfig
 from asyncrl.data import build_task
@@ -26,6 +26,7 @@ from asyncrl.faults import inject_rollout_faults, inject_trainer_faults
 from asyncrl.generation import Generator, SamplingParams, build_generator
 from asyncrl.models.factory import DTYPES, build_model, build_tokenizer, resolve_device
 from asyncrl.models.lora import generator_copy
+from asyncrl.parts import RunParts, build_run_parts
 from asyncrl.rewards import RewardRunner
 from asyncrl.rollout import RolloutWorker
 from asyncrl.rollout.episode import build_episodes
@@ -39,11 +40,12 @@ from asyncrl.warm_start import warm_start_policy
 class Shared:
     """The driver's objects that workers in its own process use instead of building their own: the
     policy (already warm-started; a LoRA trainer turns it into its adapters' base in place), its
-    tokenizer and the rewards."""
+    tokenizer, the rewards, and the run's parts."""
 
     tokenizer: Any
     model: nn.Module
     rewards: RewardRunner
+    parts: RunParts
 
 
 def build_trainer_rank(
@@ -66,14 +68,14 @@ def build_trainer_rank(
     if shared is None:
         torch.manual_seed(config.seed)
         transformers.utils.logging.disable_progress_bar()
-        tokenizer = build_tokenizer(config)
+        tokenizer, parts = build_tokenizer(config), build_run_parts(config)
         model = build_model(config, tokenizer)
-        warm_start_policy(model, tokenizer, config)
+        warm_start_policy(model, tokenizer, config, parts.environment)
     else:
-        tokenizer, model = shared.tokenizer, shared.model
+        tokenizer, model, parts = shared.tokenizer, shared.model, shared.parts
     if parallel is not None:
         _take_rank0_weights(model)
-    trainer = PolicyTrainer.from_config(config, model, parallel=parallel)
+    trainer = PolicyTrainer.from_config(config, model, parallel=parallel, algorithm=parts.algorithm)
     worker = TrainerWorker(trainer, config.step, tokenizer, rank=rank, seed=config.seed, integrity=config.integrity)
     if checkpoint_dir is not None:
         state = load_state(Path(checkpoint_dir))["trainer"]
@@ -106,18 +108,20 @@ def build_rollout_worker(config: RunConfig, run_dir: Path | None = None, shared:
     the model is not warm-started here); with it, the generator's model is a copy of the
     driver's (with LoRA, the same base tensors, in memory once) and the rewards are the driver's."""
     if shared is None:
-        tokenizer = build_tokenizer(config)
+        tokenizer, parts = build_tokenizer(config), build_run_parts(config)
         model = build_model(config, tokenizer)
         task = build_task(config.data, tokenizer)
         rewards = RewardRunner.from_config(config.rewards, task, max_new_tokens=config.generation.max_new_tokens)
     else:
-        tokenizer, rewards = shared.tokenizer, shared.rewards
+        tokenizer, rewards, parts = shared.tokenizer, shared.rewards, shared.parts
         model = generator_copy(shared.model, config.lora.rank, DTYPES[config.trainer.dtype])
     generator = build_generator(config, model, tokenizer, run_dir)
-    return inject_rollout_faults(rollout_worker(config, generator, rewards, tokenizer), config.faults)
+    return inject_rollout_faults(rollout_worker(config, parts, generator, rewards, tokenizer), config.faults)
 
 
-def rollout_worker(config: RunConfig, generator: Generator, rewards: RewardRunner, tokenizer: Any) -> RolloutWorker:
+def rollout_worker(
+    config: RunConfig, parts: RunParts, generator: Generator, rewards: RewardRunner, tokenizer: Any
+) -> RolloutWorker:
     """The run's rollout worker over a built generator: its seed, group size, sampling, the
     algorithm that judges its groups, its episodes, and whether weights load while it generates."""
     return RolloutWorker(
@@ -128,8 +132,8 @@ def rollout_worker(config: RunConfig, generator: Generator, rewards: RewardRunne
         group_size=config.step.generations_per_prompt,
         sampling=SamplingParams.from_config(config.generation),
         inflight=config.sync.mode == "inflight" and generator.loads_while_generating,
-        algorithm=build_algorithm(config),
-        episodes=build_episodes(config, generator, tokenizer),
+        algorithm=parts.algorithm,
+        episodes=build_episodes(config, parts.environment, generator, tokenizer),
         samples=min(config.logging.samples_per_step, config.step.generations_per_prompt),
         eval_samples=config.logging.eval_samples,
         fingerprints=config.integrity.enabled,

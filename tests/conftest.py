@@ -67,11 +67,11 @@ def vllm_config(vllm_python, tmp_path_factory):
 
     run_dir = tmp_path_factory.mktemp("vllm-run")
     overrides = [
-        "generation.backend=vllm",
-        "generation.backend_options.weight_transfer=collective",
+        "generation.backend.name=vllm",
+        "generation.backend.options.weight_transfer=collective",
         f"logging.output_dir={run_dir}",
     ]
-    overrides.append("generation.backend_options.max_model_len=1024")
+    overrides.append("generation.backend.options.max_model_len=1024")
     return load_config(None, overrides)
 
 

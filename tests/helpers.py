@@ -19,8 +19,8 @@ from asyncrl.models import build_char_tokenizer
 from asyncrl.types import Rollout, RolloutGroup
 
 SMALL = [  # the small arithmetic task: short answers, so 4 new tokens complete them
-    "data.task=arithmetic",
-    "data.difficulty=1",
+    "data.task.name=arithmetic",
+    "data.task.options.difficulty=1",
     "model.hidden_size=32",
     "model.num_layers=2",
     "model.num_heads=4",

@@ -3,7 +3,7 @@
 Per backend: generation tokens/s for short responses (the default task's 16 tokens) and long ones
 (256 tokens), seconds per weight update, and the mean step time of a short ``asyncrl train`` run.
 Both backends get the same requests (same prompts and seeds) and the same weights; the vLLM
-server is started once and the training runs use it through ``generation.backend_options.url``.
+server is started once and the training runs use it through ``generation.backend.options.url``.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ SETTINGS = {"short": 16, "long": 256}  # max_new_tokens of each generation setti
 
 
 def run(*, requests: int, updates: int, train_steps: int) -> list[dict]:
-    config = load_config(None, ["generation.backend=vllm"])
+    config = load_config(None, ["generation.backend.name=vllm"])
     tokenizer = build_tokenizer(config)
     model = build_model(config, tokenizer)
     batch = [SampleRequest(tokenizer.encode(f"{i}+{i % 7}="), sample_seed(0, str(i), 0)) for i in range(requests)]
@@ -64,7 +64,7 @@ def _train_step_s(backend: str, url: str | None, steps: int) -> float:
     """Mean ``time/step_s`` of a short run on the default task (no warm start), past its first step."""
     with tempfile.TemporaryDirectory() as run_dir:
         overrides = [
-            f"generation.backend={backend}",
+            f"generation.backend.name={backend}",
             f"step.max_steps={steps}",
             "warm_start.steps=0",
             "logging.progress=false",
@@ -73,6 +73,6 @@ def _train_step_s(backend: str, url: str | None, steps: int) -> float:
             f"logging.eval_every_steps={steps}",
         ]
         if url is not None:
-            overrides.append(f"generation.backend_options.url={url}")
+            overrides.append(f"generation.backend.options.url={url}")
         train(load_config(None, overrides), output_dir=Path(run_dir))
         return statistics.mean(m["time/step_s"] for m in read_jsonl(Path(run_dir) / "metrics.jsonl")[1:])

@@ -352,8 +352,8 @@ def _vllm(workload: Workload, device: str) -> dict[str, Any]:
 
     config = load_config(
         None,
-        ["generation.backend=vllm", "trainer.dtype=bfloat16", "trainer.device=cuda",
-         f"generation.backend_options.max_model_len={workload.seq_len}"],
+        ["generation.backend.name=vllm", "trainer.dtype=bfloat16", "trainer.device=cuda",
+         f"generation.backend.options.max_model_len={workload.seq_len}"],
     )  # fmt: skip
     model = _model(workload, device)
     weights = {name: t.to(torch.bfloat16) for name, t in model.state_dict().items()}

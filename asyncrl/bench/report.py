@@ -303,8 +303,8 @@ SECTIONS: dict[str, Callable[[dict], str]] = {
 }
 COMMANDS = {  # results saved under another name than the command's (--output); the overrides are in Settings
     "e2e-trl": "e2e --against trl",
-    "e2e-trl-reasoning-gym": "e2e --against trl data.task=reasoning_gym ...",
-    "e2e-trl-long-responses": "e2e --against trl data.difficulty=3 ...",
+    "e2e-trl-reasoning-gym": "e2e --against trl data.task.name=reasoning_gym ...",
+    "e2e-trl-long-responses": "e2e --against trl data.task.options.difficulty=3 ...",
     "e2e-tool-use": "e2e --config configs/tool-use.yaml ...",
     "e2e-trl-tool-use": "e2e --against trl --config configs/tool-use.yaml ...",
 }

@@ -51,6 +51,7 @@ from asyncrl.data import PromptLoader, build_task
 from asyncrl.environments.tool_env import close_toolboxes
 from asyncrl.generation import build_generator
 from asyncrl.models.factory import build_model, build_tokenizer, resolve_device
+from asyncrl.parts import build_run_parts
 from asyncrl.rewards import RewardRunner
 from asyncrl.rollout import RolloutWorker
 from asyncrl.run import local_torch_threads
@@ -195,7 +196,10 @@ def run_trl(config: RunConfig, *, seed: int, max_steps: int, eval_every_steps: i
     tokenizer = build_tokenizer(config)
     model = build_model(config, tokenizer)
     task = build_task(config.data, tokenizer)
-    warm_start_policy(model, tokenizer, config, prompts=task.train)  # the weights asyncrl's runs start from
+    parts = build_run_parts(config)
+    warm_start_policy(
+        model, tokenizer, config, parts.environment, prompts=task.train
+    )  # the weights asyncrl's runs start from
 
     loader = PromptLoader(task.train, shuffle_seed=config.data.shuffle_seed, epochs=config.data.epochs)
     prompts = list(itertools.islice(iter(loader.next, None), max_steps * config.step.prompts_per_step))
@@ -204,7 +208,7 @@ def run_trl(config: RunConfig, *, seed: int, max_steps: int, eval_every_steps: i
     # The warm-started model becomes the generator's; TRL trains its own, loaded from init_dir.
     generator = build_generator(config, model, tokenizer)
     evaluator = Evaluator(
-        rollout_worker(config.model_copy(update={"seed": seed}), generator, rewards, tokenizer),
+        rollout_worker(config.model_copy(update={"seed": seed}), parts, generator, rewards, tokenizer),
         list(task.heldout[: config.data.eval_size]),
         every=eval_every_steps,
         samples_per_step=config.step.prompts_per_step * config.step.generations_per_prompt,

@@ -17,9 +17,9 @@ here imports torch, so ``asyncrl config`` stays fast.
 from asyncrl.config.algorithm import AlgorithmConfig, StepConfig
 from asyncrl.config.base import ConfigError, Section
 from asyncrl.config.control import RuntimeConfig, SamplerConfig, SyncConfig
-from asyncrl.config.data import DataConfig
+from asyncrl.config.data import DataConfig, TaskConfig
 from asyncrl.config.environment import EnvironmentConfig
-from asyncrl.config.generation import MIN_TEMPERATURE, GenerationConfig
+from asyncrl.config.generation import MIN_TEMPERATURE, BackendConfig, GenerationConfig
 from asyncrl.config.integrity import PROMISES, IntegrityConfig
 from asyncrl.config.loading import config_from_dict, dump_config, load_config, parse_options
 from asyncrl.config.lora import LoraConfig
@@ -38,9 +38,11 @@ __all__ = [
     "CheckpointConfig",
     "ConfigError",
     "DataConfig",
+    "TaskConfig",
     "EnvironmentConfig",
     "FaultsConfig",
     "GenerationConfig",
+    "BackendConfig",
     "IntegrityConfig",
     "LoggingConfig",
     "LoraConfig",

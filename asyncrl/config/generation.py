@@ -11,19 +11,30 @@ from asyncrl.config.base import Section
 MIN_TEMPERATURE = 1e-6  # logits / T stays finite in float32 for any logit below 3.4e32
 
 
+class BackendConfig(Section):
+    """The generation backend part: a name and its options, like every part (docs/plugins.md)."""
+
+    name: str = Field(
+        "hf",
+        description="hf (transformers in process), vllm (vLLM servers; docs/configuration.md lists its options), or "
+        "package.module:attr (docs/plugins.md); resolved when the generator is built, as backends import torch",
+    )
+    options: dict[str, Any] = Field(
+        default_factory=dict, description="the backend's settings (its Options model); hf takes none"
+    )
+
+    @model_validator(mode="after")
+    def _named(self) -> BackendConfig:
+        from asyncrl.plugins import check_spec
+
+        check_spec("backend", self.name, "generation.backend.name")
+        return self
+
+
 class GenerationConfig(Section):
     """How rollouts are sampled."""
 
-    backend: str = Field(
-        "hf",
-        description="generation backend: hf (transformers in process), vllm (vLLM servers; their settings are its "
-        "backend_options, docs/configuration.md), or "
-        "package.module:attr (docs/plugins.md); resolved when the generator is built, as backends import torch",
-    )
-    backend_options: dict[str, Any] = Field(
-        default_factory=dict,
-        description="settings of a backend that declares them (its Options model); built-ins take none",
-    )
+    backend: BackendConfig = Field(default_factory=BackendConfig, description="the generation backend")
     max_new_tokens: int = Field(16, ge=1, description="response length limit")
     temperature: float = Field(
         1.0, ge=0.0, description="sampling temperature of rollouts, at least 1e-6 (evaluation is always greedy)"
@@ -36,13 +47,6 @@ class GenerationConfig(Section):
     num_workers: int = Field(
         1, ge=1, description="rollout workers, each with its own generator: Ray actors; the local runtime runs one"
     )
-
-    @model_validator(mode="after")
-    def _backend_named(self) -> GenerationConfig:
-        from asyncrl.plugins import check_spec
-
-        check_spec("backend", self.backend, "generation.backend")
-        return self
 
     @model_validator(mode="after")
     def _samples_can_differ(self) -> GenerationConfig:

@@ -82,7 +82,7 @@ def _set_dotted(data: dict, override: str) -> None:
         if depth == len(keys) - 1:
             value = _override_value(dotted.strip(), raw)
             if _textual(fields[key].annotation) and isinstance(value, (int, float)):
-                value = raw.strip()  # data.path=2024 names a file, not a number
+                value = raw.strip()  # model.path=2024 names a directory, not a number
             node[key] = value
             return
         if get_origin(fields[key].annotation) is dict:  # a part's options: environment.options.max_turns=3

@@ -4,8 +4,11 @@ The ``grpo`` section held the step's shape beside two of GRPO's options, and ``l
 loss terms beside the trainer's aggregation. The algorithm now owns its options
 (``algorithm.options``), the step's shape is ``step``, and the aggregation, the same for every
 algorithm, is the trainer's. The ``vllm`` section was the vllm backend's settings outside the
-options every part has: they are ``generation.backend_options`` now; the format and overlong
-rewards' settings are their ``rewards.options``.
+options every part has: they are ``generation.backend.options`` now; the format and overlong
+rewards' settings are their ``rewards.options``. The task and the backend were a name key beside
+an options key (``data.task`` + ``data.task_options``); they are ``{name, options}`` sections like
+every part, and the built-in tasks' settings (``data.path``, ``data.difficulty``, ...) are their
+options.
 """
 
 from __future__ import annotations
@@ -63,14 +66,14 @@ _OPTION_KEYS = {
 SECTIONS = {
     "grpo": "step (the step's shape) and algorithm.options (baseline, scale_by_std)",
     "loss": "algorithm.options (the loss terms) and trainer (aggregation, norm_constant, track_entropy)",
-    "vllm": "generation.backend_options (the vllm backend's options)",
+    "vllm": "generation.backend.options (the vllm backend's options)",
 }
 
 
 def new_place(section: str, key: str) -> str | None:
     """Where ``section.key`` of the earlier layout lives now; None for a key it never had."""
     if section == "vllm":
-        return f"generation.backend_options.{key}" if key in _VLLM_KEYS else None
+        return f"generation.backend.options.{key}" if key in _VLLM_KEYS else None
     if key in _OPTION_KEYS[section]:
         return f"algorithm.options.{key}"
     if section == "grpo" and key in _STEP_KEYS:
@@ -80,10 +83,27 @@ def new_place(section: str, key: str) -> str | None:
     return None
 
 
+_TASK_SETTINGS = (
+    "path",
+    "eval_path",
+    "split",
+    "eval_split",
+    "prompt_field",
+    "answer_field",
+    "difficulty",
+    "num_problems",
+    "dataset",
+    "dataset_config",
+)
+
 # keys that moved into a part's options
 KEYS = {
     "rewards.format_pattern": "rewards.options.format.pattern",
     "rewards.overlong_cache": "rewards.options.overlong.cache",
+    "generation.backend_options": "generation.backend.options",
+    "data.task_options": "data.task.options",
+    "data.task_seed": "data.task.options.seed",
+    **{f"data.{key}": f"data.task.options.{key}" for key in _TASK_SETTINGS},
 }
 
 

@@ -69,10 +69,12 @@ def _zero_variance(config: RunConfig, window: Sequence[dict]) -> str | None:
     if not all(r.get("num_groups", 0) > 0 and r.get("zero_variance_groups") == r["num_groups"] for r in window):
         return None
     accuracy = _mean(r.get("accuracy", 0.0) for r in window)
+    task = config.data.task
+    settings = f"data.task.options of {task.name}" + (f", now {task.options}" if task.options else "")
     if accuracy == 0.0:
-        fix = f"the task is too hard for the model: lower data.difficulty={config.data.difficulty} or raise warm_start.steps"
+        fix = f"the task is too hard for the model: make it easier ({settings}) or raise warm_start.steps"
     elif accuracy == 1.0:
-        fix = f"the task is too easy: raise data.difficulty={config.data.difficulty}"
+        fix = f"the task is too easy: make it harder ({settings})"
     else:
         fix = "give partial credit (rewards.functions) or raise step.generations_per_prompt"
     return (
@@ -141,7 +143,7 @@ def _weights_collapsed(config: RunConfig, window: Sequence[dict]) -> str | None:
         f"the importance weights collapsed (is_weight_mean {_mean(weights):.2f}, mismatch_kl {kl:.3f}): the "
         f"generator's policy is far from the trainer's, so most tokens barely count; lower "
         f"sampler.max_lag={config.sampler.max_lag}, or make generation match training "
-        f"(generation.backend, trainer.dtype)"
+        f"(generation.backend.name, trainer.dtype)"
     )
 
 

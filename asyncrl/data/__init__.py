@@ -4,11 +4,10 @@ from asyncrl.data.files import check_encodable, check_prompt_lengths, longest_pr
 from asyncrl.data.loader import PromptLoader
 from asyncrl.data.prompts import Prompt, Task, encode_prompts
 from asyncrl.data.synthetic import ARITHMETIC_LEVELS, SYNTHETIC_TASKS
-from asyncrl.data.tasks import FILE_TASKS, build_task
+from asyncrl.data.tasks import build_task
 
 __all__ = [
     "ARITHMETIC_LEVELS",
-    "FILE_TASKS",
     "SYNTHETIC_TASKS",
     "Prompt",
     "PromptLoader",

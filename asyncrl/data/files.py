@@ -11,13 +11,13 @@ longest request (with an environment: its templated opening and the whole episod
 the model's context, and ``check_encodable`` rejects, by row and character, text the tokenizer
 cannot reproduce.
 
-The held-out split comes from ``data.eval_path`` when it is set; otherwise the last
-``data.eval_size`` rows of ``data.path`` are held out and the rows before them are trained on.
+The held-out split comes from ``data.task.options.eval_path`` when it is set; otherwise the last
+``data.eval_size`` rows of ``data.task.options.path`` are held out and the rows before them are trained on.
 
-``hf_dataset`` reads ``data.path`` with the ``datasets`` package (an optional extra, imported only
+``hf_dataset`` reads ``data.task.options.path`` with the ``datasets`` package (an optional extra, imported only
 then): a ``save_to_disk`` directory (a Dataset, or a DatasetDict of named splits), or a directory
 of data files whose names give the splits (``train.jsonl``, ``test.parquet``, ...). It trains on
-split ``data.split`` and holds out split ``data.eval_split`` (null: the last ``data.eval_size``
+split ``data.task.options.split`` and holds out split ``data.task.options.eval_split`` (null: the last ``data.eval_size``
 rows of the train split), with the same fields, checks and uids as a file. Only an existing local
 directory is read, so nothing is fetched from the Hub.
 """
@@ -34,8 +34,9 @@ from typing import TYPE_CHECKING, Any
 from asyncrl.data.prompts import Prompt, Task, encode_prompts
 
 if TYPE_CHECKING:
-    from asyncrl.config import DataConfig, RunConfig
+    from asyncrl.config import RunConfig
 
+OPTIONS = "data.task.options"  # where a file task's settings are, for errors naming them
 TOKENIZE_BATCH = 4096  # prompts per tokenizer call when checking lengths
 
 
@@ -45,14 +46,15 @@ def file_task(
     """The train and held-out prompts of a ``kind`` ("jsonl" or "parquet") dataset."""
     if eval_path is not None and Path(eval_path).resolve() == Path(path).resolve():
         raise ValueError(
-            f"data.eval_path: '{eval_path}' is data.path itself, so the held-out rows would be trained on; "
+            f"{OPTIONS}.eval_path: '{eval_path}' is path itself, so the held-out rows would be trained on; "
             "give another file, or null to hold out the last data.eval_size rows"
         )
-    train = _prompts(_read_rows(kind, path, "data.path"), "train", path, prompt_field, answer_field)
+    train = _prompts(_read_rows(kind, path, f"{OPTIONS}.path"), "train", path, prompt_field, answer_field)
     if eval_path is None:
-        return Task(kind, *_hold_out(train, eval_size, path, "data.eval_path"))
-    heldout = _prompts(_read_rows(kind, eval_path, "data.eval_path"), "heldout", eval_path, prompt_field, answer_field)
-    return Task(kind, train=train, heldout=heldout)
+        return Task(kind, *_hold_out(train, eval_size, path, "eval_path"), sources={"train": path, "heldout": path})
+    rows = _read_rows(kind, eval_path, f"{OPTIONS}.eval_path")
+    heldout = _prompts(rows, "heldout", eval_path, prompt_field, answer_field)
+    return Task(kind, train=train, heldout=heldout, sources={"train": path, "heldout": eval_path})
 
 
 def hf_dataset_task(
@@ -61,17 +63,20 @@ def hf_dataset_task(
     """The train and held-out prompts of a Hugging Face dataset on disk (``hf_dataset``)."""
     splits = _hf_splits(path)
     train_where = _split_where(split, path)
-    train = _prompts(_split_rows(splits, split, path, "data.split"), "train", train_where, prompt_field, answer_field)
+    rows = _split_rows(splits, split, path, f"{OPTIONS}.split")
+    train = _prompts(rows, "train", train_where, prompt_field, answer_field)
     if eval_split is None:
-        return Task("hf_dataset", *_hold_out(train, eval_size, train_where, "data.eval_split"))
+        sources = {"train": train_where, "heldout": train_where}
+        return Task("hf_dataset", *_hold_out(train, eval_size, train_where, "eval_split"), sources=sources)
     if eval_split == split:
         raise ValueError(
-            f"data.eval_split: '{eval_split}' is data.split itself, so the held-out rows would be trained on; "
+            f"{OPTIONS}.eval_split: '{eval_split}' is split itself, so the held-out rows would be trained on; "
             "name another split, or null to hold out the last data.eval_size rows"
         )
-    rows = _split_rows(splits, eval_split, path, "data.eval_split")
-    heldout = _prompts(rows, "heldout", _split_where(eval_split, path), prompt_field, answer_field)
-    return Task("hf_dataset", train=train, heldout=heldout)
+    rows = _split_rows(splits, eval_split, path, f"{OPTIONS}.eval_split")
+    heldout_where = _split_where(eval_split, path)
+    heldout = _prompts(rows, "heldout", heldout_where, prompt_field, answer_field)
+    return Task("hf_dataset", train=train, heldout=heldout, sources={"train": train_where, "heldout": heldout_where})
 
 
 def _hold_out(train: list[Prompt], eval_size: int, where: str, other: str) -> tuple[list[Prompt], list[Prompt]]:
@@ -79,7 +84,7 @@ def _hold_out(train: list[Prompt], eval_size: int, where: str, other: str) -> tu
     if len(train) <= eval_size:
         raise ValueError(
             f"data.eval_size: holding out the last {eval_size} rows of {where} leaves no train rows "
-            f"(it has {len(train)}); set {other} or lower data.eval_size"
+            f"(it has {len(train)}); set {OPTIONS}.{other} or lower data.eval_size"
         )
     return train[:-eval_size], [_as_heldout(p) for p in train[-eval_size:]]
 
@@ -90,14 +95,14 @@ def _hf_splits(path: str) -> dict[str, Any]:
         import datasets
     except ImportError:
         raise ValueError(
-            "data.task: hf_dataset needs the datasets package; install it with: pip install -e '.[hf-datasets]'"
+            "data.task.name: hf_dataset needs the datasets package; install it with: pip install -e '.[hf-datasets]'"
         ) from None
     directory = Path(path)
     if not directory.is_dir():
         raise ValueError(
-            f"data.path: '{path}' is a file; hf_dataset reads a directory (for one file use data.task jsonl or parquet)"
+            f"{OPTIONS}.path: '{path}' is a file; hf_dataset reads a directory (one file is data.task.name jsonl or parquet)"
             if directory.exists()
-            else f"data.path: no such directory '{path}'"
+            else f"{OPTIONS}.path: no such directory '{path}'"
         )
     saved = (directory / "dataset_dict.json").is_file() or (directory / "state.json").is_file()
     bars_were_disabled = datasets.are_progress_bars_disabled()
@@ -106,7 +111,7 @@ def _hf_splits(path: str) -> dict[str, Any]:
         loaded = datasets.load_from_disk(str(directory)) if saved else datasets.load_dataset(str(directory))
     except Exception as err:  # datasets reports a damaged or foreign directory with a variety of errors
         detail = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise ValueError(f"data.path: cannot read '{path}' as a Hugging Face dataset: {detail}") from None
+        raise ValueError(f"{OPTIONS}.path: cannot read '{path}' as a Hugging Face dataset: {detail}") from None
     finally:
         if not bars_were_disabled:
             datasets.enable_progress_bars()
@@ -128,7 +133,7 @@ def _split_where(split: str, path: str) -> str:
 
 
 def _as_heldout(prompt: Prompt) -> Prompt:
-    """``train/row`` -> ``heldout/row``: the row number still points into data.path."""
+    """``train/row`` -> ``heldout/row``: the row number still points into the train file."""
     return Prompt("heldout/" + prompt.uid.removeprefix("train/"), prompt.text, prompt.answer)
 
 
@@ -234,24 +239,26 @@ def _prompts(rows: list[dict[str, Any]], split: str, path: str, prompt_field: st
         text, answer = row.get(prompt_field), row.get(answer_field)
         if text is None:
             raise ValueError(
-                f"data.prompt_field: {where} has no field '{prompt_field}'{_fields_hint(rows, row, prompt_field)}"
+                f"{OPTIONS}.prompt_field: {where} has no field '{prompt_field}'{_fields_hint(rows, row, prompt_field)}"
             )
         if not isinstance(text, str):
-            raise ValueError(f"data.prompt_field: {where}: '{prompt_field}' is {type(text).__name__}, not a string")
+            raise ValueError(
+                f"{OPTIONS}.prompt_field: {where}: '{prompt_field}' is {type(text).__name__}, not a string"
+            )
         if not text.strip():
-            raise ValueError(f"data.prompt_field: {where}: '{prompt_field}' is empty")
+            raise ValueError(f"{OPTIONS}.prompt_field: {where}: '{prompt_field}' is empty")
         if answer is None:
             raise ValueError(
-                f"data.answer_field: {where} has no field '{answer_field}'{_fields_hint(rows, row, answer_field)}"
+                f"{OPTIONS}.answer_field: {where} has no field '{answer_field}'{_fields_hint(rows, row, answer_field)}"
             )
         if isinstance(answer, bool) or not isinstance(answer, (str, int, float)):
             raise ValueError(
-                f"data.answer_field: {where}: '{answer_field}' is {type(answer).__name__}, not a string or number"
+                f"{OPTIONS}.answer_field: {where}: '{answer_field}' is {type(answer).__name__}, not a string or number"
             )
         if isinstance(answer, float) and not math.isfinite(answer):
-            raise ValueError(f"data.answer_field: {where}: '{answer_field}' is {answer}, not a finite number")
+            raise ValueError(f"{OPTIONS}.answer_field: {where}: '{answer_field}' is {answer}, not a finite number")
         if not str(answer).strip():
-            raise ValueError(f"data.answer_field: {where}: '{answer_field}' is empty")
+            raise ValueError(f"{OPTIONS}.answer_field: {where}: '{answer_field}' is empty")
         out.append(Prompt(f"{split}/{number}", text, str(answer)))
     return out
 
@@ -286,7 +293,7 @@ def request_budget(config: RunConfig) -> Budget:
 
 
 def check_prompt_lengths(
-    first_requests: Iterable[tuple[Prompt, list[int]]], config: RunConfig, max_positions: int | None
+    first_requests: Iterable[tuple[Prompt, list[int]]], task: Task, config: RunConfig, max_positions: int | None
 ) -> None:
     """Reject, naming its row, a prompt whose longest request does not fit the model's
     ``max_positions`` (None: the model sets no limit): its first request's ids (the prompt as the
@@ -294,7 +301,7 @@ def check_prompt_lengths(
     asyncrl/rollout/context.py) and all a request may add to them (``request_budget``)."""
     if max_positions is None:
         return
-    data, room = config.data, request_budget(config)
+    room = request_budget(config)
     if max_positions - room.tokens < 1:
         others = room.tokens - room.value
         with_others = f" (with generation.max_new_tokens {others})" if others else ""
@@ -304,10 +311,10 @@ def check_prompt_lengths(
         )
     for prompt, prompt_ids in first_requests:
         if not prompt_ids:
-            raise ValueError(f"{_where(prompt, data)}: the prompt tokenizes to no tokens")
+            raise ValueError(f"{_where(prompt, task)}: the prompt tokenizes to no tokens")
         if len(prompt_ids) + room.tokens > max_positions:
             raise ValueError(
-                f"{_where(prompt, data)}: the {room.opening} is {len(prompt_ids)} tokens, and with {room.terms} "
+                f"{_where(prompt, task)}: the {room.opening} is {len(prompt_ids)} tokens, and with {room.terms} "
                 f"needs {len(prompt_ids) + room.tokens} positions, but the model has {max_positions}; shorten "
                 f"it or lower {room.field}"
             )
@@ -326,7 +333,7 @@ def encoded_prompts(task: Task, tokenizer) -> Iterator[tuple[Prompt, list[int]]]
             yield from zip(chunk, encode_prompts([p.text for p in chunk], tokenizer))
 
 
-def check_encodable(task: Task, data: DataConfig, tokenizer) -> None:
+def check_encodable(task: Task, tokenizer) -> None:
     """Reject, by row and character, a prompt or answer the tokenizer does not reproduce exactly:
     an unknown character would reach the model as ``<unk>`` (and an answer holding one could never
     be generated), and a normalizing tokenizer would train on text other than the row's."""
@@ -339,7 +346,7 @@ def check_encodable(task: Task, data: DataConfig, tokenizer) -> None:
             for i, (text, back) in enumerate(zip(texts, decoded)):
                 if back != text:
                     field = "answer_field" if i % 2 else "prompt_field"
-                    where = _where(chunk[i // 2], data, field)
+                    where = _where(chunk[i // 2], task, field)
                     raise ValueError(f"{where}: {_round_trip_error(text, back, ids[i], tokenizer)}")
 
 
@@ -356,13 +363,9 @@ def _round_trip_error(text: str, back: str, ids: list[int], tokenizer) -> str:
     )
 
 
-def _where(prompt: Prompt, data: DataConfig, field: str = "prompt_field") -> str:
+def _where(prompt: Prompt, task: Task, field: str = "prompt_field") -> str:
     """The config field and row a prompt came from: its uid is ``split/row`` for a file."""
-    if data.path is None:
-        return f"data.task: prompt '{prompt.uid}' of {data.task}"
+    if task.sources is None:
+        return f"data.task.name: prompt '{prompt.uid}' of {task.name}"
     split, _, row = prompt.uid.partition("/")
-    if data.task == "hf_dataset":
-        name = data.eval_split if split == "heldout" and data.eval_split is not None else data.split
-        return f"data.{field}: row {row} of {_split_where(name, data.path)}"
-    path = data.eval_path if split == "heldout" and data.eval_path is not None else data.path
-    return f"data.{field}: row {row} of {path}"
+    return f"{OPTIONS}.{field}: row {row} of {task.sources[split]}"

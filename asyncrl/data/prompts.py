@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 
@@ -17,9 +17,11 @@ class Prompt:
 class Task:
     """A train split, a disjoint held-out split, and the shape a well-formed answer has.
 
-    ``format_pattern`` is the regex the ``format`` reward uses when ``rewards.format_pattern`` is
-    not set; None where the task cannot know it (user files). ``score`` is the task's own checker,
-    the ``task`` reward, (completion, answer) -> score; None where the task has none.
+    ``format_pattern`` is the regex the ``format`` reward uses when its ``pattern`` option is not
+    set; None where the task cannot know it (user files). ``score`` is the task's own checker, the
+    ``task`` reward, (completion, answer) -> score; None where the task has none. ``sources`` names
+    where each split's rows were read ("train" / "heldout" -> a file, or a split of a directory), so
+    an error can name a prompt's row (a uid ``split/row``); None for generated problems.
     """
 
     name: str
@@ -27,6 +29,7 @@ class Task:
     heldout: Sequence[Prompt]
     format_pattern: str | None = None
     score: Callable[[str, str], float] | None = None
+    sources: Mapping[str, str] | None = None
 
 
 def apply_chat_template(texts: Sequence[str], tokenizer) -> list[str]:

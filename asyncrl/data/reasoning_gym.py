@@ -1,8 +1,8 @@
 """reasoning-gym datasets as a task: procedural problems written outside asyncrl, each with its own checker.
 
-``data.task: reasoning_gym`` takes ``data.dataset`` (a reasoning-gym dataset name) and
-``data.dataset_config`` (that dataset's settings). ``data.num_problems`` entries are generated from
-seed ``data.task_seed``; an entry whose question repeats an earlier one is dropped, the first
+``data.task.name: reasoning_gym`` takes ``data.task.options.dataset`` (a reasoning-gym dataset name) and
+``data.task.options.dataset_config`` (that dataset's settings). ``data.task.options.num_problems`` entries are generated from
+seed ``data.task.options.seed``; an entry whose question repeats an earlier one is dropped, the first
 ``data.eval_size`` distinct questions are held out and the rest are trained on, so the two splits
 never share a question. The same settings always give the same splits, so the loader resumes as it
 does for any other task. A prompt's uid is ``dataset/index``.
@@ -44,7 +44,7 @@ def _package():
     try:
         import reasoning_gym
     except ImportError:
-        raise ValueError(f"data.task: reasoning_gym needs the reasoning-gym package; run {INSTALL_HINT}") from None
+        raise ValueError(f"data.task.name: reasoning_gym needs the reasoning-gym package; run {INSTALL_HINT}") from None
     return reasoning_gym
 
 
@@ -54,13 +54,13 @@ def create_dataset(name: str, settings: dict[str, Any], *, seed: int, size: int)
     datasets = package.factory.DATASETS
     if name not in datasets:
         raise ValueError(
-            f"data.dataset: unknown reasoning-gym dataset '{name}' ({len(datasets)} exist, e.g. chain_sum)"
+            f"data.task.options.dataset: unknown reasoning-gym dataset '{name}' ({len(datasets)} exist, e.g. chain_sum)"
         )
     try:
         settings = _with_enums(datasets[name][1], settings)
         return package.create_dataset(name, **settings, seed=seed, size=size)
     except (TypeError, ValueError, AssertionError) as err:
-        raise ValueError(f"data.dataset_config: invalid settings for {name} ({_one_line(err)})") from None
+        raise ValueError(f"data.task.options.dataset_config: invalid settings for {name} ({_one_line(err)})") from None
 
 
 def _one_line(err: Exception) -> str:
@@ -122,7 +122,7 @@ def reasoning_gym_task(name: str, settings: dict[str, Any], *, seed: int, num_pr
             entry = dataset[index]
         except Exception as err:  # the dataset's own code, run on the user's settings
             raise ValueError(
-                f"data.dataset_config: {name} failed to generate entry {index} with these settings "
+                f"data.task.options.dataset_config: {name} failed to generate entry {index} with these settings "
                 f"({type(err).__name__}: {_one_line(err)})"
             ) from None
         if entry["question"] not in seen:
@@ -131,6 +131,6 @@ def reasoning_gym_task(name: str, settings: dict[str, Any], *, seed: int, num_pr
     if len(prompts) <= eval_size:
         raise ValueError(
             f"data.eval_size: {eval_size} held-out problems leave none to train on "
-            f"({name} gave {len(prompts)} distinct questions out of data.num_problems={num_problems})"
+            f"({name} gave {len(prompts)} distinct questions out of data.task.options.num_problems={num_problems})"
         )
     return Task(name, train=prompts[eval_size:], heldout=prompts[:eval_size], score=ReasoningGymScore(name, settings))

@@ -1,7 +1,7 @@
 """Built-in tasks: seeded synthetic problems with checkable answers and a difficulty knob.
 
 A task numbers every problem of a difficulty level 0 .. size-1. A seeded sample of
-``data.num_problems`` distinct numbers picks the problems; the first ``data.eval_size`` of them
+``num_problems`` distinct numbers (``GeneratedOptions``) picks the problems; the first ``data.eval_size`` of them
 form the held-out split and the rest the train split, so the two never share a problem. A prompt's
 uid is ``task/difficulty/number``: a problem keeps its uid, and so its sampling seeds, whatever
 was sampled around it.
@@ -20,6 +20,8 @@ from dataclasses import dataclass
 from itertools import accumulate
 from typing import Protocol
 
+from pydantic import BaseModel, ConfigDict, Field
+
 from asyncrl.data.prompts import Prompt, Task
 
 
@@ -31,6 +33,18 @@ class SyntheticTask(Protocol):
 
     def size(self, difficulty: int) -> int: ...
     def problem(self, number: int, difficulty: int) -> tuple[str, str]: ...
+
+
+class GeneratedOptions(BaseModel):
+    """A generated task's settings: which level, and which of its problems (docs/data.md)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    difficulty: int = Field(2, ge=1, description="the level of the problems (each task's levels are in docs/data.md)")
+    seed: int = Field(0, description="seed choosing the problems and their train / held-out split")
+    num_problems: int = Field(
+        10000, ge=2, description="distinct problems drawn, the held-out ones first; a level may have fewer"
+    )
 
 
 @dataclass(frozen=True)
@@ -125,7 +139,7 @@ def check_difficulty(name: str, difficulty: int) -> None:
     highest = SYNTHETIC_TASKS[name].max_difficulty
     if difficulty < 1 or (highest is not None and difficulty > highest):
         levels = f"1-{highest}" if highest is not None else "1 and up"
-        raise ValueError(f"data.difficulty: {name} has levels {levels}, got {difficulty}")
+        raise ValueError(f"data.task.options.difficulty: {name} has levels {levels}, got {difficulty}")
 
 
 def synthetic_task(name: str, difficulty: int, *, seed: int, num_problems: int, eval_size: int) -> Task:
@@ -137,7 +151,7 @@ def synthetic_task(name: str, difficulty: int, *, seed: int, num_problems: int, 
     if count <= eval_size:
         raise ValueError(
             f"data.eval_size: {eval_size} held-out problems leave none to train on "
-            f"({name} difficulty {difficulty} has {size} problems, data.num_problems is {num_problems})"
+            f"({name} difficulty {difficulty} has {size} problems, data.task.options.num_problems is {num_problems})"
         )
     numbers = random.Random(f"{name}:{difficulty}:{seed}").sample(range(size), count)
     prompts = [Prompt(f"{name}/{difficulty}/{n}", *task.problem(n, difficulty)) for n in numbers]

@@ -1,16 +1,15 @@
 """Task parts and build_task: the configured prompts, from a built-in task or a user's.
 
 A task part (docs/plugins.md) is a class built as ``Part(data, **options)``: ``data`` is the
-``data`` config section, ``options`` is ``data.task_options`` checked by the part's ``Options``
-model. Its constructor only checks the settings (the config builds it while loading), and
+``data`` config section, ``options`` is ``data.task.options`` checked by the part's ``Options``
+model. Its constructor only checks the settings (``asyncrl config`` builds it to check a file), and
 ``build()`` returns the ``Task``. What it declares:
 
-- ``reads``: the file and dataset settings of ``data`` (``TASK_SETTINGS``) it uses; setting
-  another is an error, since it would be silently ignored.
 - ``has_checker``: its Task carries a ``score``, the ``task`` reward; ``checker_required``: it is
   scored by that checker alone, so ``rewards.functions`` must list ``task``.
 
-The built-ins are parts like any other, found through ``asyncrl.plugins.BUILTINS``.
+The built-ins are parts like any other, found through ``asyncrl.plugins.BUILTINS``; each reads its
+settings from its ``Options`` model, so each default is written once.
 """
 
 from __future__ import annotations
@@ -18,126 +17,120 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
+from pydantic import BaseModel, ConfigDict, Field
+
 from asyncrl.data.files import file_task, hf_dataset_task
 from asyncrl.data.prompts import Prompt, Task, apply_chat_template
-from asyncrl.data.synthetic import SYNTHETIC_TASKS, check_difficulty, synthetic_task
-from asyncrl.plugins import BUILTINS, resolve, validate_options
+from asyncrl.data.synthetic import SYNTHETIC_TASKS, GeneratedOptions, check_difficulty, synthetic_task
+from asyncrl.plugins import resolve, validate_options
 
 if TYPE_CHECKING:
     from asyncrl.config import DataConfig
 
-FILE_TASKS = ("jsonl", "parquet")
-TASK_SETTINGS = ("path", "eval_path", "split", "eval_split", "dataset", "dataset_config")
+
+class RowFields(BaseModel):
+    """Which fields of a row hold the prompt and the reference answer."""
+
+    model_config = ConfigDict(extra="forbid", coerce_numbers_to_str=True)  # path=2024 names a file
+
+    prompt_field: str = Field("prompt", description="row field holding the prompt")
+    answer_field: str = Field("answer", description="row field holding the reference answer")
 
 
 class SyntheticTaskSource:
-    """arithmetic, running_sum: problems generated at data.difficulty from data.task_seed (docs/data.md)."""
+    """arithmetic, running_sum: problems generated at a difficulty from a seed (docs/data.md)."""
 
-    reads = ()
+    Options = GeneratedOptions
     checker_required = False
 
-    def __init__(self, data: DataConfig) -> None:
-        check_difficulty(data.task, data.difficulty)
-        self.data = data
-        self.has_checker = SYNTHETIC_TASKS[data.task].score is not None
+    def __init__(self, data: DataConfig, **options: Any) -> None:
+        self.name, self.settings, self.eval_size = data.task.name, self.Options(**options), data.eval_size
+        check_difficulty(self.name, self.settings.difficulty)
+        self.has_checker = SYNTHETIC_TASKS[self.name].score is not None
 
     def build(self) -> Task:
-        data = self.data
+        s = self.settings
         return synthetic_task(
-            data.task, data.difficulty, seed=data.task_seed, num_problems=data.num_problems, eval_size=data.eval_size
+            self.name, s.difficulty, seed=s.seed, num_problems=s.num_problems, eval_size=self.eval_size
         )
 
 
 class FileTaskSource:
-    """jsonl, parquet: the rows of data.path, held-out rows from data.eval_path or its tail."""
+    """jsonl, parquet: the rows of a file, held-out rows from another file or its tail."""
 
-    reads = ("path", "eval_path")
+    class Options(RowFields):
+        path: str = Field(description="the jsonl / parquet file of train rows")
+        eval_path: str | None = Field(
+            None, description="a jsonl / parquet file of held-out rows; null: the last data.eval_size rows of path"
+        )
+
     has_checker = checker_required = False
 
-    def __init__(self, data: DataConfig) -> None:
-        if data.path is None:
-            raise ValueError(f"data.path: required when data.task is {data.task}")
-        self.data = data
+    def __init__(self, data: DataConfig, **options: Any) -> None:
+        self.kind, self.settings, self.eval_size = data.task.name, self.Options(**options), data.eval_size
 
     def build(self) -> Task:
-        data = self.data
-        return file_task(
-            data.task,
-            data.path,
-            data.eval_path,
-            prompt_field=data.prompt_field,
-            answer_field=data.answer_field,
-            eval_size=data.eval_size,
-        )
+        return file_task(self.kind, eval_size=self.eval_size, **self.settings.model_dump())
 
 
 class HFDatasetTaskSource:
-    """hf_dataset: data.split of the Hugging Face dataset directory data.path, held out: data.eval_split."""
+    """hf_dataset: a split of a Hugging Face dataset directory, held out: another split or its tail."""
 
-    reads = ("path", "split", "eval_split")
+    class Options(RowFields):
+        path: str = Field(description="the Hugging Face dataset directory (saved with save_to_disk, or data files)")
+        split: str = Field("train", description="the split trained on")
+        eval_split: str | None = Field(
+            None, description="the held-out split; null: the last data.eval_size rows of split are held out"
+        )
+
     has_checker = checker_required = False
 
-    def __init__(self, data: DataConfig) -> None:
-        if data.path is None:
-            raise ValueError("data.path: required when data.task is hf_dataset")
-        if data.eval_path is not None:
-            raise ValueError("data.eval_path: hf_dataset holds out a split of data.path; name it with data.eval_split")
-        self.data = data
+    def __init__(self, data: DataConfig, **options: Any) -> None:
+        self.settings, self.eval_size = self.Options(**options), data.eval_size
 
     def build(self) -> Task:
-        data = self.data
-        return hf_dataset_task(
-            data.path,
-            data.split,
-            data.eval_split,
-            prompt_field=data.prompt_field,
-            answer_field=data.answer_field,
-            eval_size=data.eval_size,
-        )
+        return hf_dataset_task(eval_size=self.eval_size, **self.settings.model_dump())
 
 
 class ReasoningGymTaskSource:
-    """reasoning_gym: the reasoning-gym dataset data.dataset with data.dataset_config, scored by its own checker."""
+    """reasoning_gym: entries of a reasoning-gym dataset, scored by its own checker."""
 
-    reads = ("dataset", "dataset_config")
+    class Options(BaseModel):
+        model_config = ConfigDict(extra="forbid")
+
+        dataset: str = Field(
+            description="the reasoning-gym dataset, e.g. chain_sum; the char tokenizer encodes digits, letters, "
+            "space, newline and +-*/=()?.,:;!<> only; other text is rejected (docs/data.md)"
+        )
+        dataset_config: dict[str, Any] = Field(
+            default_factory=dict, description="the dataset's settings, e.g. {min_terms: 2, max_terms: 2}"
+        )
+        seed: int = Field(0, description="seed of the generated entries and their train / held-out split")
+        num_problems: int = Field(10000, ge=2, description="entries generated, the held-out ones first")
+
     has_checker = checker_required = True
 
-    def __init__(self, data: DataConfig) -> None:
-        if data.dataset is None:
-            raise ValueError(
-                "data.dataset: required when data.task is reasoning_gym (a reasoning-gym dataset name, e.g. chain_sum)"
-            )
-        self.data = data
+    def __init__(self, data: DataConfig, **options: Any) -> None:
+        self.settings, self.eval_size = self.Options(**options), data.eval_size
 
     def build(self) -> Task:
         from asyncrl.data.reasoning_gym import reasoning_gym_task  # reasoning-gym is optional
 
-        data = self.data
+        s = self.settings
         return reasoning_gym_task(
-            data.dataset,
-            data.dataset_config,
-            seed=data.task_seed,
-            num_problems=data.num_problems,
-            eval_size=data.eval_size,
+            s.dataset, s.dataset_config, seed=s.seed, num_problems=s.num_problems, eval_size=self.eval_size
         )
 
 
 def task_source(data: DataConfig) -> Any:
-    """The part ``data.task`` names, built from ``data`` and ``data.task_options``, its settings checked."""
-    part = resolve("task", data.task, "data.task")
-    source = part(data, **validate_options(part, data.task, data.task_options, "data.task_options"))
-    reads = getattr(source, "reads", ())
-    for name in TASK_SETTINGS:
-        if name not in reads and getattr(data, name) != type(data).model_fields[name].get_default(
-            call_default_factory=True
-        ):
-            readers = ", ".join(task for task in BUILTINS["task"] if name in resolve("task", task, "data.task").reads)
-            raise ValueError(f"data.{name}: set, but data.task '{data.task}' does not read it (read by {readers})")
-    return source
+    """The part ``data.task.name`` names, built from ``data`` and its checked ``data.task.options``."""
+    spec = data.task.name
+    part = resolve("task", spec, "data.task.name")
+    return part(data, **validate_options(part, spec, data.task.options, "data.task.options"))
 
 
 def build_task(cfg: DataConfig, tokenizer=None) -> Task:
-    """The prompts of ``cfg.task``: a built-in name, or a user's part. The tokenizer is needed only
+    """The prompts of ``cfg.task``: a built-in, or a user's part. The tokenizer is needed only
     for ``cfg.chat_template``."""
     task = task_source(cfg).build()
     if cfg.chat_template:

@@ -64,7 +64,10 @@ def environment_part(spec: str, options: dict[str, Any]) -> tuple[type[Environme
     return part, validate_options(part, spec, options, "environment.options")
 
 
-def environment_class(config: RunConfig) -> tuple[type[Environment], dict[str, Any]] | None:
+EnvironmentPart = tuple[type[Environment], dict[str, Any]]  # an environment class and its checked options
+
+
+def environment_class(config: RunConfig) -> EnvironmentPart | None:
     """The class ``environment.name`` names and its checked options; None for single-turn runs."""
     spec = config.environment.name
     if spec is None:

@@ -2,8 +2,8 @@
 
 The tiny model cannot multiply multi-digit numbers in its head, but it can learn to copy the
 problem into a calculator call and the tool's answer into its reply: held-out accuracy then
-measures how well it uses the tool. ``products`` is the task (``data.task: products``; each factor
-has ``data.difficulty`` digits), ``calculator`` the environment, whose one tool is ``calc``, and
+measures how well it uses the tool. ``products`` is the task (``data.task.name: products``; each factor
+has ``data.task.options.difficulty`` digits), ``calculator`` the environment, whose one tool is ``calc``, and
 ``configs/tool-use.yaml`` the run.
 
 ``calc`` evaluates arithmetic by walking Python's syntax tree over a closed set of number
@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 from pydantic import Field
 
 from asyncrl.data.prompts import Prompt, Task
+from asyncrl.data.synthetic import GeneratedOptions
 from asyncrl.environments.base import Message
 from asyncrl.environments.tool_env import ToolEnvironment
 from asyncrl.environments.tools import ToolResult
@@ -88,35 +89,31 @@ def digit_credit(completion: str, answer: str) -> float:
 
 
 class ProductsTask:
-    """``products``: ``37*48=`` -> ``1776``, two factors of ``data.difficulty`` digits each; its
-    checker (the ``task`` reward) is ``digit_credit``."""
+    """``products``: ``37*48=`` -> ``1776``, two factors of ``difficulty`` digits each; its checker
+    (the ``task`` reward) is ``digit_credit``."""
 
-    reads = ()
+    Options = GeneratedOptions
     has_checker = True
     checker_required = False
 
-    def __init__(self, data: DataConfig) -> None:
-        self.data = data
+    def __init__(self, data: DataConfig, **options: Any) -> None:
+        self.settings, self.eval_size = self.Options(**options), data.eval_size
 
     def build(self) -> Task:
-        data, low = self.data, 10 ** (self.data.difficulty - 1) if self.data.difficulty > 1 else 0
-        size = (10**data.difficulty - low) ** 2
-        count = min(size, data.num_problems)
-        if count <= data.eval_size:
-            raise ValueError(f"data.eval_size: {data.eval_size} held-out problems leave none of {count} to train on")
-        numbers = random.Random(f"products:{data.difficulty}:{data.task_seed}").sample(range(size), count)
+        digits, eval_size = self.settings.difficulty, self.eval_size
+        low = 10 ** (digits - 1) if digits > 1 else 0
+        size = (10**digits - low) ** 2
+        count = min(size, self.settings.num_problems)
+        if count <= eval_size:
+            raise ValueError(f"data.eval_size: {eval_size} held-out problems leave none of {count} to train on")
+        numbers = random.Random(f"products:{digits}:{self.settings.seed}").sample(range(size), count)
         prompts = [self._prompt(n, low) for n in numbers]
-        return Task(
-            "products",
-            prompts[data.eval_size :],
-            prompts[: data.eval_size],
-            format_pattern=r"-?\d+",
-            score=digit_credit,
-        )
+        return Task("products", prompts[eval_size:], prompts[:eval_size], format_pattern=r"-?\d+", score=digit_credit)
 
     def _prompt(self, number: int, low: int) -> Prompt:
-        a, b = divmod(number, 10**self.data.difficulty - low)
-        return Prompt(f"products/{self.data.difficulty}/{number}", f"{a + low}*{b + low}=", str((a + low) * (b + low)))
+        digits = self.settings.difficulty
+        a, b = divmod(number, 10**digits - low)
+        return Prompt(f"products/{digits}/{number}", f"{a + low}*{b + low}=", str((a + low) * (b + low)))
 
 
 class CalculatorEnvironment(ToolEnvironment):

@@ -32,27 +32,31 @@ _GUESS = re.compile(r"\s*(\d+)\s*")
 
 
 class SearchTask:
-    """``search``: a hidden number in ``0 .. data.difficulty - 1``, the prompt the range (``0-9``).
+    """``search``: a hidden number in ``0 .. difficulty - 1``, the prompt the range (``0-9``).
 
     Problem ``j`` hides ``j % difficulty``, so the held-out split (the first ``data.eval_size``)
     holds every number equally often when ``eval_size`` is a multiple of the range's size; the
     splits share numbers but not episodes, and the number is never in the prompt."""
 
-    reads = ()
+    class Options(BaseModel):
+        model_config = ConfigDict(extra="forbid")
+
+        difficulty: int = Field(2, ge=2, description="the size of the range the number is hidden in")
+        num_problems: int = Field(10000, ge=2, description="episodes, the held-out ones first")
+
     has_checker = False
     checker_required = False
 
-    def __init__(self, data: DataConfig) -> None:
-        if data.difficulty < 2:
-            raise ValueError("data.difficulty: the search task needs a range of at least 2 numbers")
-        if data.num_problems <= data.eval_size:
-            raise ValueError(f"data.eval_size: {data.eval_size} held-out problems leave none to train on")
-        self.data = data
+    def __init__(self, data: DataConfig, **options: Any) -> None:
+        self.settings, self.eval_size = self.Options(**options), data.eval_size
+        if self.settings.num_problems <= self.eval_size:
+            raise ValueError(f"data.eval_size: {self.eval_size} held-out problems leave none to train on")
 
     def build(self) -> Task:
-        size = self.data.difficulty
-        prompts = [Prompt(f"search/{size}/{j}", f"0-{size - 1}", str(j % size)) for j in range(self.data.num_problems)]
-        eval_size = self.data.eval_size
+        size, eval_size = self.settings.difficulty, self.eval_size
+        prompts = [
+            Prompt(f"search/{size}/{j}", f"0-{size - 1}", str(j % size)) for j in range(self.settings.num_problems)
+        ]
         return Task("search", prompts[eval_size:], prompts[:eval_size], format_pattern=r"\d+")
 
 

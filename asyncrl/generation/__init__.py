@@ -21,9 +21,9 @@ from asyncrl.plugins import resolve, validate_options
 
 
 def build_generator(config: RunConfig, model: PreTrainedModel, tokenizer, run_dir: Path | None = None) -> Generator:
-    """The generator of the backend ``generation.backend`` names (a built-in, hf or vllm, or
+    """The generator of the backend ``generation.backend.name`` names (a built-in, hf or vllm, or
     ``package.module:attr``): ``backend(config, model, tokenizer, stop_token_ids, **options)`` with
-    ``generation.backend_options`` checked by its ``Options`` model, stopping on every end token the
+    ``generation.backend.options`` checked by its ``Options`` model, stopping on every end token the
     tokenizer and ``model.path`` declare (docs/plugins.md). A backend that declares
     ``writes_to_run_dir`` also gets ``run_dir``, the run's directory (None outside a run); with
     ``lora.rank`` > 0 the backend must declare ``takes_lora_adapters`` (its generator loads the
@@ -33,12 +33,12 @@ def build_generator(config: RunConfig, model: PreTrainedModel, tokenizer, run_di
     The generator owns ``model``: pass a copy if the trainer keeps training its own. It runs in
     ``trainer.dtype``, the trainer's compute dtype, which is also the dtype of exported weights.
     """
-    spec = config.generation.backend
-    backend = resolve("backend", spec, "generation.backend")
-    options = validate_options(backend, spec, config.generation.backend_options, "generation.backend_options")
+    spec = config.generation.backend.name
+    backend = resolve("backend", spec, "generation.backend.name")
+    options = validate_options(backend, spec, config.generation.backend.options, "generation.backend.options")
     if config.lora.rank > 0 and not getattr(backend, "takes_lora_adapters", False):
         raise ValueError(
-            f"lora.rank: generation.backend '{spec}' does not declare takes_lora_adapters, so it cannot load "
+            f"lora.rank: generation.backend.name '{spec}' does not declare takes_lora_adapters, so it cannot load "
             "the adapters a LoRA trainer syncs (docs/plugins.md)"
         )
     if tokenizer.eos_token_id is None:
@@ -49,7 +49,7 @@ def build_generator(config: RunConfig, model: PreTrainedModel, tokenizer, run_di
     missing = missing_members(generator)
     if missing:
         raise ValueError(
-            f"generation.backend: '{spec}' built a {type(generator).__name__} without {', '.join(missing)} of the "
+            f"generation.backend.name: '{spec}' built a {type(generator).__name__} without {', '.join(missing)} of the "
             "Generator protocol; derive it from asyncrl.generation.GeneratorBase, which gives every capability "
             "its default (docs/generation.md)"
         )

@@ -49,6 +49,7 @@ from transformers import PreTrainedModel
 from asyncrl.checkpoint import ADAPTER_WEIGHTS_FILE
 from asyncrl.config import RunConfig
 from asyncrl.data import build_task
+from asyncrl.environments.base import environment_class
 from asyncrl.generation.base import GeneratorBase, SampleRequest, SamplingParams, check_vocabulary
 from asyncrl.generation.vllm_env import checked_python
 from asyncrl.generation.vllm_options import VLLMOptions
@@ -88,7 +89,7 @@ def build_vllm_generator(
     **settings: Any,
 ) -> VLLMGenerator:
     """A generator on the options' ``url``, or on a server started from ``model``'s weights;
-    ``settings`` are ``generation.backend_options`` as ``VLLMOptions`` checked them.
+    ``settings`` are ``generation.backend.options`` as ``VLLMOptions`` checked them.
 
     The model is saved (in the server's dtype) to a temporary directory the server loads at
     start; the server's log goes to ``<run_dir>/vllm/`` (beside the saved model outside a run).
@@ -118,12 +119,12 @@ def build_vllm_generator(
         shutil.rmtree(server.model_dir, ignore_errors=True)
         if adapters is not None:
             shutil.rmtree(adapters.directory, ignore_errors=True)
-        raise ValueError(f"generation.backend_options.python: {python} could not serve the model: {err}") from None
+        raise ValueError(f"generation.backend.options.python: {python} could not serve the model: {err}") from None
     generator.model_dir = server.model_dir
     return generator
 
 
-build_vllm_generator.Options = VLLMOptions  # generation.backend_options
+build_vllm_generator.Options = VLLMOptions  # generation.backend.options
 build_vllm_generator.writes_to_run_dir = True  # the server's log, and the adapters it loads
 build_vllm_generator.takes_lora_adapters = True
 
@@ -203,16 +204,17 @@ def served_context(config: RunConfig, cfg: VLLMOptions, tokenizer, max_positions
     environment its longest templated opening plus the whole episode, then a turn's
     ``generation.max_new_tokens`` (``asyncrl.rollout.context``). A server sized to the
     model's whole context would need its KV cache for one such sequence."""
-    opening, room = request_bound(build_task(config.data, tokenizer), config, tokenizer)
+    environment = environment_class(config)  # the server's process resolves it once, here
+    opening, room = request_bound(build_task(config.data, tokenizer), config, environment, tokenizer)
     needed = opening + room.tokens
     length = cfg.max_model_len or needed
     if length > max_positions:
         raise ValueError(
-            f"generation.backend_options.max_model_len: {length} tokens exceed the model's {max_positions} positions"
+            f"generation.backend.options.max_model_len: {length} tokens exceed the model's {max_positions} positions"
         )
     if length < needed:
         raise ValueError(
-            f"generation.backend_options.max_model_len: {length} tokens do not hold the task's longest {room.opening} ({opening} tokens) "
+            f"generation.backend.options.max_model_len: {length} tokens do not hold the task's longest {room.opening} ({opening} tokens) "
             f"and {room.terms}; raise it to {needed} or leave it null"
         )
     return length
@@ -234,8 +236,8 @@ def server_kv_cache(
         return max(sequence, min(step * sequence, CPU_KV_CACHE_CAP))
     if mib * 2**20 < sequence:
         raise ValueError(
-            f"generation.backend_options.kv_cache_mib: {mib} MiB do not hold one sequence of generation.backend_options.max_model_len {max_model_len} tokens "
-            f"({-(-sequence // 2**20)} MiB in {dtype}); raise it, or lower generation.backend_options.max_model_len or "
+            f"generation.backend.options.kv_cache_mib: {mib} MiB do not hold one sequence of generation.backend.options.max_model_len {max_model_len} tokens "
+            f"({-(-sequence // 2**20)} MiB in {dtype}); raise it, or lower generation.backend.options.max_model_len or "
             "generation.max_new_tokens"
         )
     return mib * 2**20
@@ -387,7 +389,7 @@ class VLLMGenerator(GeneratorBase):
             if not all(future.done() for future in futures):
                 raise ServerError(
                     f"{self.url}: a batch of {len(requests)} requests did not return within its deadline, "
-                    f"{limit_s:g}s ({limit_s / self.timeout:g} x generation.backend_options.request_timeout_s)"
+                    f"{limit_s:g}s ({limit_s / self.timeout:g} x generation.backend.options.request_timeout_s)"
                 )
             return [future.result() for future in futures]
         except BaseException:
@@ -420,7 +422,7 @@ class VLLMGenerator(GeneratorBase):
         if wait(futures, timeout=self.timeout).not_done:
             raise ServerError(
                 f"{self.url}: {len(running)} aborted requests of a failed batch still ran "
-                f"generation.backend_options.request_timeout_s {self.timeout:g}s later"
+                f"generation.backend.options.request_timeout_s {self.timeout:g}s later"
             )
 
     def load_weights(self, state_dict: Mapping[str, Tensor], version: int) -> None:
@@ -571,7 +573,7 @@ class VLLMGenerator(GeneratorBase):
         except TimeoutError:
             raise ServerError(
                 f"{self.url}: the server's worker did not join the weight-transfer group within "
-                f"2 x generation.backend_options.request_timeout_s {self.timeout:g}s"
+                f"2 x generation.backend.options.request_timeout_s {self.timeout:g}s"
             ) from None
 
     def _update(self, version: int, weights: Mapping[str, Tensor] | None) -> None:
@@ -624,7 +626,7 @@ class VLLMGenerator(GeneratorBase):
         """A new server process in place of the dead one, with its weight-transfer engine (counted)."""
         if self.restarts >= self.max_restarts:
             raise ServerError(
-                f"the vLLM server died and generation.backend_options.max_restarts={self.max_restarts} restarts are used up; "
+                f"the vLLM server died and generation.backend.options.max_restarts={self.max_restarts} restarts are used up; "
                 f"see {self.server.log_path}"
             )
         self.restarts += 1

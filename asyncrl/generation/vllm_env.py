@@ -49,13 +49,13 @@ def checked_python(python: str | Path | None, device: str = "cpu") -> Path:
         python = Path(python).expanduser()
         if not python.is_file():
             raise VLLMEnvError(
-                f"generation.backend_options.python: no interpreter at {python}; {SETUP_HINT} or fix the path"
+                f"generation.backend.options.python: no interpreter at {python}; {SETUP_HINT} or fix the path"
             )
         return python
     path = default_env_path(device)
     if not (path / MARKER).is_file():
         hint = SETUP_HINT if device == "cpu" else SETUP_HINT.replace("vllm-env`", "vllm-env --device gpu`", 1)
-        raise VLLMEnvError(f"generation.backend_options.python: no vLLM environment at {path}; {hint}")
+        raise VLLMEnvError(f"generation.backend.options.python: no vLLM environment at {path}; {hint}")
     return env_python(path)
 
 

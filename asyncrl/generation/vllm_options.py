@@ -1,7 +1,7 @@
-"""The vllm backend's options: the servers behind ``generation.backend: vllm``.
+"""The vllm backend's options: the servers behind ``generation.backend.name: vllm``.
 
 A plain pydantic model, with no torch and no vLLM, so the configuration reference lists it and a
-config names its keys (``generation.backend_options.url``) like any part's options.
+config names its keys (``generation.backend.options.url``) like any part's options.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from asyncrl.config import Section
 
 
 class VLLMOptions(Section):
-    """``generation.backend_options`` of ``vllm``: its servers, one per rollout worker (docs/generation.md)."""
+    """``generation.backend.options`` of ``vllm``: its servers, one per rollout worker (docs/generation.md)."""
 
     url: str | None = Field(
         None, description="an OpenAI-compatible vLLM server to use; null starts one per rollout worker"

@@ -18,21 +18,20 @@ from typing import TYPE_CHECKING
 
 from asyncrl.data.files import TOKENIZE_BATCH, Budget, encoded_prompts, request_budget
 from asyncrl.data.prompts import Prompt, Task, encode_prompts
-from asyncrl.environments.base import environment_class
+from asyncrl.environments.base import EnvironmentPart
 
 if TYPE_CHECKING:
     from asyncrl.config import RunConfig
 
 
-def first_requests(task: Task, config: RunConfig, tokenizer) -> Iterator[tuple[Prompt, list[int]]]:
+def first_requests(task: Task, environment: EnvironmentPart | None, tokenizer) -> Iterator[tuple[Prompt, list[int]]]:
     """Every prompt of both splits with the ids of its first request: the encoded prompt, or with
     an environment the templated opening, as the episode loop builds it (one environment instance
     gives every prompt's opening: ``reset`` only reads the prompt)."""
-    found = environment_class(config)
-    if found is None:
+    if environment is None:
         yield from encoded_prompts(task, tokenizer)
         return
-    cls, options = found
+    cls, options = environment
     env = cls(**options)
     for split in (task.train, task.heldout):
         for start in range(0, len(split), TOKENIZE_BATCH):
@@ -48,7 +47,7 @@ def opening_text(env, prompt: Prompt, tokenizer) -> str:
     )
 
 
-def request_bound(task: Task, config: RunConfig, tokenizer) -> tuple[int, Budget]:
+def request_bound(task: Task, config: RunConfig, environment: EnvironmentPart | None, tokenizer) -> tuple[int, Budget]:
     """The longest first request of the task, in tokens, and what a request may add to it: their
     sum is the most positions a request of this run takes."""
-    return max(len(ids) for _, ids in first_requests(task, config, tokenizer)), request_budget(config)
+    return max(len(ids) for _, ids in first_requests(task, environment, tokenizer)), request_budget(config)

@@ -33,7 +33,7 @@ from functools import partial
 from typing import TYPE_CHECKING, Any, Protocol
 
 from asyncrl.data import Prompt, encode_prompts
-from asyncrl.environments.base import Environment, Message, environment_class
+from asyncrl.environments.base import Environment, EnvironmentPart, Message
 from asyncrl.errors import RunStopped
 from asyncrl.generation import Generator, SampleRequest, SamplingParams
 from asyncrl.generation.base import SEED_BITS
@@ -456,13 +456,12 @@ def _name(tokenizer) -> str:
     return getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__
 
 
-def build_episodes(config: RunConfig, generator: Generator, tokenizer) -> Episodes:
-    """Multi-turn episodes when the config names an environment, else the one-turn case; a turn
-    ends at the end tokens the generator stops on."""
-    found = environment_class(config)
-    if found is None:
+def build_episodes(config: RunConfig, environment: EnvironmentPart | None, generator: Generator, tokenizer) -> Episodes:
+    """Multi-turn episodes against ``environment`` (``RunParts.environment``), else the one-turn
+    case; a turn ends at the end tokens the generator stops on."""
+    if environment is None:
         return SingleTurn(generator, tokenizer)
-    cls, options = found
+    cls, options = environment
     env = config.environment
     return MultiTurn(
         generator,

@@ -17,6 +17,7 @@ import transformers
 
 from asyncrl.checkpoint import CheckpointError, is_adapter_checkpoint, write_directory_atomic
 from asyncrl.config import RunConfig
+from asyncrl.environments.base import environment_class
 from asyncrl.models.factory import DTYPES, build_model, build_tokenizer
 from asyncrl.models.lora import merged_model
 from asyncrl.warm_start import warm_start_policy
@@ -29,7 +30,7 @@ def merge(config: RunConfig, checkpoint_dir: Path, out_dir: Path) -> Path:
     transformers.utils.logging.disable_progress_bar()
     tokenizer = build_tokenizer(config)
     base = build_model(config, tokenizer)
-    warm_start_policy(base, tokenizer, config)
+    warm_start_policy(base, tokenizer, config, environment_class(config))
     model = merged_model(base, checkpoint_dir, DTYPES[config.trainer.dtype])
     write_directory_atomic(out_dir, partial(_save, model, tokenizer))
     return Path(out_dir)

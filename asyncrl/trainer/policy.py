@@ -176,14 +176,22 @@ class PolicyTrainer:
         return model
 
     @classmethod
-    def from_config(cls, config: RunConfig, model: nn.Module, parallel: ParallelContext | None = None) -> PolicyTrainer:
+    def from_config(
+        cls,
+        config: RunConfig,
+        model: nn.Module,
+        parallel: ParallelContext | None = None,
+        algorithm: Algorithm | None = None,
+    ) -> PolicyTrainer:
         """The trainer a run config describes; a KL penalty gets a frozen copy of ``model``.
         With ``lora.rank`` > 0, ``model`` becomes the frozen base of LoRA adapters (in place,
         models/lora.py), drawn from the run's ``seed`` and ``model.init_seed`` alone, so every
         runtime starts from the same adapters; the reference is that base.
 
-        ``parallel``: this rank's context from ``trainer.parallel.start_rank(config.parallel, ...)``."""
-        algorithm = build_algorithm(config)
+        ``parallel``: this rank's context from ``trainer.parallel.start_rank(config.parallel, ...)``;
+        ``algorithm``: the run's, built once per process (``RunParts``); None builds the config's."""
+        if algorithm is None:
+            algorithm = build_algorithm(config)
         reference = copy.deepcopy(model).requires_grad_(False) if algorithm.scoring.reference else None
         if config.lora.rank > 0:
             if reference is not None:

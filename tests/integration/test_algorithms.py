@@ -22,9 +22,14 @@ DOC = ROOT / "docs" / "plugins.md"
 EXTRA = """
 
 calls = []
+built = []
 
 
 class Counted(Reinforce):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        built.append(self)
+
     def token_loss(self, inputs):
         calls.append(inputs.logprobs.shape[0])
         return super().token_loss(inputs)
@@ -53,6 +58,7 @@ def test_the_documented_user_algorithm_trains_a_short_run(tmp_path, user_module)
 
     assert summary["steps"] == 2 and all(math.isfinite(m["loss"]) for m in metrics)
     assert sum(my_algorithms.calls) == 2 * 16  # every sequence of both steps went through its loss
+    assert len(my_algorithms.built) == 1  # built once: the trainer and the rollout worker share it
     assert (
         "is_weight_mean" not in metrics[0] and "reinforce_kl" not in metrics[0]
     )  # GRPO's metrics are not forced on it

@@ -75,7 +75,13 @@ def rows(n: int) -> list[dict]:
             "trainer:\n  aggregation: seq-mean-token-sum-norm\n",
             "trainer.norm_constant: required when trainer.aggregation is seq-mean-token-sum-norm",
         ),
-        ("data:\n  task: jsonl\n", "data.path: required when data.task is jsonl"),
+        ("data:\n  task:\n    name: jsonl\n", "data.task.options.path: required by 'jsonl'"),
+        (  # the earlier layout, a task's name where its section is
+            "data:\n  task: jsonl\n",
+            "data.task: is a section, so it takes keys such as data.task.name, not a value (got jsonl)",
+        ),
+        ("data:\n  difficulty: 3\n", "data.difficulty: moved to data.task.options.difficulty"),
+        ("generation:\n  backend_options: {}\n", "generation.backend_options: moved to generation.backend.options"),
     ],
 )
 def test_bad_config_file_names_the_field(tmp_path, capsys, text, message):
@@ -140,7 +146,10 @@ def test_an_empty_config_file_is_the_defaults(tmp_path, capsys):
         (["trainer.lr=nan"], "trainer.lr: Input should be greater than 0 (got 'nan')"),
         (["trainer.lr=inf"], "trainer.lr: must be a finite number (got .inf)"),
         (["generation.max_new_tokens=yes"], "generation.max_new_tokens: expected a number, got true"),
-        (["data.task=jsonl", "data.path=2024"], "data.path: no such file '2024'"),  # a file name, not a number
+        (
+            ["data.task={name: jsonl}", "data.task.options.path=2024"],
+            "data.task.options.path: no such file '2024'",
+        ),  # a file name, not a number
     ],
 )
 def test_bad_overrides_name_the_field(tmp_path, capsys, argv, message):
@@ -159,13 +168,24 @@ def test_the_installed_entry_point_prints_no_traceback(tmp_path):
     broken = tmp_path / "train.jsonl"
     broken.write_text('{"prompt": "1+1=", "answer": 2}\n{"prompt": "2+2=" "answer": 4}\n')
     proc = subprocess.run(
-        [sys.executable, "-m", "asyncrl", "train", *SMALL, "data.task=jsonl", f"data.path={broken}"],
+        [
+            sys.executable,
+            "-m",
+            "asyncrl",
+            "train",
+            *SMALL,
+            "data.task={name: jsonl}",
+            f"data.task.options.path={broken}",
+        ],
         capture_output=True,
         text=True,
         timeout=120,
     )
     assert proc.returncode == 2
-    assert proc.stderr == f"error: data.path: line 2 of {broken}: invalid JSON (Expecting ',' delimiter at column 19)\n"
+    assert (
+        proc.stderr
+        == f"error: data.task.options.path: line 2 of {broken}: invalid JSON (Expecting ',' delimiter at column 19)\n"
+    )
 
 
 # --- dataset files
@@ -177,7 +197,9 @@ def jsonl_error(capsys, tmp_path, content, *overrides) -> tuple[str, str]:
         path.write_bytes(content)
     else:
         write_jsonl(path, content)
-    message = train_error(capsys, tmp_path, "data.task=jsonl", f"data.path={path}", "data.eval_size=1", *overrides)
+    message = train_error(
+        capsys, tmp_path, "data.task={name: jsonl}", f"data.task.options.path={path}", "data.eval_size=1", *overrides
+    )
     return message, str(path)
 
 
@@ -186,43 +208,55 @@ def jsonl_error(capsys, tmp_path, content, *overrides) -> tuple[str, str]:
     [
         (
             [{"question": "1+1=", "answer": "2"}] * 3,
-            "data.prompt_field: row 1 of {f} has no field 'prompt' (its fields: question, answer)",
+            "data.task.options.prompt_field: row 1 of {f} has no field 'prompt' (its fields: question, answer)",
         ),
-        ([*rows(2), {"answer": "3"}], "data.prompt_field: row 3 of {f} has no field 'prompt'"),
-        ([*rows(2), {"prompt": "3+3="}], "data.answer_field: row 3 of {f} has no field 'answer'"),
-        ([*rows(2), {"prompt": " \t", "answer": "1"}], "data.prompt_field: row 3 of {f}: 'prompt' is empty"),
-        ([*rows(2), {"prompt": "1+1=", "answer": ""}], "data.answer_field: row 3 of {f}: 'answer' is empty"),
-        ([*rows(2), {"prompt": 7, "answer": "1"}], "data.prompt_field: row 3 of {f}: 'prompt' is int, not a string"),
+        ([*rows(2), {"answer": "3"}], "data.task.options.prompt_field: row 3 of {f} has no field 'prompt'"),
+        ([*rows(2), {"prompt": "3+3="}], "data.task.options.answer_field: row 3 of {f} has no field 'answer'"),
+        (
+            [*rows(2), {"prompt": " \t", "answer": "1"}],
+            "data.task.options.prompt_field: row 3 of {f}: 'prompt' is empty",
+        ),
+        (
+            [*rows(2), {"prompt": "1+1=", "answer": ""}],
+            "data.task.options.answer_field: row 3 of {f}: 'answer' is empty",
+        ),
+        (
+            [*rows(2), {"prompt": 7, "answer": "1"}],
+            "data.task.options.prompt_field: row 3 of {f}: 'prompt' is int, not a string",
+        ),
         (
             [*rows(2), {"prompt": "x", "answer": {"a": 1}}],
-            "data.answer_field: row 3 of {f}: 'answer' is dict, not a string or number",
+            "data.task.options.answer_field: row 3 of {f}: 'answer' is dict, not a string or number",
         ),
         (
             [*rows(2), {"prompt": "x", "answer": True}],
-            "data.answer_field: row 3 of {f}: 'answer' is bool, not a string or number",
+            "data.task.options.answer_field: row 3 of {f}: 'answer' is bool, not a string or number",
         ),
         (
             b'{"prompt": "1+1=", "answer": 2}\n\n{"prompt": "2+2=", "answer": NaN}\n',
-            "data.answer_field: row 2 of {f}: 'answer' is nan, not a finite number",
+            "data.task.options.answer_field: row 2 of {f}: 'answer' is nan, not a finite number",
         ),
         (
             b'{"prompt": "1+1=", "answer": 2}\n{"prompt": "2+2=", "answer": 4\n',
-            "data.path: line 2 of {f}: invalid JSON (Expecting ',' delimiter at column 31)",
+            "data.task.options.path: line 2 of {f}: invalid JSON (Expecting ',' delimiter at column 31)",
         ),
         (
             b'{"prompt": "1+1=", "answer": 2}\n\n["2+2=", 4]\n',
-            "data.path: line 3 of {f}: expected one JSON object per line, got an array",
+            "data.task.options.path: line 3 of {f}: expected one JSON object per line, got an array",
         ),
         (
             b'{"prompt": "1+1=", "answer": 2}\n{"prompt": "2+2\xff=", "answer": 4}\n',
-            "data.path: line 2 of {f}: byte 0xff at column 16 is not UTF-8; save the file as UTF-8",
+            "data.task.options.path: line 2 of {f}: byte 0xff at column 16 is not UTF-8; save the file as UTF-8",
         ),
-        (b"", "data.path: '{f}' has no rows"),
-        (b"\n  \n\n", "data.path: '{f}' has no rows"),
-        (b'[{"prompt": "1+1=", "answer": 2}, 3]', "data.path: row 2 of {f}: expected a JSON object, got a number"),
+        (b"", "data.task.options.path: '{f}' has no rows"),
+        (b"\n  \n\n", "data.task.options.path: '{f}' has no rows"),
+        (
+            b'[{"prompt": "1+1=", "answer": 2}, 3]',
+            "data.task.options.path: row 2 of {f}: expected a JSON object, got a number",
+        ),
         (
             b'[{"prompt": "1+1=",\n "answer": 2}, {]',
-            "data.path: line 2 of {f}: invalid JSON (Expecting property name enclosed in double quotes at column 17)",
+            "data.task.options.path: line 2 of {f}: invalid JSON (Expecting property name enclosed in double quotes at column 17)",
         ),
     ],
 )
@@ -240,62 +274,74 @@ def test_a_json_array_file_and_a_byte_order_mark_load(tmp_path):
     marked = tmp_path / "marked.jsonl"
     marked.write_bytes(b"\xef\xbb\xbf" + "".join(json.dumps(r) + "\r\n" for r in rows(3)).encode())
     for path in (array, marked):
-        task = build_task(DataConfig(task="jsonl", path=str(path), eval_size=1))
+        task = build_task(DataConfig(task={"name": "jsonl", "options": {"path": str(path)}}, eval_size=1))
         assert [(p.uid, p.text, p.answer) for p in task.train] == [("train/1", "0+1=", "1"), ("train/2", "1+1=", "2")]
 
 
 def test_bad_parquet_rows_name_the_field_and_row(tmp_path, capsys):
     def parquet_error(columns) -> tuple[str, str]:
         path = write_parquet(tmp_path / "train.parquet", columns)
-        return train_error(capsys, tmp_path, "data.task=parquet", f"data.path={path}", "data.eval_size=1"), path
+        return train_error(
+            capsys, tmp_path, "data.task={name: parquet}", f"data.task.options.path={path}", "data.eval_size=1"
+        ), path
 
     message, path = parquet_error({"question": ["1+1=", "2+2="], "answer": ["2", "4"]})
-    assert message == f"data.prompt_field: row 1 of {path} has no field 'prompt' (its fields: question, answer)"
+    assert (
+        message
+        == f"data.task.options.prompt_field: row 1 of {path} has no field 'prompt' (its fields: question, answer)"
+    )
     message, path = parquet_error({"prompt": ["1+1=", None, "3+3="], "answer": ["2", "4", "6"]})
-    assert message == f"data.prompt_field: row 2 of {path} has no field 'prompt'"
+    assert message == f"data.task.options.prompt_field: row 2 of {path} has no field 'prompt'"
     message, path = parquet_error({"prompt": ["1+1=", "", "3+3="], "answer": ["2", "4", "6"]})
-    assert message == f"data.prompt_field: row 2 of {path}: 'prompt' is empty"
+    assert message == f"data.task.options.prompt_field: row 2 of {path}: 'prompt' is empty"
     message, path = parquet_error({"prompt": pa.array([], pa.string()), "answer": pa.array([], pa.string())})
-    assert message == f"data.path: '{path}' has no rows"
+    assert message == f"data.task.options.path: '{path}' has no rows"
     binary = pa.array([b"1+1=", b"2+2=", b"3\xff="], pa.binary())
     not_utf8 = pa.Array.from_buffers(pa.string(), 3, binary.buffers())  # a string column holding invalid UTF-8
     message, path = parquet_error({"prompt": not_utf8, "answer": ["2", "4", "6"]})
-    assert message == f"data.path: row 3 of {path}: field 'prompt' is not UTF-8 text; write strings as UTF-8"
+    assert (
+        message == f"data.task.options.path: row 3 of {path}: field 'prompt' is not UTF-8 text; write strings as UTF-8"
+    )
     message, path = parquet_error({"prompt": binary, "answer": ["2", "4", "6"]})
-    assert message == f"data.prompt_field: row 1 of {path}: 'prompt' is bytes, not a string"
+    assert message == f"data.task.options.prompt_field: row 1 of {path}: 'prompt' is bytes, not a string"
     jsonl = write_jsonl(tmp_path / "rows.jsonl", rows(3))
-    message = train_error(capsys, tmp_path, "data.task=parquet", f"data.path={jsonl}", "data.eval_size=1")
-    assert message.startswith(f"data.path: cannot read '{jsonl}' as parquet: ")
+    message = train_error(
+        capsys, tmp_path, "data.task={name: parquet}", f"data.task.options.path={jsonl}", "data.eval_size=1"
+    )
+    assert message.startswith(f"data.task.options.path: cannot read '{jsonl}' as parquet: ")
 
 
 def test_missing_files_and_splits_that_end_up_empty(tmp_path, capsys):
     good = write_jsonl(tmp_path / "good.jsonl", rows(3))
     empty = tmp_path / "empty.jsonl"
     empty.write_text("\n")
-    data = ["data.task=jsonl", f"data.path={good}"]
-    assert train_error(capsys, tmp_path, "data.task=jsonl", f"data.path={tmp_path / 'no.jsonl'}") == (
-        f"data.path: no such file '{tmp_path / 'no.jsonl'}'"
-    )
-    assert train_error(capsys, tmp_path, "data.task=jsonl", f"data.path={tmp_path}") == (
-        f"data.path: '{tmp_path}' is a directory, not a jsonl file"
+    data = ["data.task={name: jsonl}", f"data.task.options.path={good}"]
+    assert train_error(
+        capsys, tmp_path, "data.task={name: jsonl}", f"data.task.options.path={tmp_path / 'no.jsonl'}"
+    ) == (f"data.task.options.path: no such file '{tmp_path / 'no.jsonl'}'")
+    assert train_error(capsys, tmp_path, "data.task={name: jsonl}", f"data.task.options.path={tmp_path}") == (
+        f"data.task.options.path: '{tmp_path}' is a directory, not a jsonl file"
     )
     assert train_error(capsys, tmp_path, *data, "data.eval_size=3") == (
         f"data.eval_size: holding out the last 3 rows of {good} leaves no train rows (it has 3); "
-        "set data.eval_path or lower data.eval_size"
+        "set data.task.options.eval_path or lower data.eval_size"
     )
-    assert train_error(capsys, tmp_path, *data, f"data.eval_path={empty}") == f"data.eval_path: '{empty}' has no rows"
-    assert train_error(capsys, tmp_path, *data, f"data.eval_path={good}").startswith(
-        f"data.eval_path: '{good}' is data.path itself, so the held-out rows would be trained on"
+    assert (
+        train_error(capsys, tmp_path, *data, f"data.task.options.eval_path={empty}")
+        == f"data.task.options.eval_path: '{empty}' has no rows"
     )
-    assert train_error(capsys, tmp_path, "data.num_problems=8").startswith("data.eval_size: ")
+    assert train_error(capsys, tmp_path, *data, f"data.task.options.eval_path={good}").startswith(
+        f"data.task.options.eval_path: '{good}' is path itself, so the held-out rows would be trained on"
+    )
+    assert train_error(capsys, tmp_path, "data.task.options.num_problems=8").startswith("data.eval_size: ")
 
 
 def test_a_prompt_too_long_for_the_context_is_rejected_by_row(tmp_path, capsys):
     long_prompt = {"prompt": "1+" * 505 + "1=", "answer": "506"}  # 1012 characters: 1012 tokens of the char tokenizer
     path = write_jsonl(tmp_path / "train.jsonl", [*rows(2), long_prompt, *rows(2)])
-    data = ["data.task=jsonl", f"data.path={path}", "data.eval_size=1"]
+    data = ["data.task={name: jsonl}", f"data.task.options.path={path}", "data.eval_size=1"]
     assert train_error(capsys, tmp_path, *data, "generation.max_new_tokens=16") == (
-        f"data.prompt_field: row 3 of {path}: the prompt is 1012 tokens, and with generation.max_new_tokens 16 "
+        f"data.task.options.prompt_field: row 3 of {path}: the prompt is 1012 tokens, and with generation.max_new_tokens 16 "
         "needs 1028 positions, but the model has 1024; shorten it or lower generation.max_new_tokens"
     )
     held_out = write_parquet(
@@ -306,17 +352,17 @@ def test_a_prompt_too_long_for_the_context_is_rejected_by_row(tmp_path, capsys):
         capsys,
         "eval",
         *SMALL,
-        "data.task=parquet",
-        f"data.path={parquet}",
-        f"data.eval_path={held_out}",
+        "data.task={name: parquet}",
+        f"data.task.options.path={parquet}",
+        f"data.task.options.eval_path={held_out}",
         "generation.max_new_tokens=16",
     )
-    assert message.startswith(f"data.prompt_field: row 2 of {held_out}: the prompt is 1012 tokens")
+    assert message.startswith(f"data.task.options.prompt_field: row 2 of {held_out}: the prompt is 1012 tokens")
     assert train_error(capsys, tmp_path, "generation.max_new_tokens=1024") == (
         "generation.max_new_tokens: 1024 leaves no room for a prompt in the model's 1024 positions; set it below 1024"
     )
     assert train_error(capsys, tmp_path, "generation.max_new_tokens=1019").startswith(
-        "data.task: prompt 'arithmetic/1/"
+        "data.task.name: prompt 'arithmetic/1/"
     )
     episodes = ["environment.name=feedback", "generation.max_new_tokens=8"]
     assert train_error(capsys, tmp_path, *episodes, "environment.max_tokens=1024") == (
@@ -337,11 +383,11 @@ def test_a_prompt_that_just_fits_is_accepted():
 
     config, tokenizer = load_config(None, ["generation.max_new_tokens=4"]), build_char_tokenizer()
     fits = Task("t", train=[Prompt("train/1", "x" * 1020, "1")], heldout=[Prompt("heldout/2", "y", "1")])
-    check_prompt_lengths(first_requests(fits, config, tokenizer), config, 1024)
-    check_prompt_lengths(first_requests(fits, config, tokenizer), config, None)  # a model without a position limit
+    check_prompt_lengths(first_requests(fits, None, tokenizer), fits, config, 1024)
+    check_prompt_lengths(first_requests(fits, None, tokenizer), fits, config, None)  # a model without a position limit
     too_long = Task("t", train=fits.train, heldout=[Prompt("heldout/2", "y" * 1021, "1")])
-    with pytest.raises(ValueError, match=r"^data.task: prompt 'heldout/2' of running_sum: the prompt is 1021 tokens"):
-        check_prompt_lengths(first_requests(too_long, config, tokenizer), config, 1024)
+    with pytest.raises(ValueError, match=r"^data.task.name: prompt 'heldout/2' of t: the prompt is 1021 tokens"):
+        check_prompt_lengths(first_requests(too_long, None, tokenizer), too_long, config, 1024)
 
 
 # --- custom module:attr rewards and samplers
@@ -717,17 +763,16 @@ def test_values_that_cannot_train_are_rejected(tmp_path, capsys, override, messa
 def test_text_the_tokenizer_cannot_encode_is_rejected_by_row_and_character(tmp_path, capsys):
     path = write_jsonl(tmp_path / "train.jsonl", [*rows(2), {"prompt": "caf+1=", "answer": "café"}, *rows(2)])
     assert jsonl_error(capsys, tmp_path, [*rows(2), {"prompt": "caf+1=", "answer": "café"}, *rows(2)])[0] == (
-        f"data.answer_field: row 3 of {path}: 'é' (U+00E9) at character 4 is not in the tokenizer's vocabulary; "
+        f"data.task.options.answer_field: row 3 of {path}: 'é' (U+00E9) at character 4 is not in the tokenizer's vocabulary; "
         "remove it, or set tokenizer.path to a tokenizer that has it"
     )
     assert jsonl_error(capsys, tmp_path, [*rows(3), {"prompt": "hi \U0001f600 1+1=", "answer": "2"}, *rows(1)])[0] == (
-        f"data.prompt_field: row 4 of {path}: '\U0001f600' (U+1F600) at character 4 is not in the tokenizer's vocabulary; "
+        f"data.task.options.prompt_field: row 4 of {path}: '\U0001f600' (U+1F600) at character 4 is not in the tokenizer's vocabulary; "
         "remove it, or set tokenizer.path to a tokenizer that has it"
     )
 
 
 def test_a_tokenizer_that_changes_the_text_is_named_by_row_and_character():
-    from asyncrl.config import DataConfig
     from asyncrl.data import Prompt, Task, check_encodable
     from asyncrl.models.tokenizer import build_char_tokenizer
 
@@ -737,15 +782,15 @@ def test_a_tokenizer_that_changes_the_text_is_named_by_row_and_character():
         "t",
         train=[Prompt("train/1", "1+1=", "2"), Prompt("train/2", "Ab=", "1")],
         heldout=[Prompt("heldout/3", "x", "1")],
+        sources={"train": "rows.jsonl", "heldout": "held.jsonl"},
     )
-    data = DataConfig(task="jsonl", path="rows.jsonl")
     with pytest.raises(ValueError) as err:
-        check_encodable(task, data, lowering)
+        check_encodable(task, lowering)
     assert str(err.value) == (
-        "data.prompt_field: row 2 of rows.jsonl: the tokenizer does not reproduce the text: it changes 'A' (U+0041) "
+        "data.task.options.prompt_field: row 2 of rows.jsonl: the tokenizer does not reproduce the text: it changes 'A' (U+0041) "
         "at character 1; the model would see other text than the row's"
     )
-    check_encodable(task, data, build_char_tokenizer())
+    check_encodable(task, build_char_tokenizer())
 
 
 # --- each class once more, through the installed `asyncrl` console script
@@ -781,11 +826,11 @@ def hostile_resume(run_dir, tmp_path):
                 "--output-dir",
                 str(tmp_path / "out"),
                 *SMALL,
-                "data.task=jsonl",
+                "data.task={name: jsonl}",
                 "data.eval_size=1",
-                f"data.path={write_jsonl(tmp_path / 'e.jsonl', [*rows(2), {'prompt': 'x', 'answer': 'é'}])}",
+                f"data.task.options.path={write_jsonl(tmp_path / 'e.jsonl', [*rows(2), {'prompt': 'x', 'answer': 'é'}])}",
             ],
-            "data.answer_field: row 3 of",
+            "data.task.options.answer_field: row 3 of",
         ),
     ],
     ids=[

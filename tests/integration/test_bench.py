@@ -113,9 +113,9 @@ def test_time_to_target_ratios_pair_the_runs_of_each_seed_and_report_their_sprea
     text = report.render(tmp_path)
     assert "| max_lag=1 | 5.0 | 15.0 | n/a |" in text and "| max_lag=1 / max_lag=0 | 2/3 | n/a | 0.62 | 0.25 |" in text
     saved_result(tmp_path, "e2e-trl-reasoning-gym", {"target_accuracy": 0.45}, summary)
-    assert "### `asyncrl bench e2e --against trl data.task=reasoning_gym ...`" in report.render(tmp_path)
+    assert "### `asyncrl bench e2e --against trl data.task.name=reasoning_gym ...`" in report.render(tmp_path)
     saved_result(tmp_path, "e2e-trl-long-responses", {"target_accuracy": 0.45}, summary)
-    assert "### `asyncrl bench e2e --against trl data.difficulty=3 ...`" in report.render(tmp_path)
+    assert "### `asyncrl bench e2e --against trl data.task.options.difficulty=3 ...`" in report.render(tmp_path)
 
 
 def test_time_to_target_uses_training_time_and_the_first_eval_that_reaches_it():
@@ -196,11 +196,11 @@ def test_the_trl_baseline_scores_a_reasoning_gym_task_with_the_tasks_own_checker
     from asyncrl.bench.trl_baseline import run_trl
 
     task = [
-        "data.task=reasoning_gym",
-        "data.dataset=basic_arithmetic",
-        "data.dataset_config={min_terms: 2, max_terms: 2, max_digits: 1}",
+        "data.task.name=reasoning_gym",
+        "data.task.options.dataset=basic_arithmetic",
+        "data.task.options.dataset_config={min_terms: 2, max_terms: 2, max_digits: 1}",
         "rewards.functions=[task]",
-        "data.num_problems=200",
+        "data.task.options.num_problems=200",
     ]
     config = e2e.bench_config([*QUICK_RUN, *task], seed=0, max_lag=0, max_steps=2, eval_every=2)
     result = run_trl(config, seed=0, max_steps=2, eval_every_steps=2, output_dir=tmp_path)

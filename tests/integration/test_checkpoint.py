@@ -273,6 +273,6 @@ def test_a_checkpoint_reloads_in_transformers_exactly_as_trained(tmp_path):
 def test_a_run_starts_from_a_checkpoint_given_as_model_path(tmp_path, capsys):
     path = save(tmp_path / "first", 1, tiny(0))
     args = ["train", "--output-dir", str(tmp_path / "second"), *SMALL, "step.max_steps=1", f"model.path={path}"]
-    args.append("data.task=running_sum")  # prompts with spaces: "running sum 3 8 5 1:"
+    args.append("data.task={name: running_sum}")  # prompts with spaces: "running sum 3 8 5 1:"
     assert main(args) == 0, capsys.readouterr().err
     assert len(read_jsonl(tmp_path / "second" / "metrics.jsonl")) == 1

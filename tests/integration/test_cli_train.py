@@ -28,8 +28,10 @@ def one_line_error(capsys, argv) -> str:
 def test_bad_input_is_one_line_with_exit_code_2(tmp_path, capsys):
     assert "trainer.lrr: unknown key" in one_line_error(capsys, ["train", "trainer.lrr=1"])
     assert "--resume: no checkpoint found" in one_line_error(capsys, ["train", "--resume", str(tmp_path / "nope")])
-    missing = one_line_error(capsys, ["train", *SMALL, "data.task=jsonl", f"data.path={tmp_path / 'missing.jsonl'}"])
-    assert "data.path" in missing
+    missing = one_line_error(
+        capsys, ["train", *SMALL, "data.task={name: jsonl}", f"data.task.options.path={tmp_path / 'missing.jsonl'}"]
+    )
+    assert "data.task.options.path" in missing
     (tmp_path / "old").mkdir()
     (tmp_path / "old" / "metrics.jsonl").write_text("")
     taken = one_line_error(capsys, ["train", "--output-dir", str(tmp_path / "old")])
@@ -43,7 +45,7 @@ def test_the_run_directory_is_the_command_lines_and_is_recorded_where_the_run_sa
     config_file = tmp_path / "run.yaml"
     config_file.write_text(f"logging:\n  output_dir: {tmp_path / 'from-config'}\n")
     run_dir = tmp_path / "from-cli"
-    backend = "generation.backend=test_cli_train:backend_writing_to_the_run_dir"
+    backend = "generation.backend.name=test_cli_train:backend_writing_to_the_run_dir"
     argv = ["train", "--config", str(config_file), "--output-dir", str(run_dir), *SMALL, "step.max_steps=1", backend]
     assert main(argv) == 0
     assert not (tmp_path / "from-config").exists()

@@ -61,7 +61,7 @@ def test_refills_given_up_after_their_stream_runs_out_do_not_hold_up_the_step(tm
     """Every refill prompt fails and is skipped; once the refill stream is used up, the step stops
     waiting for the refills it cancels and closes on the groups it has."""
     settings = [
-        "data.num_problems=24",
+        "data.task.options.num_problems=24",
         "data.eval_size=8",
         "data.epochs=1",
         "step.filter_zero_variance=true",

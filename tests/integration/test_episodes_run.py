@@ -29,8 +29,16 @@ def documented_episode_keys() -> tuple[set[str], set[str]]:
 
 
 @pytest.mark.slow
-def test_a_multi_turn_run_writes_every_documented_episode_metric_and_trains_sampled_tokens_only(tmp_path):
+def test_a_multi_turn_run_writes_every_documented_episode_metric_and_trains_sampled_tokens_only(tmp_path, monkeypatch):
+    from asyncrl.environments import base
+
+    resolved = []
+    part = base.environment_part
+    monkeypatch.setattr(base, "environment_part", lambda *args: resolved.append(args) or part(*args))
     _, metrics, _ = run(tmp_path, "run", *EPISODES, "step.max_steps=2")
+    # once to check the config, once for the whole run: the warm start, the request bound and the
+    # rollout worker's episodes share it
+    assert len(resolved) == 2
     written = {key for record in metrics for key in record if "episode/" in key}
     common, added = documented_episode_keys()
     assert common <= written <= common | added and "episode/solved" in written  # the feedback environment's

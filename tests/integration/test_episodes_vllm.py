@@ -63,11 +63,11 @@ def test_search_episodes_run_on_the_vllm_server(vllm_generator):
 
 def test_a_multi_turn_run_sizes_its_server_for_the_templated_opening_and_the_whole_episode(tmp_path, vllm_python):
     """configs/multi-turn.yaml on a server of its own with the default context (no
-    generation.backend_options.max_model_len): the opening templates to 11 tokens where the raw prompt has 6, and a
+    generation.backend.options.max_model_len): the opening templates to 11 tokens where the raw prompt has 6, and a
     later turn sends the transcript, so the server holds 11 + environment.max_tokens 48 +
     generation.max_new_tokens 6. Every turn is served: no generation fails."""
     run_dir = tmp_path / "run"
-    overrides = ["generation.backend=vllm", "step.max_steps=2", "step.prompts_per_step=4", "warm_start.steps=60",
+    overrides = ["generation.backend.name=vllm", "step.max_steps=2", "step.prompts_per_step=4", "warm_start.steps=60",
                  "data.eval_size=8", "checkpoint.every_steps=null", "logging.progress=false",
                  "runtime.max_rollout_retries=0"]  # fmt: skip
     assert main(["train", "--config", "configs/multi-turn.yaml", "--output-dir", str(run_dir), *overrides]) == 0

@@ -105,7 +105,12 @@ TINY = [key for key in SMALL if key.startswith(("model.", "step.", "logging.", "
 HEALTHY = {  # the shipped configs, at the small model's size and a few steps (the default: the first test)
     "tool-use": (
         ROOT / "configs" / "tool-use.yaml",
-        ["data.num_problems=200", "data.eval_size=4", "warm_start.steps=20", "generation.max_new_tokens=24"],
+        [
+            "data.task.options.num_problems=200",
+            "data.eval_size=4",
+            "warm_start.steps=20",
+            "generation.max_new_tokens=24",
+        ],
     ),
     "multi-turn": (ROOT / "configs" / "multi-turn.yaml", ["data.eval_size=4", *EPISODES[2:]]),
 }

@@ -151,9 +151,7 @@ def started_workers(tmp_path, monkeypatch, *overrides):
     monkeypatch.setattr(workers, "build_generator", lambda *args: built.append(build_generator(*args)) or built[-1])
     config = load_config(None, [*SMALL, "trainer.device=cpu", *overrides])
     runtime = LocalRuntime()
-    trainer, _ = run_module._start_workers(
-        runtime, config, run_module.RunContext(tmp_path), run_module._build_parts(config)
-    )
+    trainer, _ = run_module._start_workers(runtime, config, run_module.RunContext(tmp_path), run_module._build(config))
     runtime.shutdown()
     return config, built[0], trainer.worker.trainer
 

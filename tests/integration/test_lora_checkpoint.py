@@ -13,6 +13,7 @@ from transformers import AutoModelForCausalLM
 from asyncrl.checkpoint import resolve_checkpoint
 from asyncrl.cli import main
 from asyncrl.config import load_config
+from asyncrl.environments.base import environment_class
 from asyncrl.models import build_model, build_tokenizer
 from asyncrl.warm_start import warm_start_policy
 
@@ -38,7 +39,7 @@ def base_model(*overrides):
     config = load_config(None, [*SMALL, *LORA, *overrides])
     tokenizer = build_tokenizer(config)
     model = build_model(config, tokenizer)
-    warm_start_policy(model, tokenizer, config)
+    warm_start_policy(model, tokenizer, config, environment_class(config))
     return model
 
 

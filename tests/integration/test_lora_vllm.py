@@ -18,7 +18,12 @@ from asyncrl.models import build_model, build_tokenizer, token_logprobs
 from asyncrl.trainer import PolicyTrainer
 from asyncrl.weights.fingerprint import fingerprint
 
-LORA_VLLM = ["generation.backend=vllm", "lora.rank=4", "sampler.max_lag=1", "trainer.device=cpu"]  # 3 adapter slots
+LORA_VLLM = [
+    "generation.backend.name=vllm",
+    "lora.rank=4",
+    "sampler.max_lag=1",
+    "trainer.device=cpu",
+]  # 3 adapter slots
 PROMPTS = ["1+1=", "12+30=", "7*8=", "(3+4)*2="]
 PARAMS = SamplingParams(max_new_tokens=12)
 
@@ -29,7 +34,7 @@ def lora_served(vllm_python, tmp_path_factory):
     server for the module; no vLLM process it started outlives it."""
     run_dir = tmp_path_factory.mktemp("lora-vllm-run")
     config = load_config(
-        None, [*LORA_VLLM, f"logging.output_dir={run_dir}", "generation.backend_options.max_model_len=256"]
+        None, [*LORA_VLLM, f"logging.output_dir={run_dir}", "generation.backend.options.max_model_len=256"]
     )
     tokenizer = build_tokenizer(config)
     model = build_model(config, tokenizer)
@@ -121,13 +126,13 @@ def test_a_synced_adapter_gives_the_trainers_logprobs_and_older_ones_are_served_
 
 @pytest.mark.slow
 def test_a_lora_run_on_vllm_finishes_and_syncs_adapter_bytes_only(lora_served, tmp_path):
-    """On the module's server (``generation.backend_options.url``: its LoRA-enabled start is the fixture's), under adapter
+    """On the module's server (``generation.backend.options.url``: its LoRA-enabled start is the fixture's), under adapter
     names of its own; the run's base is the module's (the same tiny model and seed)."""
     _, _, generator = lora_served
     run_dir = tmp_path / "run"
     model = ["model.hidden_size=128", "model.intermediate_size=512"]
     overrides = [*SMALL, *LORA_VLLM, *model, "step.max_steps=2", "logging.eval_every_steps=null"]
-    overrides.append(f"generation.backend_options.url={generator.url}")
+    overrides.append(f"generation.backend.options.url={generator.url}")
     assert main(["train", "--output-dir", str(run_dir), *overrides]) == 0
     metrics = read_jsonl(run_dir / "metrics.jsonl")
     # the module's server holds the same tiny model's adapters: rank 4 over every projection, float32

@@ -130,7 +130,7 @@ def test_a_remote_group_has_every_attribute_of_a_group_but_its_token_tensors():
 
 
 def unbuildable():
-    raise ValueError("data.path: no such file 'missing.jsonl'")
+    raise ValueError("data.task.options.path: no such file 'missing.jsonl'")
 
 
 @pytest.mark.slow
@@ -147,7 +147,7 @@ def test_group_payloads_are_owned_by_the_caller_and_outlive_their_generator(ray_
     runtime = RayRuntime(config.runtime)
     [handle] = runtime.spawn_generators(lambda: build_rollout_worker(config), 1)
     [broken] = runtime.spawn_trainer_ranks(lambda rank, init_method: unbuildable, 1)
-    with pytest.raises(ValueError, match=r"^data.path: no such file 'missing.jsonl'$"):
+    with pytest.raises(ValueError, match=r"^data.task.options.path: no such file 'missing.jsonl'$"):
         runtime.ready()
     runtime.ready()  # nothing left to wait for
     jobs = [RolloutJob(slot, Prompt(f"u{slot}", f"{slot}+1=", str(slot + 1)), 0, 0) for slot in range(2)]

@@ -1,4 +1,4 @@
-"""data.task reasoning_gym: seeded disjoint splits, the dataset's own checker as the task reward, input errors."""
+"""data.task.name reasoning_gym: seeded disjoint splits, the dataset's own checker as the task reward, input errors."""
 
 import json
 import pickle
@@ -21,11 +21,11 @@ from asyncrl.run import train
 pytest.importorskip("reasoning_gym")  # in the test extra; the missing-package error is tested below
 
 CHAIN_SUM = [
-    "data.task=reasoning_gym",
-    "data.dataset=chain_sum",
-    "data.dataset_config={min_terms: 2, max_terms: 2, min_digits: 1, max_digits: 2}",
+    "data.task={name: reasoning_gym}",
+    "data.task.options.dataset=chain_sum",
+    "data.task.options.dataset_config={min_terms: 2, max_terms: 2, min_digits: 1, max_digits: 2}",
     "rewards.functions=[task]",
-    "data.num_problems=600",
+    "data.task.options.num_problems=600",
     "data.eval_size=100",
 ]
 
@@ -36,7 +36,12 @@ def chain_sum(*overrides):
 
 @pytest.mark.parametrize("dataset", ["chain_sum", "basic_arithmetic", "count_bits", "leg_counting", "spell_backward"])
 def test_splits_are_seeded_disjoint_and_in_the_char_alphabet(dataset):
-    overrides = [f"data.dataset={dataset}", "data.dataset_config={}", "data.num_problems=200", "data.eval_size=40"]
+    overrides = [
+        f"data.task.options.dataset={dataset}",
+        "data.task.options.dataset_config={}",
+        "data.task.options.num_problems=200",
+        "data.eval_size=40",
+    ]
     task = build_task(chain_sum(*overrides).data)
     again = build_task(chain_sum(*overrides).data)
     assert (task.train, task.heldout) == (again.train, again.heldout)
@@ -45,22 +50,31 @@ def test_splits_are_seeded_disjoint_and_in_the_char_alphabet(dataset):
     assert len({p.text for p in everything}) == len({p.uid for p in everything}) == len(everything)
     assert all(p.uid.startswith(f"{dataset}/") and isinstance(p.answer, EntryAnswer) for p in everything)
     assert all(set(p.text + p.answer) <= set(DEFAULT_ALPHABET) for p in everything)
-    other_seed = build_task(chain_sum(*overrides, "data.task_seed=1").data)
+    other_seed = build_task(chain_sum(*overrides, "data.task.options.seed=1").data)
     assert [p.text for p in other_seed.heldout] != [p.text for p in task.heldout]
 
 
 def test_enum_settings_are_given_by_value_or_name():
     siblings = build_task(
-        chain_sum("data.dataset=aiw", "data.dataset_config={task_types: [siblings], task_type_weights: [1.0]}").data
+        chain_sum(
+            "data.task.options.dataset=aiw",
+            "data.task.options.dataset_config={task_types: [siblings], task_type_weights: [1.0]}",
+        ).data
     )
     assert all(" brother" in p.text and p.text.endswith("have?") for p in siblings.train)
-    upper = build_task(chain_sum("data.dataset=word_sorting", "data.dataset_config={transformation: UPPERCASE}").data)
+    upper = build_task(
+        chain_sum(
+            "data.task.options.dataset=word_sorting", "data.task.options.dataset_config={transformation: UPPERCASE}"
+        ).data
+    )
     assert all(p.answer == p.answer.upper() for p in upper.train)
 
 
 def test_repeated_questions_are_dropped_so_no_held_out_question_is_trained_on():
     task = build_task(
-        chain_sum("data.dataset_config={min_terms: 2, max_terms: 2, max_digits: 1}", "data.eval_size=50").data
+        chain_sum(
+            "data.task.options.dataset_config={min_terms: 2, max_terms: 2, max_digits: 1}", "data.eval_size=50"
+        ).data
     )
     assert len(task.train) + len(task.heldout) <= 10 * 10 * 2  # two one-digit terms, + or -
     assert not {p.text for p in task.heldout} & {p.text for p in task.train}
@@ -68,7 +82,9 @@ def test_repeated_questions_are_dropped_so_no_held_out_question_is_trained_on():
         ValueError, match=r"^data.eval_size: 300 held-out problems leave none to train on \(chain_sum gave"
     ):
         build_task(
-            chain_sum("data.dataset_config={min_terms: 2, max_terms: 2, max_digits: 1}", "data.eval_size=300").data
+            chain_sum(
+                "data.task.options.dataset_config={min_terms: 2, max_terms: 2, max_digits: 1}", "data.eval_size=300"
+            ).data
         )
 
 
@@ -105,23 +121,29 @@ def test_the_loader_resumes_a_reasoning_gym_split():
     "overrides, message",
     [
         (
-            ["data.task=reasoning_gym", "rewards.functions=[task]"],
-            "data.dataset: required when data.task is reasoning_gym",
-        ),
-        (["data.dataset=chain_sum"], "data.dataset: set, but data.task 'running_sum' does not read it"),
-        (
-            ["data.dataset_config={max_terms: 2}"],
-            "data.dataset_config: set, but data.task 'running_sum' does not read it",
+            ["data.task={name: reasoning_gym}", "rewards.functions=[task]"],
+            "data.task.options.dataset: required by 'reasoning_gym'",
         ),
         (
-            ["data.task=reasoning_gym", "data.dataset=chain_sum"],
-            "rewards.functions: data.task reasoning_gym is scored by",
+            ["data.task.options.dataset=chain_sum"],
+            "data.task.options.dataset: unknown option of 'running_sum'",
         ),
         (
-            ["data.task=arithmetic", "data.difficulty=1", "rewards.functions=[task]"],
+            ["data.task.options.dataset_config={max_terms: 2}"],
+            "data.task.options.dataset_config: unknown option of 'running_sum'",
+        ),
+        (
+            ["data.task={name: reasoning_gym}", "data.task.options.dataset=chain_sum"],
+            "rewards.functions: data.task.name reasoning_gym is scored by",
+        ),
+        (
+            ["data.task={name: arithmetic}", "data.task.options.difficulty=1", "rewards.functions=[task]"],
             "rewards.functions: the task reward needs a task with its own checker",
         ),
-        ([*CHAIN_SUM, "data.path=x.jsonl"], "data.path: set, but data.task 'reasoning_gym' does not read it"),
+        (
+            [*CHAIN_SUM, "data.task.options.path=x.jsonl"],
+            "data.task.options.path: unknown option of 'reasoning_gym'",
+        ),
     ],
 )
 def test_config_rejects_inconsistent_reasoning_gym_settings(overrides, message):
@@ -139,26 +161,31 @@ def one_line_error(capsys, argv) -> str:
 
 def test_unknown_dataset_bad_settings_and_a_missing_package_are_one_line_errors(capsys, monkeypatch, tmp_path):
     train = ["train", "--output-dir", str(tmp_path / "run"), *SMALL, *CHAIN_SUM]
-    assert "data.dataset: unknown reasoning-gym dataset 'chain_sums'" in one_line_error(
-        capsys, [*train, "data.dataset=chain_sums"]
+    assert "data.task.options.dataset: unknown reasoning-gym dataset 'chain_sums'" in one_line_error(
+        capsys, [*train, "data.task.options.dataset=chain_sums"]
     )
-    bad = one_line_error(capsys, [*train, "data.dataset_config={min_termz: 2}"])
-    assert bad.startswith("error: data.dataset_config: invalid settings for chain_sum")
-    enum = one_line_error(capsys, [*train, "data.dataset=aiw", "data.dataset_config={task_types: [sibling]}"])
+    bad = one_line_error(capsys, [*train, "data.task.options.dataset_config={min_termz: 2}"])
+    assert bad.startswith("error: data.task.options.dataset_config: invalid settings for chain_sum")
+    enum = one_line_error(
+        capsys, [*train, "data.task.options.dataset=aiw", "data.task.options.dataset_config={task_types: [sibling]}"]
+    )
     assert "invalid settings for aiw (task_types: 'sibling' is not one of siblings, friends, colleagues)" in enum
     generation = one_line_error(
-        capsys, [*train, "data.dataset=simple_equations", "data.dataset_config={operators: ['+']}"]
+        capsys,
+        [*train, "data.task.options.dataset=simple_equations", "data.task.options.dataset_config={operators: ['+']}"],
     )  # valid as a config, but the dataset's default operator weights are three
     assert generation.startswith(
-        "error: data.dataset_config: simple_equations failed to generate entry 0 with these settings (ValueError: "
+        "error: data.task.options.dataset_config: simple_equations failed to generate entry 0 with these settings (ValueError: "
     )
-    quotes = one_line_error(capsys, [*train, "data.dataset=letter_counting", "data.dataset_config={}"])
-    assert "of reasoning_gym: '\"' (U+0022)" in quotes and "not in the tokenizer's vocabulary" in quotes
+    quotes = one_line_error(
+        capsys, [*train, "data.task.options.dataset=letter_counting", "data.task.options.dataset_config={}"]
+    )
+    assert "of letter_counting: '\"' (U+0022)" in quotes and "not in the tokenizer's vocabulary" in quotes
     monkeypatch.setitem(sys.modules, "reasoning_gym", None)  # import reasoning_gym now raises ImportError
     missing = one_line_error(capsys, train)
     assert (
         missing
-        == "error: data.task: reasoning_gym needs the reasoning-gym package; run pip install 'asyncrl[reasoning-gym]'\n"
+        == "error: data.task.name: reasoning_gym needs the reasoning-gym package; run pip install 'asyncrl[reasoning-gym]'\n"
     )
 
 
@@ -204,23 +231,23 @@ def test_a_run_stopped_while_a_batch_generates_resumes_and_finishes(tmp_path, ca
 
 
 BASIC_SUMS = [  # "Calculate 0 + 4 + 8." -> "12": 1,268 distinct questions from 4,000 entries
-    "data.task=reasoning_gym",
-    "data.dataset=basic_arithmetic",
-    "data.dataset_config={min_terms: 3, max_terms: 3, min_digits: 1, max_digits: 1, operators: ['+'], "
+    "data.task={name: reasoning_gym}",
+    "data.task.options.dataset=basic_arithmetic",
+    "data.task.options.dataset_config={min_terms: 3, max_terms: 3, min_digits: 1, max_digits: 1, operators: ['+'], "
     "allow_parentheses: false, allow_negation: false}",
     "rewards.functions=[task]",
-    "data.num_problems=4000",
+    "data.task.options.num_problems=4000",
     "data.eval_size=256",
     "generation.max_new_tokens=4",
 ]
 
 
 SPELL_BACKWARD = [  # "Spell this word backward (example: sun -> nus): cat" -> "tac": 3,503 distinct words
-    "data.task=reasoning_gym",
-    "data.dataset=spell_backward",
-    "data.dataset_config={min_word_len: 3, max_word_len: 4}",
+    "data.task={name: reasoning_gym}",
+    "data.task.options.dataset=spell_backward",
+    "data.task.options.dataset_config={min_word_len: 3, max_word_len: 4}",
     "rewards.functions=[task,exact_match]",  # credit per letter in place, and 1 more for the exact word
-    "data.num_problems=5000",
+    "data.task.options.num_problems=5000",
     "data.eval_size=256",
     "generation.max_new_tokens=6",
     "warm_start.steps=1000",

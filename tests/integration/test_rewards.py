@@ -419,7 +419,7 @@ def test_overlong_is_configured_beside_other_rewards_and_scored_on_token_counts(
             runner.score(["19"], ["19"])
     with pytest.raises(ValueError) as info:  # the options are checked where the run checks its parts
         check_parts(load_config(None, ["rewards.functions=[overlong]"]))
-    assert str(info.value) == "rewards.options.overlong.cache: Field required"
+    assert str(info.value) == "rewards.options.overlong.cache: required by 'overlong'"
     too_long = load_config(None, ["rewards.functions=[overlong]", "rewards.options.overlong.cache=17"])
     with pytest.raises(ValueError, match="^rewards.options.overlong.cache: 17 must be between 1 and generation"):
         RewardRunner.from_config(too_long.rewards, max_new_tokens=too_long.generation.max_new_tokens)

@@ -50,7 +50,9 @@ def test_resume_continues_exactly_like_an_uninterrupted_run(tmp_path):
 @pytest.mark.slow
 def test_the_end_of_the_data_stops_the_run_cleanly(tmp_path):
     before = set(threading.enumerate())  # threads earlier tests of the session left are theirs
-    summary, metrics, _ = run(tmp_path, "short", "data.epochs=1", "data.num_problems=18", "step.max_steps=100")
+    summary, metrics, _ = run(
+        tmp_path, "short", "data.epochs=1", "data.task.options.num_problems=18", "step.max_steps=100"
+    )
     assert summary["steps"] == len(metrics) == 3  # 10 prompts: steps of 4, 4 and the last 2
     assert metrics[-1]["num_groups"] == 2
     assert set(threading.enumerate()) <= before, "the run left threads running"
@@ -206,7 +208,7 @@ def test_the_multi_token_task_trains_with_a_format_reward(tmp_path):
     summary, metrics, _ = run(
         tmp_path,
         "running_sum",
-        "data.task=running_sum",
+        "data.task={name: running_sum}",
         "generation.max_new_tokens=8",
         "rewards.functions=[exact_match, format]",
         "rewards.weights=[1.0, 0.1]",

@@ -77,22 +77,22 @@ def one_line_error(capsys, *argv) -> str:
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the head-size check is for vLLM's CPU attention only")
 def test_a_head_size_vllms_cpu_attention_lacks_is_a_one_line_error(capsys, tmp_path):
-    err = one_line_error(capsys, "train", "--output-dir", str(tmp_path / "run"), *SMALL, "generation.backend=vllm")
+    err = one_line_error(capsys, "train", "--output-dir", str(tmp_path / "run"), *SMALL, "generation.backend.name=vllm")
     assert "model.num_heads: head size 8" in err
 
 
 @pytest.mark.slow
 def test_a_missing_or_unusable_vllm_environment_is_a_one_line_error_naming_the_fix(capsys, tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-    args = [*SMALL, "model.hidden_size=128", "generation.backend=vllm"]
+    args = [*SMALL, "model.hidden_size=128", "generation.backend.name=vllm"]
     err = one_line_error(capsys, "train", "--output-dir", str(tmp_path / "a"), *args)
     assert f"no vLLM environment at {tmp_path / 'cache'}" in err and "run `asyncrl vllm-env`" in err
-    python = f"generation.backend_options.python={tmp_path / 'nowhere' / 'python'}"
+    python = f"generation.backend.options.python={tmp_path / 'nowhere' / 'python'}"
     err = one_line_error(capsys, "train", "--output-dir", str(tmp_path / "b"), *args, python)
-    assert "generation.backend_options.python: no interpreter at" in err
-    without_vllm = f"generation.backend_options.python={sys.executable}"
+    assert "generation.backend.options.python: no interpreter at" in err
+    without_vllm = f"generation.backend.options.python={sys.executable}"
     err = one_line_error(capsys, "train", "--output-dir", str(tmp_path / "c"), *args, without_vllm)
-    assert f"generation.backend_options.python: {sys.executable} could not serve the model" in err
+    assert f"generation.backend.options.python: {sys.executable} could not serve the model" in err
     assert "No module named 'vllm'" in err
 
 
@@ -102,9 +102,9 @@ def test_weight_transfer_auto_is_a_file_without_cuda_and_a_bad_value_is_a_one_li
     assert collective_backend("collective", "cpu") == "gloo"
     monkeypatch.undo()
     err = one_line_error(
-        capsys, "train", "--output-dir", str(tmp_path / "run"), "generation.backend_options.weight_transfer=ipc"
+        capsys, "train", "--output-dir", str(tmp_path / "run"), "generation.backend.options.weight_transfer=ipc"
     )
-    assert err.startswith("error: generation.backend_options.weight_transfer")
+    assert err.startswith("error: generation.backend.options.weight_transfer")
 
 
 @pytest.mark.gpu
@@ -339,9 +339,9 @@ def test_a_run_starts_its_server_updates_it_in_flight_and_stops_it_on_sigterm(tm
     long a step takes against a batch, so spanning itself is checked deterministically above."""
     before = vllm_processes()
     run_dir = tmp_path / "run"
-    args = [sys.executable, "-m", "asyncrl.cli", "train", "--output-dir", str(run_dir), "generation.backend=vllm",
+    args = [sys.executable, "-m", "asyncrl.cli", "train", "--output-dir", str(run_dir), "generation.backend.name=vllm",
             "step.max_steps=100000", "checkpoint.every_steps=null", "warm_start.steps=0", "logging.progress=false",
-            "generation.max_new_tokens=32", 'generation.backend_options.extra_args=["--max-num-seqs", "4"]']  # fmt: skip
+            "generation.max_new_tokens=32", 'generation.backend.options.extra_args=["--max-num-seqs", "4"]']  # fmt: skip
     process = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     metrics = run_dir / "metrics.jsonl"
     deadline = time.monotonic() + 400
@@ -360,7 +360,7 @@ def test_a_run_starts_its_server_updates_it_in_flight_and_stops_it_on_sigterm(tm
 
 @pytest.mark.slow
 def test_a_run_whose_generator_breaks_a_promise_stops_with_an_integrity_stop(capsys, tmp_path, vllm_generator):
-    """Two runs on the session's server (``generation.backend_options.url``, weights as files, in-flight syncs): one whose
+    """Two runs on the session's server (``generation.backend.options.url``, weights as files, in-flight syncs): one whose
     rollout worker acknowledges each sync without loading it, one that samples at temperature 2
     while the trainer scores at 1. Each stops at the first sync, exit code 3, with one line: the
     server's own fingerprint of what it serves, then the sampling probe, give them away. A run on
@@ -368,7 +368,7 @@ def test_a_run_whose_generator_breaks_a_promise_stops_with_an_integrity_stop(cap
     initial weights as version 0 first (else its groups report the version another client sent,
     which this run's generators were never given: an integrity stop too). Two more runs break the
     promises the controller checks on the groups, stale tokens and failed rewards, on this backend."""
-    args = ["generation.backend=vllm", f"generation.backend_options.url={vllm_generator.url}", "generation.backend_options.weight_transfer=file",
+    args = ["generation.backend.name=vllm", f"generation.backend.options.url={vllm_generator.url}", "generation.backend.options.weight_transfer=file",
             "rewards.functions=[reward_functions:digits]", "warm_start.steps=0", "step.prompts_per_step=4",
             "step.generations_per_prompt=4", "generation.max_new_tokens=8", "data.eval_size=4",
             "logging.progress=false", "logging.tensorboard=false"]  # fmt: skip
@@ -413,7 +413,7 @@ def test_a_ray_rollout_worker_loads_weights_while_it_generates(ray_cluster, vllm
     never run and time out, and the batch's group starts on the old version and ends on the new
     one. Whether the batch is still running when the load's reply arrives is a race (the resumed
     server may finish first), so it is not asserted. The actor drives the session's server
-    (``generation.backend_options.url``, weights as files), so no server is started."""
+    (``generation.backend.options.url``, weights as files), so no server is started."""
     import ray
 
     from asyncrl.runtime.payloads import WeightsRef
@@ -421,7 +421,7 @@ def test_a_ray_rollout_worker_loads_weights_while_it_generates(ray_cluster, vllm
 
     config = load_config(
         None,
-        ["runtime.name=ray", "generation.backend=vllm", f"generation.backend_options.url={vllm_generator.url}", "generation.backend_options.weight_transfer=file",
+        ["runtime.name=ray", "generation.backend.name=vllm", f"generation.backend.options.url={vllm_generator.url}", "generation.backend.options.weight_transfer=file",
          "sync.mode=inflight", "generation.max_new_tokens=600", "step.generations_per_prompt=4"],
     )  # fmt: skip
     started = tmp_path / "started"
@@ -458,7 +458,7 @@ QWEN_ATTENTION = dict(  # Qwen2.5-0.5B's layers, heads and context (its KV cache
 
 def options(config) -> VLLMOptions:
     """The vllm backend's options of ``config``, as the backend checks them."""
-    return VLLMOptions.model_validate(config.generation.backend_options)
+    return VLLMOptions.model_validate(config.generation.backend.options)
 
 
 def test_the_server_context_and_kv_cache_follow_the_run_and_settings_that_cannot_fit_are_one_line_errors(
@@ -467,14 +467,14 @@ def test_the_server_context_and_kv_cache_follow_the_run_and_settings_that_cannot
     """A Qwen2.5-0.5B-shaped model: 24 KiB of keys and values per token in float32, so its whole
     32768-token context needs 768 MiB for one sequence. The server's context is the task's
     longest prompt plus the response; settings that cannot hold one sequence stop the run."""
-    config = load_config(None, ["generation.max_new_tokens=16", "generation.backend_options.max_model_len=32768"])
+    config = load_config(None, ["generation.max_new_tokens=16", "generation.backend.options.max_model_len=32768"])
     model_config = tiny_config(len(TOKENIZER), **{**DEFAULT, "num_layers": 24, "num_heads": 14, "hidden_size": 896})
     assert kv_bytes_per_token(model_config, 4) == 24 * 2**10
     # a step's 128 sequences would take 96 GiB: the cap, 4 GiB, is enough for 5 of them
     assert server_kv_cache(config, options(config), model_config, "float32", 32768, gpu=False) == 4 * 2**30
-    just_one = load_config(None, ["generation.backend_options.kv_cache_mib=768"])
+    just_one = load_config(None, ["generation.backend.options.kv_cache_mib=768"])
     assert server_kv_cache(just_one, options(just_one), model_config, "float32", 32768, gpu=False) == 768 * 2**20
-    with pytest.raises(ValueError, match="generation.backend_options.kv_cache_mib: 768 MiB do not hold one sequence"):
+    with pytest.raises(ValueError, match="generation.backend.options.kv_cache_mib: 768 MiB do not hold one sequence"):
         server_kv_cache(just_one, options(just_one), model_config, "float32", 32769, gpu=False)
     assert (
         server_kv_cache(config, options(config), model_config, "bfloat16", 32768, gpu=True) is None
@@ -488,23 +488,23 @@ def test_the_server_context_and_kv_cache_follow_the_run_and_settings_that_cannot
     assert server_dtype("auto", "float64", gpu=False) == "float32"
     assert server_dtype("auto", "float32", gpu=True) == "bfloat16"
     assert server_dtype("float16", "float32", gpu=True) == "float16"
-    run = [*SMALL, "model.hidden_size=128", "generation.backend=vllm"]
+    run = [*SMALL, "model.hidden_size=128", "generation.backend.name=vllm"]
     err = one_line_error(
-        capsys, "train", "--output-dir", str(tmp_path / "a"), *run, "generation.backend_options.max_model_len=2000"
+        capsys, "train", "--output-dir", str(tmp_path / "a"), *run, "generation.backend.options.max_model_len=2000"
     )
-    assert "generation.backend_options.max_model_len: 2000 tokens exceed the model's 1024 positions" in err
+    assert "generation.backend.options.max_model_len: 2000 tokens exceed the model's 1024 positions" in err
     err = one_line_error(
-        capsys, "train", "--output-dir", str(tmp_path / "b"), *run, "generation.backend_options.max_model_len=5"
+        capsys, "train", "--output-dir", str(tmp_path / "b"), *run, "generation.backend.options.max_model_len=5"
     )
-    assert "generation.backend_options.max_model_len: 5 tokens do not hold the task's longest prompt" in err
+    assert "generation.backend.options.max_model_len: 5 tokens do not hold the task's longest prompt" in err
     too_small = [
         "model.num_layers=4",
-        "generation.backend_options.max_model_len=1024",
-        "generation.backend_options.kv_cache_mib=1",
+        "generation.backend.options.max_model_len=1024",
+        "generation.backend.options.kv_cache_mib=1",
     ]  # 2 MiB a sequence
     err = one_line_error(capsys, "train", "--output-dir", str(tmp_path / "c"), *run, *too_small)
     assert (
-        "generation.backend_options.kv_cache_mib: 1 MiB do not hold one sequence of generation.backend_options.max_model_len 1024 tokens"
+        "generation.backend.options.kv_cache_mib: 1 MiB do not hold one sequence of generation.backend.options.max_model_len 1024 tokens"
         in err
     )
 
@@ -532,8 +532,8 @@ def test_a_long_context_checkpoint_is_served_with_the_defaults(tmp_path, vllm_py
     write_example_checkpoint(tmp_path / "model", intermediate_size=512, **QWEN_ATTENTION)
     config = load_config(
         None,
-        [f"model.path={tmp_path / 'model'}", "data.task=arithmetic", "data.chat_template=true",
-         "generation.backend=vllm", f"logging.output_dir={tmp_path / 'run'}"],
+        [f"model.path={tmp_path / 'model'}", "data.task={name: arithmetic}", "data.chat_template=true",
+         "generation.backend.name=vllm", f"logging.output_dir={tmp_path / 'run'}"],
     )  # fmt: skip
     tokenizer = build_tokenizer(config)
     model = build_model(config, tokenizer)
@@ -592,7 +592,7 @@ def test_a_server_whose_port_another_run_took_starts_on_another_and_answers_as_i
     monkeypatch.setattr(vllm_process, "_free_port", lambda: next(ports, None) or free())
     model = tiny(71)
     generator = build_generator(
-        load_config(None, ["generation.backend=vllm", "generation.backend_options.weight_transfer=file"]),
+        load_config(None, ["generation.backend.name=vllm", "generation.backend.options.weight_transfer=file"]),
         model,
         TOKENIZER,
     )
@@ -662,7 +662,7 @@ def test_a_batch_past_its_deadline_raises_after_its_calls_are_aborted(monkeypatc
     try:
         with pytest.raises(
             ServerError,
-            match=r"a batch of 10 requests did not return within its deadline, 1s \(2 x generation.backend_options.request_timeout_s\)",
+            match=r"a batch of 10 requests did not return within its deadline, 1s \(2 x generation.backend.options.request_timeout_s\)",
         ):
             generator.generate(requests(), SamplingParams(max_new_tokens=8))
     finally:

@@ -17,9 +17,12 @@ from asyncrl.models.tokenizer import DEFAULT_ALPHABET, build_char_tokenizer
 from asyncrl.rewards import RewardRunner
 
 
-def config(**fields) -> DataConfig:
-    """Arithmetic difficulty 1 with 64 held out, unless told otherwise: the small task most tests here read."""
-    return DataConfig(**{"task": "arithmetic", "difficulty": 1, "eval_size": 64, **fields})
+def config(task: str = "arithmetic", eval_size: int = 64, chat_template: bool = False, **options) -> DataConfig:
+    """Arithmetic difficulty 1 with 64 held out, unless told otherwise: the small task most tests here
+    read. ``options`` are the task's (``data.task.options``)."""
+    if task in ("arithmetic", "running_sum"):
+        options = {"difficulty": 1, **options}
+    return DataConfig(task={"name": task, "options": options}, eval_size=eval_size, chat_template=chat_template)
 
 
 def texts(prompts) -> list[str]:
@@ -42,7 +45,7 @@ def test_builtin_tasks_are_seeded_disjoint_unique_and_in_the_char_alphabet(task,
 
 
 def test_task_seed_chooses_other_problems_and_uids_follow_the_problem():
-    first, second = build_task(config(difficulty=3)), build_task(config(difficulty=3, task_seed=1))
+    first, second = build_task(config(difficulty=3)), build_task(config(difficulty=3, seed=1))
     assert texts(first.train) != texts(second.train)
     text_of = {p.uid: p.text for p in [*first.train, *first.heldout]}
     shared = [p for p in [*second.train, *second.heldout] if p.uid in text_of]
@@ -131,7 +134,7 @@ def test_running_sum_credit_is_the_task_reward_and_only_the_exact_chain_is_corre
 def test_too_few_problems_for_the_held_out_split_is_a_config_error():
     with pytest.raises(ValueError, match=r"^data.eval_size: 400 held-out problems leave none to train on"):
         build_task(config(eval_size=400))
-    with pytest.raises(ValueError, match=r"data.num_problems is 50"):
+    with pytest.raises(ValueError, match=r"data.task.options.num_problems is 50"):
         build_task(config(num_problems=50, eval_size=50))
     small = build_task(config(difficulty=3, num_problems=100, eval_size=20))
     assert (len(small.train), len(small.heldout)) == (80, 20)
@@ -150,18 +153,21 @@ def data_error(overrides) -> str:
 @pytest.mark.parametrize(
     "overrides, message",
     [
-        (["data.task=sums"], "data.task: unknown task 'sums'"),
-        (["data.task=arithmetic", "data.difficulty=6"], "data.difficulty: arithmetic has levels 1-5, got 6"),
-        (["data.difficulty=0"], "data.difficulty"),
+        (["data.task={name: sums}"], "data.task.name: unknown task 'sums'"),
         (
-            ["data.path=x.jsonl"],
-            "data.path: set, but data.task 'running_sum' does not read it (read by jsonl, parquet, hf_dataset)",
+            ["data.task={name: arithmetic}", "data.task.options.difficulty=6"],
+            "data.task.options.difficulty: arithmetic has levels 1-5, got 6",
+        ),
+        (["data.task.options.difficulty=0"], "data.task.options.difficulty"),
+        (
+            ["data.task.options.path=x.jsonl"],
+            "data.task.options.path: unknown option of 'running_sum' (its options: difficulty, seed, num_problems)",
         ),
         (
-            ["data.eval_path=x.jsonl"],
-            "data.eval_path: set, but data.task 'running_sum' does not read it (read by jsonl, parquet)",
+            ["data.task.options.eval_path=x.jsonl"],
+            "data.task.options.eval_path: unknown option of 'running_sum'",
         ),
-        (["data.task=jsonl"], "data.path: required when data.task is jsonl"),
+        (["data.task={name: jsonl}"], "data.task.options.path: required by 'jsonl'"),
     ],
 )
 def test_config_rejects_inconsistent_data_settings(overrides, message):
@@ -216,26 +222,29 @@ def test_parquet_files_load_the_same_way(tmp_path, no_network):
 @pytest.mark.parametrize(
     "rows, message",
     [
-        ([{"prompt": "a", "answer": "1"}, {"answer": "2"}], "data.prompt_field: row 2 of {f} has no field 'prompt'"),
+        (
+            [{"prompt": "a", "answer": "1"}, {"answer": "2"}],
+            "data.task.options.prompt_field: row 2 of {f} has no field 'prompt'",
+        ),
         (
             [{"prompt": "a", "answer": "1"}, {"prompt": "  ", "answer": "2"}],
-            "data.prompt_field: row 2 of {f}: 'prompt' is empty",
+            "data.task.options.prompt_field: row 2 of {f}: 'prompt' is empty",
         ),
         (
             [{"prompt": "a", "answer": "1"}, {"prompt": ["a"], "answer": "2"}],
-            "data.prompt_field: row 2 of {f}: 'prompt' is list, not a string",
+            "data.task.options.prompt_field: row 2 of {f}: 'prompt' is list, not a string",
         ),
         (
             [{"prompt": "a", "answer": "1"}, {"prompt": "b", "answer": None}],
-            "data.answer_field: row 2 of {f} has no field 'answer'",
+            "data.task.options.answer_field: row 2 of {f} has no field 'answer'",
         ),
         (
             [{"prompt": "a", "answer": [1]}, {"prompt": "b", "answer": "2"}],
-            "data.answer_field: row 1 of {f}: 'answer' is list, not a string or number",
+            "data.task.options.answer_field: row 1 of {f}: 'answer' is list, not a string or number",
         ),
         (
             [{"question": "a", "answer": "1"}],
-            "data.prompt_field: row 1 of {f} has no field 'prompt' (its fields: question, answer)",
+            "data.task.options.prompt_field: row 1 of {f} has no field 'prompt' (its fields: question, answer)",
         ),
     ],
 )
@@ -247,14 +256,14 @@ def test_bad_rows_name_the_field_row_and_file(tmp_path, rows, message):
 
 
 def test_missing_unreadable_and_too_short_files(tmp_path):
-    with pytest.raises(ValueError, match=r"^data.path: no such file '.*nope.jsonl'"):
+    with pytest.raises(ValueError, match=r"^data.task.options.path: no such file '.*nope.jsonl'"):
         build_task(config(task="jsonl", path=str(tmp_path / "nope.jsonl")))
     good = write_jsonl(tmp_path / "good.jsonl", [{"prompt": "a", "answer": "1"}] * 3)
-    with pytest.raises(ValueError, match=r"^data.eval_path: no such file"):
+    with pytest.raises(ValueError, match=r"^data.task.options.eval_path: no such file"):
         build_task(config(task="jsonl", path=good, eval_path=str(tmp_path / "nope.jsonl")))
     broken = tmp_path / "broken.jsonl"
     broken.write_text('{"prompt": "a", "answer": 1}\n{"prompt": \n')
-    with pytest.raises(ValueError, match=r"^data.path: line 2 of .*broken.jsonl: invalid JSON"):
+    with pytest.raises(ValueError, match=r"^data.task.options.path: line 2 of .*broken.jsonl: invalid JSON"):
         build_task(config(task="jsonl", path=str(broken)))
     with pytest.raises(ValueError, match=r"^data.eval_size: holding out the last 3 rows of .* leaves no train rows"):
         build_task(config(task="jsonl", path=good, eval_size=3))
@@ -301,8 +310,13 @@ def test_a_run_trains_on_a_saved_dataset_dict(tmp_path):
     from helpers import run
 
     path = saved_splits(tmp_path / "saved", train=sums(0, 40), test=sums(40, 48))
-    settings = ["data.task=hf_dataset", f"data.path={path}", "data.prompt_field=q", "data.answer_field=a"]
-    summary, metrics, groups = run(tmp_path, "run", *settings, "data.eval_split=test", "step.max_steps=2")
+    settings = [
+        "data.task={name: hf_dataset}",
+        f"data.task.options.path={path}",
+        "data.task.options.prompt_field=q",
+        "data.task.options.answer_field=a",
+    ]
+    summary, metrics, groups = run(tmp_path, "run", *settings, "data.task.options.eval_split=test", "step.max_steps=2")
     assert summary["steps"] == 2 and [m["num_groups"] for m in metrics] == [4, 4]
     assert all(g["prompt_uid"].startswith("train/") for g in groups)
     assert [e["num_prompts"] for e in read_jsonl(tmp_path / "run" / "eval.jsonl")] == [8, 8]
@@ -318,10 +332,12 @@ def test_data_files_named_by_split_and_a_saved_single_dataset_load_the_same_way(
     for name, rows in (("train", sums(0, 6)), ("test", sums(6, 8))):
         pq.write_table(pa.Table.from_pylist(rows), files / f"{name}.parquet")
     saved = saved_splits(tmp_path / "saved", train=sums(0, 6), test=sums(6, 8))
-    assert build_task(hf(str(files), eval_split="test")) == build_task(hf(saved, eval_split="test"))
+    from_files, from_saved = build_task(hf(str(files), eval_split="test")), build_task(hf(saved, eval_split="test"))
+    assert (from_files.train, from_files.heldout) == (from_saved.train, from_saved.heldout)
     datasets.Dataset.from_list(sums(0, 6)).save_to_disk(str(tmp_path / "single"))
     single = build_task(hf(str(tmp_path / "single"), eval_size=2))  # one Dataset: the split train
-    assert single == build_task(hf(saved, eval_size=2))
+    saved_single = build_task(hf(saved, eval_size=2))
+    assert (single.train, single.heldout) == (saved_single.train, saved_single.heldout)
 
 
 def test_hf_dataset_errors_name_the_split_field_or_directory(tmp_path):
@@ -329,20 +345,23 @@ def test_hf_dataset_errors_name_the_split_field_or_directory(tmp_path):
     empty = tmp_path / "empty"
     empty.mkdir()
     cases = [
-        (hf(path, split="nope"), f"data.split: '{path}' has no split 'nope' (its splits: train, test)"),
-        (hf(path, eval_split="dev"), f"data.eval_split: '{path}' has no split 'dev' (its splits: train, test)"),
+        (hf(path, split="nope"), f"data.task.options.split: '{path}' has no split 'nope' (its splits: train, test)"),
+        (
+            hf(path, eval_split="dev"),
+            f"data.task.options.eval_split: '{path}' has no split 'dev' (its splits: train, test)",
+        ),
         (
             hf(path, eval_split="test"),
-            f"data.answer_field: row 1 of split 'test' of {path} has no field 'a' (its fields: q)",
+            f"data.task.options.answer_field: row 1 of split 'test' of {path} has no field 'a' (its fields: q)",
         ),
         (
             config(task="hf_dataset", path=path),
-            f"data.prompt_field: row 1 of split 'train' of {path} has no field 'prompt' (its fields: q, a)",
+            f"data.task.options.prompt_field: row 1 of split 'train' of {path} has no field 'prompt' (its fields: q, a)",
         ),
-        (hf(path, eval_split="train"), "data.eval_split: 'train' is data.split itself"),
+        (hf(path, eval_split="train"), "data.task.options.eval_split: 'train' is split itself"),
         (hf(path, eval_size=6), f"data.eval_size: holding out the last 6 rows of split 'train' of {path} leaves"),
-        (hf(str(tmp_path / "nope")), f"data.path: no such directory '{tmp_path / 'nope'}'"),
-        (hf(str(empty)), f"data.path: cannot read '{empty}' as a Hugging Face dataset"),
+        (hf(str(tmp_path / "nope")), f"data.task.options.path: no such directory '{tmp_path / 'nope'}'"),
+        (hf(str(empty)), f"data.task.options.path: cannot read '{empty}' as a Hugging Face dataset"),
     ]
     for cfg, message in cases:
         with pytest.raises(ValueError) as info:
@@ -354,16 +373,24 @@ def test_a_split_that_does_not_exist_is_one_line_and_exit_2(tmp_path, capsys):
     from asyncrl.cli import main
 
     path = saved_splits(tmp_path / "saved", train=sums(0, 6))
-    overrides = [f"data.path={path}", "data.prompt_field=q", "data.answer_field=a", "data.split=validation"]
+    overrides = [
+        f"data.task.options.path={path}",
+        "data.task.options.prompt_field=q",
+        "data.task.options.answer_field=a",
+        "data.task.options.split=validation",
+    ]
     capsys.readouterr()
-    code = main(["train", "data.task=hf_dataset", *overrides, "--output-dir", str(tmp_path / "run")])
+    code = main(["train", "data.task={name: hf_dataset}", *overrides, "--output-dir", str(tmp_path / "run")])
     assert code == 2
-    assert capsys.readouterr().err == f"error: data.split: '{path}' has no split 'validation' (its splits: train)\n"
+    assert (
+        capsys.readouterr().err
+        == f"error: data.task.options.split: '{path}' has no split 'validation' (its splits: train)\n"
+    )
 
 
 def test_without_the_datasets_package_the_error_names_the_extra(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "datasets", None)  # import datasets now raises ImportError
-    with pytest.raises(ValueError, match=r"^data.task: hf_dataset needs the datasets package; .*\[hf-datasets\]"):
+    with pytest.raises(ValueError, match=r"^data.task.name: hf_dataset needs the datasets package; .*\[hf-datasets\]"):
         build_task(hf(str(tmp_path)))
 
 
@@ -380,17 +407,17 @@ def test_a_loader_over_a_reloaded_hf_dataset_resumes_where_the_saved_one_was(tmp
     "overrides, message",
     [
         (
-            ["data.task=jsonl", "data.path=x.jsonl", "data.eval_split=test"],
-            "data.eval_split: set, but data.task 'jsonl' does not read it",
+            ["data.task={name: jsonl}", "data.task.options.path=x.jsonl", "data.task.options.eval_split=test"],
+            "data.task.options.eval_split: unknown option of 'jsonl' (its options: prompt_field, answer_field, path, eval_path)",
         ),
         (
-            ["data.task=parquet", "data.path=x.parquet", "data.split=all"],
-            "data.split: set, but data.task 'parquet' does not read it",
+            ["data.task={name: parquet}", "data.task.options.path=x.parquet", "data.task.options.split=all"],
+            "data.task.options.split: unknown option of 'parquet'",
         ),
-        (["data.task=hf_dataset"], "data.path: required when data.task is hf_dataset"),
+        (["data.task={name: hf_dataset}"], "data.task.options.path: required by 'hf_dataset'"),
         (
-            ["data.task=hf_dataset", "data.path=d", "data.eval_path=e.jsonl"],
-            "data.eval_path: hf_dataset holds out a split",
+            ["data.task={name: hf_dataset}", "data.task.options.path=d", "data.task.options.eval_path=e.jsonl"],
+            "data.task.options.eval_path: unknown option of 'hf_dataset'",
         ),
     ],
 )

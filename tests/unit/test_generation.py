@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from asyncrl.config import GenerationConfig, load_config
+from asyncrl.config import BackendConfig, GenerationConfig, load_config
 from asyncrl.generation import Generator, HFGenerator, SampleRequest, SamplingParams, build_generator, sample_seed
 from asyncrl.generation.hf import sample_next
 from asyncrl.models import (
@@ -417,8 +417,14 @@ def test_build_generator_stops_on_every_end_token_the_checkpoint_declares(tmp_pa
 
 def test_build_generator_rejects_an_unknown_backend():
     config = load_config(None, [])
-    config = config.model_copy(update={"generation": GenerationConfig.model_construct(backend="other", batch_size=4)})
-    with pytest.raises(ValueError, match=r"^generation\.backend: unknown backend 'other'"):
+    config = config.model_copy(
+        update={
+            "generation": GenerationConfig.model_construct(
+                backend=BackendConfig.model_construct(name="other"), batch_size=4
+            )
+        }
+    )
+    with pytest.raises(ValueError, match=r"^generation\.backend\.name: unknown backend 'other'"):
         build_generator(config, small_model(), TOKENIZER)
 
 

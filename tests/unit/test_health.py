@@ -43,7 +43,7 @@ def warnings_of(records, config=CONFIG):
 TRIGGERS = [
     ("turns_cut", {"turns_cut_fraction": 0.9}, "generation.max_new_tokens=16"),
     ("episodes_cut", {"episode/cut": 0.8}, "environment.max_tokens=256"),
-    ("zero_variance", {"zero_variance_groups": 16, "accuracy": 0.0}, "data.difficulty=2"),
+    ("zero_variance", {"zero_variance_groups": 16, "accuracy": 0.0}, "data.task.options of running_sum"),
     ("tool_failures", {"episode/tool_errors_parse": 3.0}, "environment.options.parser"),
     ("reward_failures", {"reward_timeouts": 100}, "rewards.timeout_s=5.0"),
     ("lag_pinned", {"lag_mean": 1.0, "evicted_groups": "rising"}, "sampler.max_lag=1"),
@@ -89,7 +89,7 @@ def test_episodes_out_of_time_are_told_to_raise_max_seconds():
 
 def test_the_zero_variance_warning_says_whether_the_task_is_too_hard_or_too_easy():
     too_easy = warnings_of([healthy(s, zero_variance_groups=16, accuracy=1.0) for s in range(1, 4)])
-    assert "raise data.difficulty" in too_easy["zero_variance"]["message"]
+    assert "too easy: make it harder (data.task.options of running_sum)" in too_easy["zero_variance"]["message"]
     mixed = warnings_of([healthy(s, zero_variance_groups=16, accuracy=0.5) for s in range(1, 4)])
     assert "rewards.functions" in mixed["zero_variance"]["message"]
 

@@ -58,7 +58,7 @@ class Doubling:
 
     def __init__(self, data, count):
         if count < data.eval_size + 1:
-            raise ValueError(f"data.task_options.count: {count} leaves no train prompts")
+            raise ValueError(f"data.task.options.count: {count} leaves no train prompts")
         self.data, self.count = data, count
 
     def build(self):
@@ -104,11 +104,10 @@ PARTS = [
     "sampler.options={label: run}",
     "rewards.functions=['my_parts:Scaled']",
     "rewards.options={'my_parts:Scaled': {scale: 2.0}}",
-    "data.task=my_parts:Doubling",
-    "data.task_options={count: 40}",
+    "data.task={name: my_parts:Doubling, options: {count: 40}}",
     "data.eval_size=4",
-    "generation.backend=my_parts:hf_inflight",
-    "generation.backend_options={loads_while_generating: false}",
+    "generation.backend.name=my_parts:hf_inflight",
+    "generation.backend.options={loads_while_generating: false}",
 ]
 
 
@@ -135,13 +134,14 @@ def test_a_run_uses_a_users_sampler_reward_task_and_backend_with_their_options(t
 
 @pytest.mark.parametrize("loads", [True, False])
 def test_the_backend_declares_whether_it_loads_while_generating(my_parts, loads):
-    config = load_config(None, [*SMALL, *PARTS, f"generation.backend_options={{loads_while_generating: {loads}}}"])
+    config = load_config(None, [*SMALL, *PARTS, f"generation.backend.options={{loads_while_generating: {loads}}}"])
     tokenizer = build_tokenizer(config)
     generator = build_generator(config, build_model(config, tokenizer), tokenizer)
     assert generator.loads_while_generating is loads
+    from asyncrl.parts import build_run_parts
     from asyncrl.workers import rollout_worker
 
-    worker = rollout_worker(config, generator, None, tokenizer)
+    worker = rollout_worker(config, build_run_parts(config), generator, None, tokenizer)
     assert worker.inflight is loads  # asked of the generator, whatever its backend is called
 
 
@@ -152,16 +152,16 @@ def test_the_backend_declares_whether_it_loads_while_generating(my_parts, loads)
             "sampler.options={label: x, colour: red}",
             "sampler.options.colour: unknown option of 'my_parts:Counted' (its options: label)",
         ),
-        ("sampler.options={}", "sampler.options.label: Field required"),
+        ("sampler.options={}", "sampler.options.label: required by 'my_parts:Counted'"),
         (
             "rewards.options={'my_parts:Scaled': {scale: big}}",
             "rewards.options.my_parts:Scaled.scale: Input should be a valid number, unable to parse string as a number",
         ),
         ("rewards.options={exact_match: {scale: 2}}", "rewards.options.exact_match: not in rewards.functions"),
-        ("data.task_options={count: 2}", "data.task_options.count: 2 leaves no train prompts"),
+        ("data.task.options={count: 2}", "data.task.options.count: 2 leaves no train prompts"),
         (
-            "data.path=x.jsonl",
-            "data.path: set, but data.task 'my_parts:Doubling' does not read it (read by jsonl, parquet, hf_dataset)",
+            "data.task.options.path=x.jsonl",
+            "data.task.options.path: unknown option of 'my_parts:Doubling' (its options: count)",
         ),
         ("sampler.name=in_order", "sampler.options.label: unknown option; 'in_order' takes no options"),
     ],
@@ -172,23 +172,23 @@ def test_bad_options_are_one_line_errors_naming_the_key(my_parts, capsys, overri
 
 def test_bad_backend_options_stop_the_run_in_one_line(my_parts, capsys, tmp_path):
     message = error(
-        capsys, "train", "--output-dir", str(tmp_path / "run"), *SMALL, *PARTS, "generation.backend_options={}"
+        capsys, "train", "--output-dir", str(tmp_path / "run"), *SMALL, *PARTS, "generation.backend.options={}"
     )
-    assert message == "generation.backend_options.loads_while_generating: Field required"
+    assert message == "generation.backend.options.loads_while_generating: required by 'my_parts:hf_inflight'"
 
 
 def test_a_generator_lacking_capabilities_is_refused_and_generator_base_gives_their_defaults(my_parts):
-    config = load_config(None, [*SMALL, "generation.backend=my_parts:Bare"])
+    config = load_config(None, [*SMALL, "generation.backend.name=my_parts:Bare"])
     tokenizer = build_tokenizer(config)
     model = build_model(config, tokenizer)
     with pytest.raises(ValueError) as refused:
         build_generator(config, model, tokenizer)
     assert str(refused.value) == (
-        "generation.backend: 'my_parts:Bare' built a Bare without close, concurrent_calls, fingerprint, "
+        "generation.backend.name: 'my_parts:Bare' built a Bare without close, concurrent_calls, fingerprint, "
         "loads_while_generating, score of the Generator protocol; derive it from asyncrl.generation.GeneratorBase, which gives every "
         "capability its default (docs/generation.md)"
     )
-    based = build_generator(load_config(None, [*SMALL, "generation.backend=my_parts:Based"]), model, tokenizer)
+    based = build_generator(load_config(None, [*SMALL, "generation.backend.name=my_parts:Based"]), model, tokenizer)
     assert not based.loads_while_generating and not based.concurrent_calls
     assert based.score([[1, 2]], None) is None and based.close() is None and based.fingerprint() is None
 
@@ -197,7 +197,7 @@ def test_lora_needs_a_backend_that_declares_it_takes_adapters(my_parts, capsys, 
     lora = [*SMALL, *PARTS, "lora.rank=4", "trainer.device=cpu"]
     message = error(capsys, "train", "--output-dir", str(tmp_path / "run"), *lora)
     assert message == (
-        "lora.rank: generation.backend 'my_parts:hf_inflight' does not declare takes_lora_adapters, so it cannot "
+        "lora.rank: generation.backend.name 'my_parts:hf_inflight' does not declare takes_lora_adapters, so it cannot "
         "load the adapters a LoRA trainer syncs (docs/plugins.md)"
     )
     monkeypatch.setattr(my_parts.hf_inflight, "takes_lora_adapters", True, raising=False)

@@ -6,21 +6,21 @@ from __future__ import annotations
 import pytest
 from helpers import ROOT
 
-from asyncrl.config import load_config
+from asyncrl.config import DataConfig, TaskConfig, load_config
 from asyncrl.data.prompts import Prompt
+from asyncrl.data.tasks import task_source
 from asyncrl.environments.search import SearchEnvironment, SearchTask
 from asyncrl.models.tokenizer import build_char_tokenizer
 from asyncrl.plugins import resolve
 from asyncrl.warm_start import encode_conversation
 
 
-class Data:
-    def __init__(self, difficulty=10, num_problems=100, eval_size=20):
-        self.difficulty, self.num_problems, self.eval_size = difficulty, num_problems, eval_size
+def search_task(difficulty=10, num_problems=100, eval_size=20) -> SearchTask:
+    return SearchTask(DataConfig(eval_size=eval_size), difficulty=difficulty, num_problems=num_problems)
 
 
 def test_the_task_hides_every_number_of_the_range_equally_often_in_both_splits():
-    task = SearchTask(Data()).build()
+    task = search_task().build()
     assert len(task.train) == 80 and len(task.heldout) == 20
     assert {p.text for p in [*task.train, *task.heldout]} == {"0-9"}
     assert sorted(int(p.answer) for p in task.heldout) == sorted(list(range(10)) * 2)
@@ -28,12 +28,18 @@ def test_the_task_hides_every_number_of_the_range_equally_often_in_both_splits()
 
 
 @pytest.mark.parametrize(
-    ("data", "problem"),
-    [(Data(difficulty=1), "data.difficulty"), (Data(num_problems=20, eval_size=20), "data.eval_size")],
+    ("settings", "problem"),
+    [
+        ({"difficulty": 1}, "^data.task.options.difficulty: Input should be greater than or equal to 2"),
+        ({"num_problems": 20, "eval_size": 20}, "^data.eval_size: 20 held-out problems leave none to train on"),
+    ],
 )
-def test_the_task_refuses_a_range_of_one_number_and_an_empty_train_split(data, problem):
+def test_the_task_refuses_a_range_of_one_number_and_an_empty_train_split(settings, problem):
+    config = load_config(None, ["data.task={name: search}", "environment.name=search"])
+    eval_size = settings.pop("eval_size", config.data.eval_size)
+    data = config.data.model_copy(update={"eval_size": eval_size, "task": TaskConfig(name="search", options=settings)})
     with pytest.raises(ValueError, match=problem):
-        SearchTask(data)
+        task_source(data)
 
 
 def test_each_wrong_guess_is_told_up_or_down_and_the_solve_scores_by_its_guesses():
@@ -100,5 +106,5 @@ def test_a_demonstration_encodes_with_only_the_guesses_trained():
 
 def test_the_config_names_the_built_in_task_and_environment():
     config = load_config(ROOT / "configs" / "search.yaml")
-    assert resolve("task", config.data.task, "data.task") is SearchTask
+    assert resolve("task", config.data.task.name, "data.task.name") is SearchTask
     assert resolve("environment", config.environment.name, "environment.name") is SearchEnvironment

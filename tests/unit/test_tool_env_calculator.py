@@ -7,6 +7,7 @@ import sys
 
 import pytest
 
+from asyncrl.config import DataConfig
 from asyncrl.data.prompts import Prompt
 from asyncrl.environments.calculator import CalculatorEnvironment, ProductsTask, calc, digit_credit
 from asyncrl.environments.tool_env import close_toolboxes
@@ -59,31 +60,25 @@ def test_the_schema_comes_from_the_signature_and_docstring():
     assert function["parameters"]["required"] == ["expr"]
 
 
-class Data:
-    def __init__(self, difficulty, num_problems=500, eval_size=50, task_seed=0):
-        self.difficulty, self.num_problems, self.eval_size, self.task_seed = (
-            difficulty,
-            num_problems,
-            eval_size,
-            task_seed,
-        )
+def products(difficulty: int, num_problems: int = 500, eval_size: int = 50, seed: int = 0) -> ProductsTask:
+    return ProductsTask(DataConfig(eval_size=eval_size), difficulty=difficulty, num_problems=num_problems, seed=seed)
 
 
 def test_products_are_two_factors_of_the_difficulty_in_digits_with_disjoint_splits():
-    task = ProductsTask(Data(2)).build()
+    task = products(2).build()
     assert (len(task.train), len(task.heldout)) == (450, 50)
     assert not {p.uid for p in task.train} & {p.uid for p in task.heldout}
     for prompt in [*task.train, *task.heldout]:
         a, b = prompt.text.removesuffix("=").split("*")
         assert 10 <= int(a) <= 99 and 10 <= int(b) <= 99
         assert prompt.answer == str(int(a) * int(b))
-    assert ProductsTask(Data(2)).build() == task
-    assert ProductsTask(Data(2, task_seed=1)).build() != task
-    assert {p.text for p in ProductsTask(Data(1, num_problems=100, eval_size=10)).build().train} <= {
+    assert products(2).build() == task
+    assert products(2, seed=1).build() != task
+    assert {p.text for p in products(1, num_problems=100, eval_size=10).build().train} <= {
         f"{a}*{b}=" for a in range(10) for b in range(10)
     }
     with pytest.raises(ValueError, match="^data.eval_size: 100 held-out problems leave none of 100"):
-        ProductsTask(Data(1, num_problems=1000, eval_size=100)).build()
+        products(1, num_problems=1000, eval_size=100).build()
 
 
 @pytest.mark.parametrize(
@@ -91,7 +86,7 @@ def test_products_are_two_factors_of_the_difficulty_in_digits_with_disjoint_spli
 )
 def test_the_products_checker_credits_the_digits_in_place_and_only_the_exact_answer_fully(completion, credit):
     assert digit_credit(completion, "1776") == credit
-    assert ProductsTask(Data(2)).build().score is digit_credit
+    assert products(2).build().score is digit_credit
     assert ProductsTask.has_checker
 
 

@@ -7,6 +7,7 @@ from helpers import ROOT
 
 from asyncrl.config import load_config
 from asyncrl.data import Prompt
+from asyncrl.environments.base import environment_class
 from asyncrl.environments.calculator import CalculatorEnvironment
 from asyncrl.models import build_char_tokenizer, build_tiny_model
 from asyncrl.warm_start import demonstrations, encode_conversation, warm_start
@@ -54,7 +55,7 @@ def test_tool_result_tokens_are_masked_out_of_the_warm_start(tmp_path):
 
 
 def test_a_run_warm_starts_on_its_environments_demonstrations_when_it_has_them():
-    tool_use = demonstrations(load_config(ROOT / "configs" / "tool-use.yaml", []))
+    tool_use = demonstrations(environment_class(load_config(ROOT / "configs" / "tool-use.yaml", [])))
     assert tool_use["tools"] == CalculatorEnvironment.schemas()
     assert tool_use["demonstration"](PROMPT) == CalculatorEnvironment.demonstration(PROMPT)
-    assert demonstrations(load_config(None, [])) == {}  # single turn: the prompt and its answer
+    assert demonstrations(environment_class(load_config(None, []))) == {}  # single turn: the prompt and its answer
