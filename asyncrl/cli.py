@@ -58,7 +58,7 @@ def show_config(
         typer.echo(config_reference(builtin_options()), nl=False)
         return
     from asyncrl.algorithms import build_algorithm
-    from asyncrl.parts import check_parts
+    from asyncrl.parts import check_parts, with_defaults
     from asyncrl.run_sampler import build_run_sampler
 
     run_config = load_config(config, overrides or ())
@@ -66,9 +66,10 @@ def show_config(
         build_run_sampler(run_config)
         build_algorithm(run_config)
         check_parts(run_config)
+        resolved = with_defaults(run_config)
     except ValueError as err:
         raise ConfigError(str(err)) from None
-    typer.echo(dump_config(run_config), nl=False)
+    typer.echo(dump_config(resolved), nl=False)
 
 
 @app.command()

@@ -25,7 +25,7 @@ from asyncrl.algorithms import Algorithm, build_algorithm
 from asyncrl.config import RunConfig
 from asyncrl.data.tasks import task_source
 from asyncrl.environments.base import EnvironmentPart, environment_class
-from asyncrl.plugins import resolve, validate_options
+from asyncrl.plugins import checked_options, resolve, validate_options
 from asyncrl.rewards.processes import check_loads
 
 
@@ -88,3 +88,50 @@ def _check_task(config: RunConfig) -> None:
         raise ValueError(
             f"rewards.functions: the task reward needs a task with its own checker; data.task.name '{task}' has none"
         )
+
+
+def with_defaults(config: RunConfig) -> RunConfig:
+    """``config`` with every part's options as its ``Options`` model fills them in, defaults
+    included: what ``asyncrl config`` prints, so a part's defaults are seen without reading its
+    code. Call after ``check_parts`` (a user's module is then known to load)."""
+    data, generation, rewards = config.data, config.generation, config.rewards
+    task = data.task.model_copy(update={"options": _filled("task", data.task, "data.task")})
+    backend = generation.backend.model_copy(
+        update={"options": _filled("backend", generation.backend, "generation.backend")}
+    )
+    update = {
+        "sampler": config.sampler.model_copy(update={"options": _filled("sampler", config.sampler, "sampler")}),
+        "algorithm": config.algorithm.model_copy(
+            update={"options": _filled("algorithm", config.algorithm, "algorithm")}
+        ),
+        "data": data.model_copy(update={"task": task}),
+        "generation": generation.model_copy(update={"backend": backend}),
+        "rewards": rewards.model_copy(update={"options": _reward_options(config)}),
+    }
+    if config.environment.name is not None:
+        filled = _filled("environment", config.environment, "environment")
+        update["environment"] = config.environment.model_copy(update={"options": filled})
+    return config.model_copy(update=update)
+
+
+def _filled(kind: str, section, field: str) -> dict:
+    """A part's options with its defaults, as plain data; as given for a part without ``Options``."""
+    model = checked_options(
+        resolve(kind, section.name, f"{field}.name"), section.name, section.options, f"{field}.options"
+    )
+    return section.options if model is None else model.model_dump(mode="json")
+
+
+def _reward_options(config: RunConfig) -> dict:
+    """Each listed reward class's options with their defaults; a reward function takes none."""
+    given, filled = config.rewards.options, {}
+    for name in config.rewards.functions:
+        part = resolve("reward", name, "rewards.functions")
+        model = (
+            checked_options(part, name, given.get(name, {}), f"rewards.options.{name}")
+            if isinstance(part, type)
+            else None
+        )
+        if model is not None:
+            filled[name] = model.model_dump(mode="json")
+    return filled

@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import pytest
+import yaml
 from helpers import ROOT
 
 from asyncrl.cli import main
@@ -181,6 +182,34 @@ def test_cli_usage_error_is_one_line_with_exit_code_2(capsys):
 def test_cli_prints_the_resolved_config(capsys):
     assert main(["config", "step.prompts_per_step=3"]) == 0
     assert "prompts_per_step: 3" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        [],
+        ["--config", str(ROOT / "configs" / "tool-use.yaml")],
+        ["generation.backend.name=vllm", "data.task.options.difficulty=3"],
+        ["rewards.functions=[exact_match,format,overlong]", "rewards.options.overlong.cache=4"],
+    ],
+)
+def test_the_printed_config_holds_each_parts_options_with_their_defaults_and_loads_back(capsys, tmp_path, args):
+    assert main(["config", *args]) == 0
+    printed = capsys.readouterr().out
+    parts = yaml.safe_load(printed)
+    assert parts["algorithm"]["options"]["clip_low"] == 0.2  # grpo's defaults, written once in GRPOOptions
+    assert parts["data"]["task"]["options"]["seed"] == 0  # a default of every built-in generated task
+    if "generation.backend.name=vllm" in args:
+        assert parts["data"]["task"]["options"]["difficulty"] == 3  # a given option is kept
+        assert parts["generation"]["backend"]["options"]["gpu_memory_utilization"] == 0.5
+    if parts["environment"]["name"] is not None:
+        assert parts["environment"]["options"]["max_tool_calls"] == 2  # given in tool-use.yaml
+        assert parts["environment"]["options"]["parser"] == "hermes"  # its default
+    if "overlong" in parts["rewards"]["functions"]:
+        assert parts["rewards"]["options"] == {"format": {"pattern": None}, "overlong": {"cache": 4}}
+    (tmp_path / "printed.yaml").write_text(printed)
+    assert main(["config", "--config", str(tmp_path / "printed.yaml")]) == 0
+    assert capsys.readouterr().out == printed  # the defaults written out mean what they meant
 
 
 def test_installed_script_reports_errors_without_traceback():
