@@ -164,7 +164,7 @@ def _start_workers(
 ) -> tuple[TrainerHandle, list[RolloutHandle]]:
     """The trainer and rollout worker handles, built by asyncrl/workers.py's builders wherever the
     runtime places them: a runtime in this process shares the driver's warm-started model,
-    tokenizer and rewards with them. Rollout workers first: with LoRA their model copies the
+    tokenizer, rewards and run parts with them. Rollout workers first: with LoRA their model copies the
     policy's base before the trainer turns the policy into its adapters' base in place."""
     shared = Shared(built.tokenizer, built.model, built.rewards, built.parts) if runtime.in_process else None
     resume_from = str(context.checkpoint_dir) if context.checkpoint_dir is not None else None
