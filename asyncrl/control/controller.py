@@ -286,7 +286,9 @@ class SingleController:
         self.gate.add_running(-1)
         committed = [job for job in batch if job.slot_id not in result.failed]
         for group in result.groups:
-            self.sync_checks.check_versions(group.prompt_uid, group.start_version, group.end_version, self.version)
+            self.sync_checks.check_versions(
+                group.prompt_uid, group.start_version, group.end_version, self.version, self.gate.sent
+            )
         for job, group in zip(committed, result.groups):
             self.buffer.commit(job.slot_id, group)
             del self.jobs[job.slot_id]

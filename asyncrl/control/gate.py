@@ -29,6 +29,9 @@ class RolloutGate:
         self.in_flight = 0
         self.running_batches = 0  # generation calls submitted to a worker and not yet returned
         self.loading = False  # weights are being loaded: nothing may be dispatched until open()
+        # the newest version handed to the generators: a sync's from the moment its load starts, since
+        # an in-flight generator may serve it, and a group report it, before the gate reopens
+        self.sent = version
         self._state: Literal["open", "closing", "closed"] = "open"
 
     @property
@@ -65,6 +68,7 @@ class RolloutGate:
 
     def open(self, version: int) -> None:
         self.version = version
+        self.sent = max(self.sent, version)
         self.loading = False
         self._state = "open"
         self.changes.notify()

@@ -77,14 +77,17 @@ class SyncChecks:
             )
         self.guard.check("weights", len(wrong), step=report.version, evidence=evidence)
 
-    def check_versions(self, prompt_uid: str, start_version: int, end_version: int, step: int) -> None:
-        """A generated group's versions are ones the generators were given."""
-        unknown = sorted(v for v in {start_version, end_version} if not 0 <= v <= self.latest)
+    def check_versions(self, prompt_uid: str, start_version: int, end_version: int, step: int, sent: int) -> None:
+        """A generated group's versions are ones the generators were given: up to the newest whose
+        load has started (``RolloutGate.sent``), which an in-flight generator may serve before the
+        sync's checks run."""
+        newest = max(self.latest, sent)
+        unknown = sorted(v for v in {start_version, end_version} if not 0 <= v <= newest)
         if not unknown or not self.guard.enabled:
             return
         evidence = (
             f"group {prompt_uid} reports weight version {unknown[0]}, which no generator was given "
-            f"(the newest given is {self.latest})"
+            f"(the newest given is {newest})"
         )
         self.guard.check("weights", len(unknown), step=step, evidence=evidence)
 

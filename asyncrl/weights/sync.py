@@ -124,6 +124,7 @@ class WeightSync:
                 raise
         version, weights, export_s = await export
         load_start = time.perf_counter()
+        self.gate.sent = version
         loads = asyncio.gather(*(g.load_weights(weights, version) for g in self.generators))
         try:
             served = tuple(await self._phase(f"loading weights version {version} into the generators", loads))

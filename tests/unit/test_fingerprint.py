@@ -140,13 +140,23 @@ def test_a_generator_serving_other_weights_than_the_export_stops_the_run_naming_
 
 def test_a_group_reporting_a_version_no_generator_was_given_stops_the_run():
     check, _ = checks()
-    check.check_versions("p0", 0, 0, step=1)
+    check.check_versions("p0", 0, 0, step=1, sent=0)
     with pytest.raises(IntegrityStop, match="group p1 reports weight version 1, which no generator was given"):
-        check.check_versions("p1", 0, 1, step=1)
+        check.check_versions("p1", 0, 1, step=1, sent=0)
     check.latest = 1  # after the first sync, or a run resumed at step 1
-    check.check_versions("p1", 0, 1, step=1)
+    check.check_versions("p1", 0, 1, step=1, sent=1)
     with pytest.raises(IntegrityStop, match="weight version -1"):
-        check.check_versions("p2", -1, 1, step=1)
+        check.check_versions("p2", -1, 1, step=1, sent=1)
+
+
+def test_a_version_whose_load_has_started_is_given_before_the_syncs_checks_run():
+    """In flight, a generator may serve version 1, and a group return under it, while the sync
+    still reads the fingerprints back: the gate's ``sent`` vouches for it then."""
+    check, _ = checks()
+    check.check_versions("p", 0, 1, step=1, sent=1)
+    assert check.guard.step_metrics()["integrity/weights"] == 0
+    with pytest.raises(IntegrityStop, match="weight version 2, which no generator was given .the newest given is 1."):
+        check.check_versions("p", 1, 2, step=1, sent=1)
 
 
 def test_the_probe_runs_after_the_first_sync_and_every_n_and_knows_the_generators_dtype():
@@ -169,5 +179,5 @@ def test_a_disabled_guard_checks_and_probes_nothing():
     config = IntegrityConfig(enabled=False)
     check, fake = checks(config, gaps=[ProbeGap(9.0, 9.0, 1)])
     asyncio.run(check(report(1, [fingerprint(weights())], stepped(weights()))))
-    check.check_versions("p", 5, 5, step=1)
+    check.check_versions("p", 5, 5, step=1, sent=0)
     assert fake.probed == 0 and check.guard.step_metrics() == {}
