@@ -19,6 +19,7 @@ from asyncrl.bench.cli import bench_app
 from asyncrl.choices import choices
 from asyncrl.config import AggMode, ConfigError, config_reference, dump_config, load_config, parse_options
 from asyncrl.errors import RunStopped
+from asyncrl.pretrained.cli import model_app
 from asyncrl.tools.plants import PLANTS
 
 app = typer.Typer(
@@ -63,9 +64,9 @@ def show_config(
 
     run_config = load_config(config, overrides or ())
     try:  # what a run checks first, so a file is checked here as a run would check it
+        check_parts(run_config)  # first: a user's module is loaded in a fresh process before this one
         build_run_sampler(run_config)
         build_algorithm(run_config)
-        check_parts(run_config)
         resolved = with_defaults(run_config)
     except ValueError as err:
         raise ConfigError(str(err)) from None
@@ -324,6 +325,7 @@ def samples(
 
 
 app.add_typer(bench_app, name="bench")
+app.add_typer(model_app, name="model")
 
 MAX_MESSAGE_CHARS = 2000  # a message that echoes input back is cut here, whatever the input
 

@@ -18,9 +18,13 @@ class RunStopped(RuntimeError):
     exit_code = 1
     saves_checkpoint = True  # the trainer is known to be healthy when this is raised
 
-    def __init__(self, message: str) -> None:
+    def __init__(self, message: str, *, saves_checkpoint: bool | None = None) -> None:
+        """``saves_checkpoint``: this stop's own answer, where the kind's default does not hold
+        (a failure before the first step has nothing new to save)."""
         super().__init__(message)
         self.checkpoint: Path | None = None
+        if saves_checkpoint is not None:
+            self.saves_checkpoint = saves_checkpoint
 
 
 class RolloutFailedError(RunStopped):
@@ -47,9 +51,10 @@ class SyncTimedOut(RunStopped, SyncTimeoutError):
     """A weight sync phase took longer than ``sync.timeout_s``; the step before it is complete, so
     the run checkpoints it, unless the trainer's export was what hung."""
 
-    def __init__(self, err: SyncTimeoutError) -> None:
+    def __init__(self, err: SyncTimeoutError, *, saves_checkpoint: bool = True) -> None:
         super().__init__(str(err))
-        self.trainer_healthy = self.saves_checkpoint = err.trainer_healthy
+        self.trainer_healthy = err.trainer_healthy
+        self.saves_checkpoint = saves_checkpoint and err.trainer_healthy
 
 
 class WeightLoadFailedError(RunStopped):

@@ -105,7 +105,8 @@ class FaultyRolloutWorker(_Wrapper):
 
     def load_weights(self, weights: Any, version: int) -> Any:
         call, self.load_calls = self.load_calls, self.load_calls + 1
-        time.sleep(self.faults.slow_sync_s)
+        if call >= self.faults.slow_sync_from:
+            time.sleep(self.faults.slow_sync_s)
         if call in self.faults.load_errors:
             raise InjectedFault(f"weight load {call} failed (faults.load_errors)")
         if self.faults.sync_skips_load:  # the generator claims the version and keeps serving the old weights

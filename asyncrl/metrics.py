@@ -151,12 +151,13 @@ def episode_keys(means: dict[str, float]) -> dict[str, float]:
 def _sample_keys(report: StepReport, counters: RunCounters, samples: int) -> dict:
     """What the step's samples scored and how its groups were filtered and refilled."""
     data = report.data
-    reward_mean = data.reward_sum / samples
+    scored = data.num_scored_samples  # failed groups' samples scored nothing: they are counted in failed_groups
+    reward_mean = data.reward_sum / scored if scored else None
     return {
         "step": report.result.version,
         "reward_mean": reward_mean,
-        "reward_std": max(data.reward_sq_sum / samples - reward_mean**2, 0.0) ** 0.5,
-        "accuracy": data.num_correct / samples,
+        "reward_std": max(data.reward_sq_sum / scored - reward_mean**2, 0.0) ** 0.5 if scored else None,
+        "accuracy": data.num_correct / scored if scored else None,
         "response_length_mean": data.response_tokens / samples,
         "num_groups": data.num_groups,
         "num_filtered_groups": data.num_filtered_groups,

@@ -3,12 +3,13 @@
 Loading a config checks names and shapes only (``plugins.check_spec``): it never builds a part or
 imports a user's module, so a config can be read anywhere (a worker, ``asyncrl config``, a test)
 without running code. ``check_parts`` is the one place that does, where a run starts and where
-``asyncrl config`` checks a file: each reward and the environment are resolved and their options
-validated, a user's module in a fresh process under its startup deadline (it may block or crash
-at import); the generation backend's options are checked (a backend is imported where the
-generator is built, in the run's process, anyway); the task part is built, which checks its
-settings; and what the task declares is checked against the rewards (a task scored by its own
-checker must list the ``task`` reward).
+``asyncrl config`` checks a file: the sampler, each reward, the environment (against the task it
+reads) and the task are resolved and their options validated, a user's module in a fresh process
+under its startup deadline (it may block or crash at import) before this process imports it; the
+generation backend's options are checked (a backend is imported where the generator is built, in
+the run's process, anyway); the task part is built, which checks its settings; and what the task
+declares is checked against the rewards (a task scored by its own checker must list the ``task``
+reward).
 Every problem is one ValueError naming the field.
 
 ``RunParts`` are the parts built from the config alone that several places of one process use (the
@@ -45,10 +46,18 @@ def build_run_parts(config: RunConfig) -> RunParts:
 
 def check_parts(config: RunConfig) -> None:
     """Every part ``config`` names, resolved and its options checked (module docstring)."""
+    _check_sampler(config)
     _check_rewards(config)
     _check_environment(config)
     _check_backend(config)
     _check_task(config)
+
+
+def _check_sampler(config: RunConfig) -> None:
+    sampler = config.sampler
+    check = (sampler.name, "asyncrl.control.sampler:sampler_part", (sampler.name, sampler.options))
+    setting, process = "sampler.startup_timeout_s", "a process loading the sampler"
+    check_loads("sampler", [check], "sampler.name", setting, sampler.startup_timeout_s, process)
 
 
 def _check_rewards(config: RunConfig) -> None:
@@ -64,7 +73,8 @@ def _check_environment(config: RunConfig) -> None:
     environment = config.environment
     if environment.name is None:
         return
-    check = (environment.name, "asyncrl.environments.base:environment_part", (environment.name, environment.options))
+    arguments = (environment.name, environment.options, config.data.task.name)
+    check = (environment.name, "asyncrl.environments.base:environment_part", arguments)
     setting, process = "environment.startup_timeout_s", "a process loading the environment"
     check_loads("environment", [check], "environment.name", setting, environment.startup_timeout_s, process)
 
@@ -78,8 +88,18 @@ def _check_backend(config: RunConfig) -> None:
 def _check_task(config: RunConfig) -> None:
     """The task part built (its settings checked; its prompts are read only when the run builds
     the task), and its checker against the rewards."""
-    source = task_source(config.data)
-    functions, task = config.rewards.functions, config.data.task.name
+    task = config.data.task
+    check = (task.name, "asyncrl.data.tasks:task_source", (config.data,))
+    check_loads(
+        "task",
+        [check],
+        "data.task.name",
+        "data.task.startup_timeout_s",
+        task.startup_timeout_s,
+        "a process loading the task",
+    )
+    source = task_source(config.data)  # here too: what it declares is read below
+    functions, task = config.rewards.functions, task.name
     if getattr(source, "checker_required", False) and "task" not in functions:
         raise ValueError(
             f"rewards.functions: data.task.name {task} is scored by its own checker; list task (rewards.functions=[task])"

@@ -47,6 +47,7 @@ from asyncrl.rollout.context import first_requests
 from asyncrl.run_sampler import build_run_sampler
 from asyncrl.runtime import Runtime, build_runtime
 from asyncrl.trainer.group import TrainerGroup
+from asyncrl.trainer.optim import resumed_schedule_warning
 from asyncrl.warm_start import warm_start_policy
 from asyncrl.workers import Shared, build_rollout_worker, build_trainer_rank, rollout_worker
 
@@ -105,6 +106,8 @@ def train(
     torch.manual_seed(config.seed)
     torch.set_num_threads(local_torch_threads(config))
     progress = ProgressDisplay(config.step.max_steps, enabled=config.logging.progress, console=console)
+    if schedule_warning := resumed_schedule_warning(config, context.state):
+        progress.warn(schedule_warning)
     metrics = None if config.runtime.controller_actor else _input(_metrics_writer, config, context)
     runtime = _input(build_runtime, config)
     try:
@@ -123,10 +126,11 @@ def train(
 
 
 def _build(config: RunConfig) -> _Built:
-    """The sampler first (checking the buffer capacity it needs costs nothing), every part's
-    options, the algorithm and the environment, then the models, the checked task and the rewards."""
+    """Every part's options first (a user's module loaded in a fresh process before this one
+    imports it), the sampler, the algorithm and the environment, then the models, the checked
+    task and the rewards."""
+    _input(check_parts, config)  # sampler, rewards, environment, backend and task: resolved, options checked
     sampler, capacity = _input(build_run_sampler, config)
-    _input(check_parts, config)  # rewards, environment, backend and task: resolved, their options checked
     parts = _input(build_run_parts, config)  # the algorithm's options checked against the run, too
     tokenizer = _input(build_tokenizer, config)
     model = _input(build_model, config, tokenizer)
@@ -228,16 +232,7 @@ def drive(
     if context.state is not None:
         load_contents(f"the resumed checkpoint's {STATE_FILE}", controller.load_state_dict, context.state["run"])
         controller.health.replay(read_jsonl(context.run_dir / METRICS_FILE))  # what was said before is not repeated
-    return asyncio.run(_load_weights_then_run(controller, trainer, rollout_workers))
-
-
-async def _load_weights_then_run(
-    controller: SingleController, trainer: TrainerHandle, rollout_workers: list[RolloutHandle]
-) -> int:
-    """Give every generator the trainer's weights (warm-started or resumed), then run."""
-    version, weights = await trainer.export_weights()
-    await asyncio.gather(*(worker.load_weights(weights, version) for worker in rollout_workers))
-    return await controller.run()
+    return asyncio.run(controller.run())
 
 
 def drive_in_actor(

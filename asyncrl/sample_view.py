@@ -8,7 +8,9 @@ ValueError naming it, which the command turns into its one-line error.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from rich.console import Console, Group
 from rich.padding import Padding
@@ -16,24 +18,94 @@ from rich.panel import Panel
 from rich.text import Text
 
 from asyncrl.metrics import read_jsonl
-from asyncrl.samples import SAMPLES_FILE, call_text, origin, role_label, scores, shown_text, shows_prompt
+from asyncrl.samples import (
+    SAMPLES_FILE,
+    call_text,
+    origin,
+    role_label,
+    scores,
+    shown_text,
+    shows_prompt,
+    tool_calls,
+)
 
 SPLITS = ("train", "eval")
-# key: (types it may hold, what it must be); every record has each
-_FIELDS: dict[str, tuple[tuple[type, ...], str]] = {
-    "step": ((int,), "an integer"),
-    "split": ((str,), "train or eval"),
-    "prompt_uid": ((str,), "a string"),
-    "prompt": ((str,), "a string"),
-    "messages": ((list,), "a list of messages"),
-    "reward": ((int, float), "a number"),
-    "finish_reason": ((str,), "a string"),
+Check = Callable[[Any], bool]  # whether a value has the shape a key must hold
+
+
+def _integer(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _number(value: Any) -> bool:
+    return _integer(value) or isinstance(value, float)
+
+
+def _text(value: Any) -> bool:
+    return isinstance(value, str)
+
+
+def _flag(value: Any) -> bool:
+    return isinstance(value, bool)
+
+
+def _nullable(check: Check) -> Check:
+    return lambda value: value is None or check(value)
+
+
+def _list_of(check: Check) -> Check:
+    return lambda value: isinstance(value, list) and all(check(item) for item in value)
+
+
+def _object_of(check: Check) -> Check:
+    return lambda value: isinstance(value, dict) and all(check(item) for item in value.values())
+
+
+def _tool_call(call: Any) -> bool:
+    """A call as the chat template reads it: an object, its ``function`` (or itself) an object
+    whose name, if it has one, is a string; the arguments are any JSON."""
+    function = call.get("function", call) if isinstance(call, dict) else None
+    return isinstance(function, dict) and _text(function.get("name", ""))
+
+
+# key: (its check, what it must be), as docs/samples.md describes the record; every record has these
+_REQUIRED: dict[str, tuple[Check, str]] = {
+    "step": (_integer, "an integer"),
+    "split": (_text, "train or eval"),
+    "prompt_uid": (_text, "a string"),
+    "prompt": (_text, "a string"),
+    "messages": (lambda value: isinstance(value, list), "a list of messages"),
+    "reward": (_number, "a number"),
+    "finish_reason": (_text, "a string"),
+}
+# the keys a record may lack (a file written by an earlier version, or by other code)
+_OPTIONAL: dict[str, tuple[Check, str]] = {
+    "sample": (_integer, "an integer"),
+    "answer": (_text, "a string"),
+    "reward_parts": (_object_of(_number), "an object of numbers"),
+    "correct": (_flag, "true or false"),
+    "advantage": (_nullable(_number), "a number or null"),
+    "failed": (_flag, "true or false"),
+    "versions": (_list_of(_integer), "a list of integers"),
+    "tokens": (_object_of(_integer), "an object of integers"),
+}
+# a message's keys that the view reads; an environment's messages may carry others, kept as they are
+_MESSAGE: dict[str, tuple[Check, str]] = {
+    "content": (_nullable(_text), "a string or null"),
+    "name": (_nullable(_text), "a string or null"),
+    "tokens": (_integer, "an integer"),
+    "finish_reason": (_text, "a string"),
+    "text": (_text, "a string"),
+    "tool_calls": (
+        _nullable(_list_of(_tool_call)),
+        "a list of tool calls (objects whose function is an object with a string name)",
+    ),
 }
 _ROLE_STYLES = {"assistant": "bold green", "tool": "bold magenta", "user": "bold cyan", "system": "bold blue"}
 
 
 def read_samples(run_dir: str | Path) -> list[dict]:
-    """The records of the run directory's sample log, each checked to have what the view reads."""
+    """The records of the run directory's sample log, each checked to have the shape the view reads."""
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise ValueError(f"{run_dir}: not a run directory")
@@ -45,15 +117,28 @@ def read_samples(run_dir: str | Path) -> list[dict]:
         )
     records = read_jsonl(path)
     for number, record in enumerate(records, start=1):
-        for key, (types, what) in _FIELDS.items():
-            value = record.get(key)
-            if not isinstance(value, types) or isinstance(value, bool):
-                raise ValueError(f"{path}: record {number} has no '{key}' that is {what}")
-        if record["split"] not in SPLITS:
-            raise ValueError(f"{path}: record {number} has split '{record['split']}', not train or eval")
-        if not all(isinstance(m, dict) and isinstance(m.get("role"), str) for m in record["messages"]):
-            raise ValueError(f"{path}: record {number} has a message that is not an object with a role")
+        _check_record(record, f"{path}: record {number}")
     return records
+
+
+def _check_record(record: dict, where: str) -> None:
+    for key, (check, what) in _REQUIRED.items():
+        if not check(record.get(key)):
+            raise ValueError(f"{where} has no '{key}' that is {what}")
+    if record["split"] not in SPLITS:
+        raise ValueError(f"{where} has split '{record['split']}', not train or eval")
+    _check_present(record, _OPTIONAL, where)
+    for index, message in enumerate(record["messages"], start=1):
+        if not (isinstance(message, dict) and _text(message.get("role"))):
+            raise ValueError(f"{where} has a message that is not an object with a role")
+        _check_present(message, _MESSAGE, f"{where} message {index}")
+
+
+def _check_present(values: dict, shapes: dict[str, tuple[Check, str]], where: str) -> None:
+    """Each key of ``shapes`` that ``values`` has holds what it must."""
+    for key, (check, what) in shapes.items():
+        if key in values and not check(values[key]):
+            raise ValueError(f"{where}: '{key}' is not {what}")
 
 
 def at_step(records: list[dict], step: int | None, where: str) -> list[dict]:
@@ -84,7 +169,7 @@ def _body(record: dict) -> Group:
         lines.append(label)
         if text := shown_text(message):
             lines.append(Padding(Text(text), (0, 0, 0, 2)))
-        for call in message.get("tool_calls") or []:
+        for call in tool_calls(message):
             lines.append(Text.assemble(("  -> call ", "magenta"), call_text(call)))
     return Group(*lines)
 

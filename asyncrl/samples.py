@@ -31,7 +31,7 @@ def as_text(record: dict) -> str:
     lines = [headline(record)] + ([f"[prompt] {record['prompt']}"] if shows_prompt(record) else [])
     for message in record["messages"]:
         lines.append(f"[{role_label(message)}] {shown_text(message)}")
-        lines += [f"  -> call {call_text(call)}" for call in message.get("tool_calls") or []]
+        lines += [f"  -> call {call_text(call)}" for call in tool_calls(message)]
     return "\n".join(lines)
 
 
@@ -58,7 +58,9 @@ def scores(record: dict) -> str:
     if isinstance(reward_parts, dict) and len(reward_parts) > 1:
         reward += " (" + ", ".join(f"{name} {_number(value)}" for name, value in reward_parts.items()) + ")"
     parts = [reward]
-    if record.get("advantage") is not None:
+    if record.get("failed") is True:
+        parts.append("failed (a reward raised: not trained)")
+    elif record.get("advantage") is not None:
         parts.append(f"advantage {_number(record['advantage'], '+.3f')}")
     elif record["split"] == "train":
         parts.append("filtered (no advantage)")
@@ -89,9 +91,19 @@ def shown_text(message: dict) -> str:
     return "" if text is None else str(text)
 
 
-def call_text(call: dict) -> str:
-    """A tool call as ``name(arguments)``, the arguments as JSON."""
-    function = call.get("function", call) if isinstance(call, dict) else {"name": str(call)}
+def tool_calls(message: dict) -> list:
+    """A message's tool calls. An environment's messages may hold anything (the run mirrors them
+    as they come; ``asyncrl samples`` refuses a file whose calls are not a list of calls), so
+    anything but a list is none."""
+    calls = message.get("tool_calls")
+    return calls if isinstance(calls, list) else []
+
+
+def call_text(call: object) -> str:
+    """A tool call as ``name(arguments)``, the arguments as JSON; a call of another shape as its text."""
+    function = call.get("function", call) if isinstance(call, dict) else call
+    if not isinstance(function, dict):
+        return str(function)
     arguments = function.get("arguments", "")
     return f"{function.get('name', '?')}({arguments if isinstance(arguments, str) else json.dumps(arguments)})"
 

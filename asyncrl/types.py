@@ -383,6 +383,7 @@ class StepData:
     num_failed_groups: int = 0  # left out of the loss: a reward failed (integrity.failures)
     num_refill_groups: int = 0  # of num_groups, replacements for filtered groups (set by the controller)
     num_samples: int = 0
+    num_scored_samples: int = 0  # of them, in groups that did not fail: what reward and accuracy average over
     num_zero_variance_groups: int = 0  # groups the algorithm judged uninformative, filtered or not
     num_turns: float = 0.0  # model turns: an episode's, or one per single-turn sample
     num_turns_cut: float = 0.0  # of them, cut by the generator at generation.max_new_tokens
@@ -398,8 +399,10 @@ class StepData:
     groups: list[dict] = field(default_factory=list)  # one record per group, for groups.jsonl
     samples: list[dict] = field(default_factory=list)  # the groups' sample transcripts, for samples.jsonl
 
-    def add(self, group: RolloutGroup, version: int, advantages: Tensor | None = None) -> None:
-        """Count ``group``, trained at ``version``; ``advantages``: its samples', None when it was filtered out."""
+    def add(self, group: RolloutGroup, version: int, advantages: Tensor | None = None, *, failed: bool = False) -> None:
+        """Count ``group``, trained at ``version``; ``advantages``: its samples', None when it was
+        filtered out or ``failed`` (a reward raised: left out of the loss, and out of the reward and
+        accuracy means, where a 0 it never scored would pull them down)."""
         self.num_groups += 1
         self.num_samples += group.size
         self.num_zero_variance_groups += not group.informative
@@ -409,10 +412,12 @@ class StepData:
         else:
             self.num_turns += group.size
             self.num_turns_cut += group.finish_reasons.count("length")
-        self.reward_sum += float(group.rewards.double().sum())
-        self.reward_sq_sum += float(group.rewards.double().square().sum())
-        if group.correct is not None:
-            self.num_correct += float(group.correct.sum())
+        if not failed:
+            self.num_scored_samples += group.size
+            self.reward_sum += float(group.rewards.double().sum())
+            self.reward_sq_sum += float(group.rewards.double().square().sum())
+            if group.correct is not None:
+                self.num_correct += float(group.correct.sum())
         self.response_tokens += group.response_tokens
         self.reward_errors += group.reward_errors
         self.reward_timeouts += group.reward_timeouts
@@ -430,11 +435,14 @@ class StepData:
                 "lag": version - group.start_version,
                 "reward_mean": float(group.rewards.mean()),
                 "num_correct": float(group.correct.sum()) if group.correct is not None else None,
+                "failed": failed,
             }
         )
         for sample in group.samples:
             advantage = None if advantages is None else float(advantages[sample["sample"]])
-            self.samples.append({"step": version + 1, "split": "train", **sample, "advantage": advantage})
+            self.samples.append(
+                {"step": version + 1, "split": "train", **sample, "advantage": advantage, "failed": failed}
+            )
 
 
 @dataclass
@@ -446,8 +454,11 @@ class StepReport:
 @dataclass(frozen=True)
 class ProbeGap:
     """The sampling probe scored: the absolute gap between the generator's and the trainer's
-    logprob of each sampled token, its mean and max over the probe's ``tokens``."""
+    logprob of each sampled token, its mean and max over the probe's ``tokens``; ``noise``, the
+    mean gap between the trainer's own scores of them in bfloat16 and in float32 (None where it
+    cannot score in both: FSDP2 casts its parameters)."""
 
     mean: float
     max: float
     tokens: int
+    noise: float | None = None

@@ -36,7 +36,12 @@ class StepConfig(Section):
     prompts_per_step: int = Field(16, ge=1, description="P: prompt groups per optimizer step")
     generations_per_prompt: int = Field(8, ge=1, description="n: samples per prompt")
     step_batch_size: int | None = Field(None, ge=1, description="sequences per step; must equal P*n if given")
-    max_steps: int = Field(400, ge=1, description="optimizer steps of the run (also the cosine schedule's length)")
+    max_steps: int = Field(
+        400,
+        ge=1,
+        description="optimizer steps of the run, also the cosine schedule's length: a resume that changes it "
+        "rebuilds the schedule for the new length (and warns that the lr moves)",
+    )
     filter_zero_variance: bool = Field(False, description="drop groups whose rewards are all equal")
     mask_truncated: bool = Field(
         False,

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
+
+SEED_LIMIT = 2**63  # a seed is a non-negative int64, as torch.manual_seed and numpy take it
+Seed = Annotated[int, Field(ge=0, lt=SEED_LIMIT)]
 
 
 class ConfigError(ValueError):

@@ -23,6 +23,13 @@ class SamplerConfig(Section):
     buffer_capacity: int | None = Field(
         None, ge=1, description="replay buffer size in groups; null: the sampler's minimum plus step.max_refill_groups"
     )
+    startup_timeout_s: float = Field(
+        60.0,
+        gt=0.0,
+        allow_inf_nan=False,
+        description="a user's sampler (package.module:Class) must load within this in the fresh process the config "
+        "check resolves it in (a module that blocks at import); past it, exit code 2",
+    )
 
     @model_validator(mode="after")
     def _named(self) -> SamplerConfig:
@@ -42,9 +49,19 @@ class RuntimeConfig(Section):
         2, ge=0, description="retries of a failed rollout before on_rollout_failure applies"
     )
     on_rollout_failure: Literal["stop", "skip"] = Field(
-        "stop",
-        description="a prompt whose generation keeps failing: stop the run, or skip it (counted) and generate the "
-        "next prompt in its place",
+        "skip",
+        description="a prompt whose generation keeps failing: skip it (counted, never trained) and generate the next "
+        "prompt in its place, until max_skipped_share is passed; or stop the run at the first such prompt",
+    )
+    max_skipped_share: float = Field(
+        0.1,
+        ge=0.0,
+        le=1.0,
+        description="skip: the run stops once more than this share of the last skipped_share_window prompts were "
+        "skipped (a failure that is systematic, not a few bad inputs)",
+    )
+    skipped_share_window: int = Field(
+        100, ge=1, description="skip: how many of the latest finished prompts max_skipped_share is counted over"
     )
     watchdog_s: float | None = Field(
         900.0,

@@ -6,7 +6,7 @@ from typing import Any
 
 from pydantic import Field, model_validator
 
-from asyncrl.config.base import Section
+from asyncrl.config.base import Section, Seed
 
 
 class TaskConfig(Section):
@@ -21,6 +21,13 @@ class TaskConfig(Section):
         default_factory=dict,
         description="the task's settings (its Options model): a built-in generator's difficulty, seed and "
         "num_problems, a file's path and fields (docs/data.md lists each built-in's)",
+    )
+    startup_timeout_s: float = Field(
+        60.0,
+        gt=0.0,
+        allow_inf_nan=False,
+        description="a user's task (package.module:Class) must load within this in the fresh process the config "
+        "check resolves it in (a module that blocks at import); past it, exit code 2",
     )
 
     @model_validator(mode="after")
@@ -37,6 +44,6 @@ class DataConfig(Section):
 
     task: TaskConfig = Field(default_factory=TaskConfig, description="the task that makes the prompts")
     chat_template: bool = Field(False, description="wrap prompts in the tokenizer's chat template")
-    shuffle_seed: int = Field(0, description="seed of the prompt order")
+    shuffle_seed: Seed = Field(0, description="seed of the prompt order")
     epochs: int | None = Field(None, ge=1, description="passes over the train split; null repeats it forever")
     eval_size: int = Field(256, ge=1, description="held-out prompts per evaluation")

@@ -37,12 +37,21 @@ class SamplingCheck(Section):
         0.01,
         ge=0.0,
         description="mean absolute difference between the trainer's and the generator's logprobs of the post-sync "
-        "probe's sampled tokens, in nats per token, for a generator holding float32 (or float64) weights",
+        "probe's sampled tokens, in nats per token, for a generator holding float32 (or float64) weights; 0: any "
+        "difference breaks the promise, in every dtype",
+    )
+    noise_multiple: float = Field(
+        10.0,
+        gt=0.0,
+        description="for a generator holding bfloat16 or float16 weights (or not saying which), the threshold is the "
+        "larger of threshold and this many times the probe's noise: the mean difference between the trainer's own "
+        "logprobs of its tokens in bfloat16 and in float32",
     )
     half_precision_threshold: float = Field(
         0.1,
-        ge=0.0,
-        description="the same, for a generator holding bfloat16 or float16 weights (or not saying which)",
+        gt=0.0,
+        description="the threshold for such a generator where the trainer cannot measure that noise (FSDP2 casts "
+        "its parameters to bfloat16)",
     )
     every_syncs: int = Field(
         10,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Any, get_args, get_origin
+from typing import Annotated, Any, Literal, get_args, get_origin
 
 import yaml
 from pydantic import BaseModel, ValidationError
@@ -18,11 +18,15 @@ from asyncrl.config.safe_yaml import TooLarge, load_yaml
 
 
 def _numeric(annotation: Any) -> bool:
-    """int or float, optional or not, or a list or tuple of them."""
+    """int or float, optional or not, bounded or not, or a list or tuple of them; a number or a
+    word (``int | Literal["auto"]``) too."""
     if annotation in (int, float):
         return True
+    if get_origin(annotation) is Annotated:
+        return _numeric(get_args(annotation)[0])
     args = [a for a in get_args(annotation) if a is not type(None) and a is not Ellipsis]
-    return bool(args) and all(_numeric(a) for a in args)
+    numbers = [a for a in args if get_origin(a) is not Literal]
+    return bool(numbers) and all(_numeric(a) for a in numbers)
 
 
 def _textual(annotation: Any) -> bool:

@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from asyncrl.config.base import Section
+from asyncrl.config.base import Section, Seed
 
 
 class ModelConfig(Section):
@@ -19,7 +19,7 @@ class ModelConfig(Section):
     num_heads: int = Field(4, ge=1, description="tiny model attention heads; must divide hidden_size")
     num_kv_heads: int = Field(2, ge=1, description="tiny model key/value heads; must divide num_heads")
     intermediate_size: int = Field(512, ge=8, description="tiny model MLP width")
-    init_seed: int = Field(0, description="seed of the tiny model's initialization")
+    init_seed: Seed = Field(0, description="seed of the tiny model's initialization")
 
     @model_validator(mode="after")
     def _heads_divide(self) -> ModelConfig:

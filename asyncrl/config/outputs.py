@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+from typing import Annotated
+
 from pydantic import Field
 
 from asyncrl.config.base import Section
+
+Index = Annotated[int, Field(ge=0)]  # a call or a step, counted from 0
 
 
 class CheckpointConfig(Section):
@@ -37,27 +41,32 @@ class LoggingConfig(Section):
 class FaultsConfig(Section):
     """Injected faults, for testing how a run survives them (docs/reliability.md); all off by default."""
 
-    generate_errors: list[int] = Field(
+    generate_errors: list[Index] = Field(
         default_factory=list, description="generation calls of a rollout worker (0-based, in call order) that raise"
     )
     failing_prompts: list[str] = Field(
         default_factory=list, description="prompt uids whose generation raises on every attempt"
     )
-    eval_errors: list[int] = Field(
+    eval_errors: list[Index] = Field(
         default_factory=list, description="evaluation calls of a rollout worker (0-based, in call order) that raise"
     )
-    hang_generate_calls: list[int] = Field(
+    hang_generate_calls: list[Index] = Field(
         default_factory=list, description="generation calls of a rollout worker that hang for hang_s first"
     )
     hang_s: float = Field(30.0, gt=0.0, description="how long an injected hang lasts")
-    train_errors: list[int] = Field(
+    train_errors: list[Index] = Field(
         default_factory=list, description="train steps whose first attempt raises after its first chunk"
     )
-    nonfinite_steps: list[int] = Field(
+    nonfinite_steps: list[Index] = Field(
         default_factory=list, description="train steps whose gradients are made NaN, on every attempt"
     )
     slow_sync_s: float = Field(0.0, ge=0.0, description="every weight load into a generator first sleeps this long")
-    load_errors: list[int] = Field(
+    slow_sync_from: int = Field(
+        0,
+        ge=0,
+        description="the first weight load (0-based, in call order; 0 is the run's initial one) slow_sync_s slows",
+    )
+    load_errors: list[Index] = Field(
         default_factory=list, description="weight loads into a rollout worker (0-based, in call order) that raise"
     )
     stale_tokens: int = Field(

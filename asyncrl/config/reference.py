@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from typing import Any, Literal, get_args, get_origin
+from typing import Annotated, Any, Literal, get_args, get_origin
 
 import yaml
 from pydantic import BaseModel
+from pydantic.fields import FieldInfo
 
 from asyncrl.config.base import section_model
 from asyncrl.config.root import RunConfig
@@ -19,19 +20,51 @@ MARKDOWN_BAR = " \\| "  # a Literal's choices in a Markdown table cell
 PartOptions = tuple[str, str, type[BaseModel]]
 
 
-def _type_name(annotation: Any, bar: str = " | ") -> str:
+def _type_name(annotation: Any, bar: str = " | ", limits: str | None = None) -> str:
+    """The type as the reference names it; with ``limits`` (None: no ranges), a number's range
+    after it (``int >= 1 or null``, ``list[int >= 0]``)."""
+    if get_origin(annotation) is Annotated:
+        base, *constraints = get_args(annotation)
+        return _type_name(base, bar, None if limits is None else _range(constraints))
     args = get_args(annotation)
     if get_origin(annotation) is Literal:
         return bar.join(str(a) for a in args)
     if get_origin(annotation) is dict:
         return "mapping"
     if args:
-        inner = [_type_name(a, bar) for a in args if a is not type(None)]
+        inner = [_type_name(a, bar, limits) for a in args if a is not type(None)]
         suffix = " or null" if type(None) in args else ""
         if get_origin(annotation) in (list, tuple):
             return f"{get_origin(annotation).__name__}[{', '.join(inner)}]"
         return " or ".join(inner) + suffix
-    return getattr(annotation, "__name__", str(annotation))
+    name = getattr(annotation, "__name__", str(annotation))
+    return f"{name} {limits}" if limits and annotation in (int, float) else name
+
+
+_BOUNDS = {"ge": (">=", "["), "gt": (">", "("), "le": ("<=", "]"), "lt": ("<", ")")}
+
+
+def _range(constraints: Sequence[Any]) -> str:
+    """The range pydantic constraints allow a number, as ``>= 1``, ``> 0`` or ``in (0, 1]``; empty
+    when they set none."""
+    items = [m for c in constraints for m in (c.metadata if isinstance(c, FieldInfo) else [c])]
+    bounds = [(key, getattr(m, key)) for m in items for key in _BOUNDS if hasattr(m, key)]
+    low = [b for b in bounds if b[0] in ("ge", "gt")]
+    high = [b for b in bounds if b[0] in ("le", "lt")]
+    if low and high:
+        (low_key, low_value), (high_key, high_value) = low[0], high[0]
+        return f"in {_BOUNDS[low_key][1]}{_number(low_value)}, {_number(high_value)}{_BOUNDS[high_key][1]}"
+    if not bounds:
+        return ""
+    key, value = bounds[0]
+    return f"{_BOUNDS[key][0]} {_number(value)}"
+
+
+def _number(value: float) -> str:
+    """A bound as written: 0, 1e-06, and a large power of two as one (2**63)."""
+    if isinstance(value, int) and value >= 2**32 and value & (value - 1) == 0:
+        return f"2**{value.bit_length() - 1}"
+    return f"{value:g}"
 
 
 def _sections() -> list[tuple[str, type[BaseModel]]]:
@@ -70,7 +103,7 @@ def _fields(section: type[BaseModel], defaults: dict, prefix: str = "") -> list[
 def config_reference(parts: Sequence[PartOptions] = ()) -> str:
     """Every section and key with its type, default and meaning, as Markdown (docs/configuration.md),
     then the options of each of ``parts``, the built-ins that declare some (``plugins.builtin_options``)."""
-    defaults = RunConfig().model_dump(mode="json")
+    defaults, seed = RunConfig().model_dump(mode="json"), RunConfig.model_fields["seed"]
     lines = [
         "# Configuration reference",
         "",
@@ -80,8 +113,8 @@ def config_reference(parts: Sequence[PartOptions] = ()) -> str:
         "options stay). Unknown keys, wrong types, out-of-range values and inconsistent combinations",
         "are rejected before anything is built, with a one-line error naming the field.",
         "",
-        f"- `seed` ({_type_name(RunConfig.model_fields['seed'].annotation, MARKDOWN_BAR)}, "
-        f"default `{defaults['seed']}`): {RunConfig.model_fields['seed'].description}",
+        f"- `seed` ({_type_name(seed.annotation, MARKDOWN_BAR, _range(seed.metadata))}, "
+        f"default `{defaults['seed']}`): {seed.description}",
     ]
     for name, section in _sections():
         lines += [
@@ -126,5 +159,6 @@ def _rows(model: type[BaseModel], defaults: dict) -> list[str]:
     rows = []
     for key, sub, value in _fields(model, defaults):
         default = yaml.safe_dump(value, default_flow_style=True).strip().removesuffix("...").strip()
-        rows.append(f"| `{key}` | {_type_name(sub.annotation, MARKDOWN_BAR)} | `{default}` | {sub.description} |")
+        type_name = _type_name(sub.annotation, MARKDOWN_BAR, _range(sub.metadata))
+        rows.append(f"| `{key}` | {type_name} | `{default}` | {sub.description} |")
     return rows

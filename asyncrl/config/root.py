@@ -6,7 +6,7 @@ from __future__ import annotations
 from pydantic import Field, model_validator
 
 from asyncrl.config.algorithm import AlgorithmConfig, StepConfig
-from asyncrl.config.base import Section
+from asyncrl.config.base import Section, Seed
 from asyncrl.config.checks import CROSS_FIELD_CHECKS
 from asyncrl.config.control import RuntimeConfig, SamplerConfig, SyncConfig
 from asyncrl.config.data import DataConfig
@@ -24,7 +24,7 @@ from asyncrl.config.trainer import ParallelConfig, TrainerConfig, WarmStartConfi
 class RunConfig(Section, DerivedSettings):
     """One asyncrl run."""
 
-    seed: int = Field(0, description="run seed: sampling seeds derive from it, the prompt uid and the sample index")
+    seed: Seed = Field(0, description="run seed: sampling seeds derive from it, the prompt uid and the sample index")
     model: ModelConfig = Field(default_factory=ModelConfig)
     tokenizer: TokenizerConfig = Field(default_factory=TokenizerConfig)
     data: DataConfig = Field(default_factory=DataConfig)

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Field, model_validator
 
-from asyncrl.config.base import Section
+from asyncrl.config.base import Section, Seed
 
 AggMode = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
 
@@ -52,7 +52,7 @@ class TrainerConfig(Section):
     activation_checkpointing: bool = Field(
         False, description="recompute each transformer block's activations in the backward pass instead of keeping them"
     )
-    logprob_chunk_tokens: int | Literal["auto"] = Field(
+    logprob_chunk_tokens: Annotated[int, Field(ge=1)] | Literal["auto"] = Field(
         "auto",
         description="tokens whose logits are computed at once when scoring (loss, proximal and reference "
         "logprobs): the [tokens, vocab] logits exist for one chunk at a time and the backward recomputes them; "
@@ -108,7 +108,7 @@ class WarmStartConfig(Section):
     )
     lr: float = Field(3e-3, gt=0.0, description="warm start learning rate")
     batch_size: int = Field(64, ge=1, description="examples per warm start step")
-    seed: int = Field(
+    seed: Seed = Field(
         0,
         description="seed of the warm start's batch order; independent of the run seed, so every seed of a run starts "
         "from the same warm-started policy, as the seeds of a real run start from one checkpoint",

@@ -184,6 +184,7 @@ class SingleController:
     async def _evaluate_train_evaluate(self, tasks: asyncio.TaskGroup) -> None:
         """The whole run, under the watchdog: the first evaluation, both loops, the last
         evaluation and the final checkpoint."""
+        await self._first_load()
         if self.version == 0 or self.state.eval_due:
             self.watchdog.waiting["train loop"] = f"the evaluation at step {self.version}"
             await self.evaluate()
@@ -193,6 +194,18 @@ class SingleController:
             await self.evaluate()
         self.watchdog.waiting["train loop"] = f"the final checkpoint of step {self.version}"
         await self.checkpoint()
+
+    async def _first_load(self) -> None:
+        """The generators get the trainer's weights before any rollout, bounded as a sync's loads
+        are and under the watchdog and the signals; a failure leaves nothing new to checkpoint."""
+        self.watchdog.waiting["train loop"] = f"the first weight load (version {self.version})"
+        try:
+            await self.interrupts.interruptible(self.weight_sync.first_load(), self.version)
+        except SyncTimeoutError as err:
+            raise SyncTimedOut(err, saves_checkpoint=False) from None
+        except WeightLoadError as err:
+            raise WeightLoadFailedError(str(err), saves_checkpoint=False) from err.__cause__
+        self.watchdog.progressed()
 
     async def _stopped(self, err: BaseException) -> BaseException:
         """Save what the run holds before it stops, when the trainer can be trusted to save it."""
@@ -285,13 +298,14 @@ class SingleController:
             return
         self.gate.add_running(-1)
         committed = [job for job in batch if job.slot_id not in result.failed]
-        for group in result.groups:
+        for group in result.groups:  # named by the step that would train it first, as metrics.jsonl numbers it
             self.sync_checks.check_versions(
-                group.prompt_uid, group.start_version, group.end_version, self.version, self.gate.sent
+                group.prompt_uid, group.start_version, group.end_version, self.version + 1, self.gate.sent
             )
         for job, group in zip(committed, result.groups):
             self.buffer.commit(job.slot_id, group)
             del self.jobs[job.slot_id]
+            self.state.finish_prompt(skipped=False, window=self.config.runtime.skipped_share_window)
         self.watchdog.progressed()
         self.clock.generation_s += result.seconds
         self.clock.generated_tokens += result.num_tokens
@@ -320,13 +334,21 @@ class SingleController:
         self.retry_queue.extend(batches)
 
     def _give_up(self, job: RolloutJob, err: Exception) -> None:
-        """``on_rollout_failure``: stop, or skip the prompt and generate the next one in its slot."""
+        """``on_rollout_failure``: stop, or skip the prompt and generate the next one in its slot,
+        until the skipped pass ``max_skipped_share`` of the latest prompts: then it is no bad input
+        but a broken environment, reward or generator, and the run stops."""
+        runtime = self.config.runtime
         attempts = f"generation failed {job.retries + 1} times (runtime.max_rollout_retries={self.max_retries})"
-        if self.config.runtime.on_rollout_failure == "stop":
+        failure = f"prompt {job.prompt.uid}: {attempts}; last error: {type(err).__name__}: {err}"
+        if runtime.on_rollout_failure == "stop":
+            raise RolloutFailedError(failure) from err
+        skipped = self.state.finish_prompt(skipped=True, window=runtime.skipped_share_window)
+        if skipped > runtime.max_skipped_share * runtime.skipped_share_window:
             raise RolloutFailedError(
-                f"prompt {job.prompt.uid}: {attempts}; last error: {type(err).__name__}: {err}"
+                f"{skipped} of the last {len(self.state.recent_prompts)} prompts were skipped, over "
+                f"runtime.max_skipped_share={runtime.max_skipped_share:g} of runtime.skipped_share_window="
+                f"{runtime.skipped_share_window}; the last: {failure}"
             ) from err
-        self.state.skipped_prompts += 1
         refill = self.refills.is_refill(job.prompt)
         if refill:  # a refill is replaced from its own stream
             prompt = self.refills.next_prompt()
@@ -367,6 +389,7 @@ class SingleController:
                 if report is None:
                     break
                 self.version = report.result.version  # the trainer's: a checkpoint from here on holds the step
+                self.state.count_step(report.result)  # counted whether or not the sync after it succeeds
                 self.watchdog.waiting["train loop"] = f"the weight sync after step {self.version}"
                 sync_start = time.perf_counter()
                 try:
@@ -381,7 +404,6 @@ class SingleController:
                         raise SyncTimedOut(err) from None
                     raise WeightLoadFailedError(str(err)) from err.__cause__
                 self.watchdog.progressed()
-                self.state.count_step(report.result)
                 self._log_step(report, sync, time.perf_counter() - step_start)
                 self._stop_if_nonfinite(report)
                 every = self.config.logging.eval_every_steps
@@ -497,7 +519,7 @@ class SingleController:
         return self.guard.check(
             "transcripts",
             breaks,
-            step=version,
+            step=version + 1,  # as metrics.jsonl numbers the step that trains from version V
             evidence=f"{breaks:.0f} episodes of group {group.prompt_uid} met a chat template that rendered the "
             "transcript differently once messages were appended, so no observation could extend it",
         )
@@ -508,7 +530,7 @@ class SingleController:
         return self.guard.check(
             "staleness",
             max(version - oldest - bound, 0),
-            step=version,
+            step=version + 1,  # as metrics.jsonl numbers the step that trains from version V
             evidence=f"group {group.prompt_uid} (start version {group.start_version}) has a token sampled by "
             f"weights {oldest}: lag {version - oldest} > sampler.max_lag={bound}",
         )
@@ -524,7 +546,7 @@ class SingleController:
         self.guard.check(
             "failures",
             failed / len(groups),
-            step=version,
+            step=version + 1,  # as metrics.jsonl numbers the step that trains from version V
             evidence=f"{failed} of the step's {len(groups)} groups have a reward that raised or was not a finite "
             f"number (integrity.failures.threshold={self.config.integrity.failures.threshold})",
         )

@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass
 from asyncrl.config import RunConfig
 
 MOST = 0.5  # "most": more than this share
+EVICTED_IN_STEP = "evicted_in_step"  # derived by RunHealth: the step's own evictions (evicted_groups is cumulative)
 COLLAPSED_IS_WEIGHT = 0.5  # a mean importance weight below this: most of the gradient is gone
 
 
@@ -68,7 +69,7 @@ def _episodes_cut(config: RunConfig, window: Sequence[dict]) -> str | None:
 def _zero_variance(config: RunConfig, window: Sequence[dict]) -> str | None:
     if not all(r.get("num_groups", 0) > 0 and r.get("zero_variance_groups") == r["num_groups"] for r in window):
         return None
-    accuracy = _mean(r.get("accuracy", 0.0) for r in window)
+    accuracy = _mean(r.get("accuracy") or 0.0 for r in window)  # None: every group failed
     task = config.data.task
     settings = f"data.task.options of {task.name}" + (f", now {task.options}" if task.options else "")
     if accuracy == 0.0:
@@ -124,7 +125,7 @@ def _reward_failures(config: RunConfig, window: Sequence[dict]) -> str | None:
 
 def _lag_pinned(config: RunConfig, window: Sequence[dict]) -> str | None:
     bound = config.sampler.max_lag
-    evicted = window[-1].get("evicted_groups", 0) - window[0].get("evicted_groups", 0)
+    evicted = sum(r[EVICTED_IN_STEP] for r in window)
     if evicted <= 0 or not all(r.get("lag_mean", 0.0) >= bound for r in window):
         return None
     return (
@@ -165,10 +166,12 @@ class RunHealth:
         self.config = config
         self.window: deque[dict] = deque(maxlen=config.logging.health_window)
         self.given: list[HealthWarning] = []
+        self.evicted = 0  # evicted_groups up to the last record read: a run starts with none
 
     def observe(self, record: dict) -> list[HealthWarning]:
         """Read one step record; the warnings it newly gives (each at most once per run)."""
-        self.window.append(record)
+        evicted, self.evicted = self.evicted, record.get("evicted_groups", 0)
+        self.window.append({**record, EVICTED_IN_STEP: self.evicted - evicted})
         if len(self.window) < self.window.maxlen:
             return []
         given = {warning.warning for warning in self.given}

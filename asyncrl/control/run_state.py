@@ -1,13 +1,14 @@
 """RunState: what the controller counts over a run, and what a checkpoint restores of it.
 
 The controller coordinates the loops; the books they keep live here, so that they are counted,
-saved and restored in one place: the run's totals (evictions, skipped prompts, step reruns,
-non-finite and empty steps), the groups the open step has taken (rerun after an abort, saved in
+saved and restored in one place: the run's totals (evictions, skipped prompts and which of the latest prompts were, step
+reruns, non-finite and empty steps), the groups the open step has taken (rerun after an abort, saved in
 every checkpoint) and whether an evaluation is due.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -30,6 +31,15 @@ class RunState:
     empty_steps: int = 0  # steps without an informative group: no update (docs/loss.md)
     eval_due: bool = False  # an evaluation of this version was started and has not finished
     step_groups: list[RolloutGroup] = field(default_factory=list)  # taken by the open step, until it finishes
+    recent_prompts: deque[bool] = field(default_factory=deque)  # the latest finished prompts: skipped or not
+
+    def finish_prompt(self, *, skipped: bool, window: int) -> int:
+        """A prompt committed its group or was skipped; returns the skipped among the last ``window``."""
+        self.skipped_prompts += skipped
+        self.recent_prompts.append(skipped)
+        while len(self.recent_prompts) > window:
+            self.recent_prompts.popleft()
+        return sum(self.recent_prompts)
 
     def count_step(self, result: StepResult) -> None:
         """A finished step: a non-finite one extends the streak, any other ends it; one that
@@ -58,6 +68,7 @@ class RunState:
             **{name: getattr(self, name) for name in _TOTALS},
             "eval_due": self.eval_due,
             "step_groups": [group.state_dict() for group in self.step_groups],
+            "recent_prompts": list(self.recent_prompts),
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -67,3 +78,4 @@ class RunState:
             setattr(self, name, state.get(name, 0))
         self.eval_due = bool(state.get("eval_due", False))
         self.step_groups = [RolloutGroup.from_state_dict(group) for group in state.get("step_groups", [])]
+        self.recent_prompts = deque(bool(skipped) for skipped in state.get("recent_prompts", []))

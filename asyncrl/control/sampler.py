@@ -170,6 +170,14 @@ def resolve_sampler(name: str) -> type:
     return cls
 
 
+def sampler_part(name: str, options: Mapping[str, Any] | None = None) -> type:
+    """The class ``sampler.name`` names, its options checked: what the parts check runs in a fresh
+    process for a user's sampler (asyncrl/parts.py), before the run builds it here."""
+    cls = resolve_sampler(name)
+    validate_options(cls, name, options or {}, "sampler.options")
+    return cls
+
+
 def build_sampler(name: str, prompts_per_step: int, max_lag: int, options: Mapping[str, Any] | None = None) -> Sampler:
     """``Class(prompts_per_step, max_lag, **options)``, the options checked by ``Class.Options``."""
     cls = resolve_sampler(name)

@@ -22,6 +22,7 @@ from typing import Protocol
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from asyncrl.config.base import Seed
 from asyncrl.data.prompts import Prompt, Task
 
 
@@ -41,7 +42,7 @@ class GeneratedOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     difficulty: int = Field(2, ge=1, description="the level of the problems (each task's levels are in docs/data.md)")
-    seed: int = Field(0, description="seed choosing the problems and their train / held-out split")
+    seed: Seed = Field(0, description="seed choosing the problems and their train / held-out split")
     num_problems: int = Field(
         10000, ge=2, description="distinct problems drawn, the held-out ones first; a level may have fewer"
     )

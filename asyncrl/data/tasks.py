@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from asyncrl.config.base import Seed
 from asyncrl.data.files import file_task, hf_dataset_task
 from asyncrl.data.prompts import Prompt, Task, apply_chat_template
 from asyncrl.data.synthetic import SYNTHETIC_TASKS, GeneratedOptions, check_difficulty, synthetic_task
@@ -105,7 +106,7 @@ class ReasoningGymTaskSource:
         dataset_config: dict[str, Any] = Field(
             default_factory=dict, description="the dataset's settings, e.g. {min_terms: 2, max_terms: 2}"
         )
-        seed: int = Field(0, description="seed of the generated entries and their train / held-out split")
+        seed: Seed = Field(0, description="seed of the generated entries and their train / held-out split")
         num_problems: int = Field(10000, ge=2, description="entries generated, the held-out ones first")
 
     has_checker = checker_required = True

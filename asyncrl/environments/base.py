@@ -38,9 +38,11 @@ class Turn:
 
 
 class Environment(ABC):
-    """One episode's environment. ``tools``: JSON schemas for the chat template's ``tools=``."""
+    """One episode's environment. ``tools``: JSON schemas for the chat template's ``tools=``;
+    ``task``: the ``data.task.name`` whose prompts it reads, checked with the config (None: any)."""
 
     tools: ClassVar[list[dict]] = []
+    task: ClassVar[str | None] = None
 
     @abstractmethod
     def reset(self, prompt: Prompt) -> list[Message]:
@@ -55,12 +57,20 @@ class Environment(ABC):
         return {"role": "assistant", "content": text}
 
 
-def environment_part(spec: str, options: dict[str, Any]) -> tuple[type[Environment], dict[str, Any]]:
+def environment_part(
+    spec: str, options: dict[str, Any], task: str | None = None
+) -> tuple[type[Environment], dict[str, Any]]:
     """The class ``environment.name`` names and its checked options, nested parts included: what
-    the parts check runs in a fresh process (asyncrl/parts.py)."""
+    the parts check runs in a fresh process (asyncrl/parts.py). ``task``: the run's
+    ``data.task.name``, refused when the environment reads another task's prompts."""
     part = resolve("environment", spec, "environment.name")
     if not (isinstance(part, type) and issubclass(part, Environment)):
         raise ValueError(f"environment.name: '{spec}' is not a subclass of asyncrl.environments.Environment")
+    if task is not None and part.task is not None and task != part.task:
+        raise ValueError(
+            f"data.task.name: environment '{spec}' reads the prompts of the '{part.task}' task, not '{task}' "
+            f"(set data.task.name={part.task})"
+        )
     return part, validate_options(part, spec, options, "environment.options")
 
 

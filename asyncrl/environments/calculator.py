@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import Field
 
+from asyncrl.config.base import Seed
 from asyncrl.data.prompts import Prompt, Task
 from asyncrl.data.synthetic import GeneratedOptions
 from asyncrl.environments.base import Message
@@ -124,7 +125,7 @@ class CalculatorEnvironment(ToolEnvironment):
     class Options(ToolEnvironment.Options):
         latency_median_s: float = Field(0.0, ge=0.0, description="median simulated latency of a tool call; 0: none")
         latency_sigma: float = Field(1.0, ge=0.0, description="spread of the lognormal latency (sigma of its log)")
-        latency_seed: int = Field(0, description="seed of the simulated latencies, with the prompt's uid")
+        latency_seed: Seed = Field(0, description="seed of the simulated latencies, with the prompt's uid")
 
     def __init__(self, startup_timeout_s: float = STARTUP_TIMEOUT_S, **options: Any) -> None:
         super().__init__(startup_timeout_s, **options)

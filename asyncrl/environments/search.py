@@ -63,6 +63,8 @@ class SearchTask:
 class SearchEnvironment(Environment):
     """The prompt's range as the user's turn; each guess answered until it is the hidden number."""
 
+    task = "search"  # its prompts are ranges and its answers hidden numbers
+
     class Options(BaseModel):
         model_config = ConfigDict(extra="forbid")
 

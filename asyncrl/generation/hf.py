@@ -31,7 +31,13 @@ from transformers import PreTrainedModel
 
 from asyncrl.generation.base import GeneratorBase, SampleRequest, SamplingParams, check_vocabulary
 from asyncrl.models.factory import DTYPES
-from asyncrl.models.logprobs import SampledDistribution, position_ids_from_mask, token_logprobs
+from asyncrl.models.logprobs import (
+    DEFAULT_CHUNK_TOKENS,
+    SampledDistribution,
+    chunk_tokens_for,
+    position_ids_from_mask,
+    token_logprobs,
+)
 from asyncrl.models.lora import adapter_seed, adapter_tensors, apply_lora
 from asyncrl.types import Rollout
 from asyncrl.weights.fingerprint import fingerprint
@@ -64,6 +70,7 @@ def build_hf_generator(
         pad_token_id=pad_token_id,
         batch_size=config.generation.batch_size,
         targets=targets,
+        chunk_tokens=chunk_tokens_for(config.trainer.logprob_chunk_tokens, model.device),
     )
 
 
@@ -83,9 +90,12 @@ class HFGenerator(GeneratorBase):
         pad_token_id: int,
         batch_size: int,
         targets: Mapping[str, Tensor] | None = None,
+        chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
     ) -> None:
         """``targets``: the tensors a sync replaces, by name, sharing the model's storage; by default
-        every tensor of ``model.state_dict()`` (a LoRA generator passes its adapter's)."""
+        every tensor of ``model.state_dict()`` (a LoRA generator passes its adapter's).
+        ``chunk_tokens``: the tokens whose logits ``score`` holds at once, the trainer's
+        ``trainer.logprob_chunk_tokens``, so scoring an episode costs the memory a train step does."""
         vocab_size = model.get_input_embeddings().num_embeddings
         if not stop_token_ids:
             raise ValueError("HFGenerator.stop_token_ids: at least one stop token is needed")
@@ -94,6 +104,9 @@ class HFGenerator(GeneratorBase):
                 raise ValueError(f"HFGenerator.{name}: {token_id} is outside the model's vocabulary of {vocab_size}")
         if batch_size < 1:
             raise ValueError(f"HFGenerator.batch_size: must be >= 1, got {batch_size}")
+        if chunk_tokens < 1:
+            raise ValueError(f"HFGenerator.chunk_tokens: must be >= 1, got {chunk_tokens}")
+        self.chunk_tokens = chunk_tokens
         self.model = model.eval()
         self.vocab_size = vocab_size
         self.stop_token_ids = torch.tensor(sorted(set(stop_token_ids)), device=model.device)
@@ -160,7 +173,11 @@ class HFGenerator(GeneratorBase):
                 attention_mask[row, : len(sequence)] = 1
             device = self.model.device
             logprobs, _ = token_logprobs(
-                self.model, input_ids.to(device), attention_mask.to(device), distribution=distribution
+                self.model,
+                input_ids.to(device),
+                attention_mask.to(device),
+                distribution=distribution,
+                chunk_tokens=self.chunk_tokens,
             )
             scores += [row[: len(s)] for row, s in zip(logprobs.double().tolist(), chunk)]
         return scores

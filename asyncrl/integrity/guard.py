@@ -37,7 +37,9 @@ class IntegrityGuard:
 
     def check(self, promise: str, value: float, *, step: int, evidence: str) -> str:
         """What the caller does with what was measured: "ok", "drop" or "warn"; raises
-        ``IntegrityStop`` when the promise is broken and its action is stop."""
+        ``IntegrityStop`` when the promise is broken and its action is stop. ``step`` is numbered
+        as metrics.jsonl numbers steps, from 1: the step that trains from weight version V is
+        step V + 1, and a weight sync's check names the step whose update made the version."""
         self.record(promise, value)
         if not self.config.enabled:
             return "ok"

@@ -12,8 +12,9 @@ before the rollout gate reopens, so no rollout is admitted on weights that faile
 2. ``sampling``: at the syncs of versions 1, 1 + ``integrity.sampling.every_syncs``, ..., each generator
    samples one response to each of a few fixed prompts with the run's sampling settings and seeds
    of the probe's own; the trainer scores the sampled tokens as it scores a step. The value is the
-   largest mean absolute logprob gap per token among the generators, against a threshold for the
-   dtype the generator holds (bfloat16 sampling is noisier than float32).
+   largest mean absolute logprob gap per token among the generators, against a bound for the
+   dtype the generator holds (``SyncChecks.bound``: half precision's is a multiple of its measured
+   rounding noise), scaled to the float32 threshold.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from asyncrl.data import Prompt
 from asyncrl.integrity.guard import IntegrityGuard
 
 if TYPE_CHECKING:
+    from asyncrl.types import ProbeGap
     from asyncrl.weights.sync import SyncReport
 
 FULL_PRECISION = ("float32", "float64")
@@ -80,7 +82,7 @@ class SyncChecks:
     def check_versions(self, prompt_uid: str, start_version: int, end_version: int, step: int, sent: int) -> None:
         """A generated group's versions are ones the generators were given: up to the newest whose
         load has started (``RolloutGate.sent``), which an in-flight generator may serve before the
-        sync's checks run."""
+        sync's checks run. ``step``: the first that would train the group."""
         newest = max(self.latest, sent)
         unknown = sorted(v for v in {start_version, end_version} if not 0 <= v <= newest)
         if not unknown or not self.guard.enabled:
@@ -91,6 +93,23 @@ class SyncChecks:
         )
         self.guard.check("weights", len(unknown), step=step, evidence=evidence)
 
+    def bound(self, dtype: str, gap: ProbeGap) -> tuple[float, str]:
+        """The largest mean gap per token a generator holding ``dtype`` may show, and why:
+        ``threshold`` in full precision; in half precision, whose rounding moves logprobs more the
+        larger and sharper the model, ``noise_multiple`` times what bfloat16 moves the trainer's
+        own scores of the probe (``half_precision_threshold`` where it cannot tell), and never
+        under ``threshold``. A threshold of 0 allows no gap in any dtype."""
+        sampling = self.config.sampling
+        if dtype in FULL_PRECISION or sampling.threshold == 0:
+            return sampling.threshold, ""
+        if gap.noise is None:
+            return sampling.half_precision_threshold, " (integrity.sampling.half_precision_threshold)"
+        bound = max(sampling.threshold, sampling.noise_multiple * gap.noise)
+        return bound, (
+            f" (the larger of integrity.sampling.threshold and {sampling.noise_multiple:g} times the "
+            f"{gap.noise:.3g} that bfloat16 moves the trainer's own scores)"
+        )
+
     async def probe(self, report: SyncReport) -> None:
         """Sample the probe on every generator, score it on the trainer; check the worst gap."""
         groups = await asyncio.gather(*(g.probe(self.probe_prompts, report.version) for g in self.generators))
@@ -99,15 +118,14 @@ class SyncChecks:
             gap = await self.trainer.probe_gap(group)
             served = report.served[index] if index < len(report.served) else None
             dtype = served.split(":", 1)[0] if served is not None else "an unknown dtype"
-            full = dtype in FULL_PRECISION
-            threshold = self.config.sampling.threshold if full else self.config.sampling.half_precision_threshold
-            # scaled to the float32 threshold, so one guard threshold applies to every dtype
-            value = gap.mean * self.config.sampling.threshold / threshold if threshold > 0 else gap.mean
+            bound, why = self.bound(dtype, gap)
+            # scaled to the float32 threshold, so one guard threshold applies to every dtype (0: any gap)
+            value = gap.mean * self.config.sampling.threshold / bound if bound > 0 else gap.mean
             if value >= worst:
                 worst = value
                 evidence = (
                     f"generator {index}'s logprobs of its {gap.tokens} probe tokens differ from the trainer's by "
-                    f"{gap.mean:.4g} per token on average (max {gap.max:.4g}), above the {threshold:g} allowed "
-                    f"for weights in {dtype}"
+                    f"{gap.mean:.4g} per token on average (max {gap.max:.4g}), above the {bound:.3g} allowed "
+                    f"for weights in {dtype}{why}"
                 )
         self.guard.check("sampling", worst, step=report.version, evidence=evidence)

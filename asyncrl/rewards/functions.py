@@ -5,7 +5,9 @@ Built-ins, by name:
 - ``exact_match``: the stripped completion equals the stripped answer.
 - ``numeric_match``: both parse as numbers and are equal ("19", "19.0", " 19 " all match 19);
   anything that is not a plain decimal number scores 0.
-- ``math``: equivalence checked by math-verify (LaTeX, fractions, boxed answers, ...).
+- ``math``: the answer the completion states (asyncrl/rewards/extract.py: a box, an "answer is", a
+  closing "=", a closing math span, else a last number that stands alone), equivalent by math-verify
+  (LaTeX, fractions, ...); a completion that only restates the question states none and scores 0.
 - ``format``: the stripped completion matches a regex as a whole (its option ``pattern``, or the
   task's own pattern).
 - ``overlong``: DAPO's soft overlong penalty, from the response's length in tokens alone
@@ -37,6 +39,7 @@ from typing import Any
 from pydantic import BaseModel, Field, field_validator
 
 from asyncrl.plugins import resolve, validate_options
+from asyncrl.rewards.extract import stated_answer
 
 RewardFn = Callable[[str, str], float]
 
@@ -156,8 +159,11 @@ _DROP_TIMEOUT_NOTICE = _DropTimeoutNotice()
 
 
 class MathReward:
-    """Equivalence by math-verify, imported on construction so that the slow first import never
-    counts against a call's timeout.
+    """The stated answer's equivalence by math-verify, imported on construction so that the slow
+    first import never counts against a call's timeout.
+
+    Only the answer ``stated_answer`` extracts is parsed: math-verify given the whole completion
+    would find "86 + 40" in "To add 86 + 40, we need" equal to 126.
 
     math-verify's own timeouts (SIGALRM) are switched off: the runner's timeout, which kills the
     call's process, applies instead, even to a call stuck in C code that holds the interpreter lock.
@@ -171,9 +177,21 @@ class MathReward:
             logging.getLogger(logger).addFilter(_DROP_TIMEOUT_NOTICE)  # adding it again is a no-op
 
     def __call__(self, completion: str, answer: str) -> float:
+        stated = stated_answer(completion)
+        if stated is None:
+            return 0.0
         gold = self._math_verify.parse(answer, parsing_timeout=None)
-        predicted = self._math_verify.parse(completion, parsing_timeout=None)
+        predicted = self._parse_value(stated)
         return float(self._math_verify.verify(gold, predicted, timeout_seconds=None))
+
+    def _parse_value(self, value: str) -> list:
+        """A stated value is math without its delimiters ("\\frac{1}{2}", "42 apples"): parsed as
+        such, or as text where that finds nothing."""
+        if "$" not in value:
+            parsed = self._math_verify.parse(f"${value}$", parsing_timeout=None)
+            if parsed:
+                return parsed
+        return self._math_verify.parse(value, parsing_timeout=None)
 
     def __reduce__(self):
         return MathReward, ()

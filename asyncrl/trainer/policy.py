@@ -219,8 +219,19 @@ class PolicyTrainer:
         """Loss arithmetic runs in float64 for a float64 model, float32 otherwise."""
         return torch.float64 if self.params[0].dtype == torch.float64 else torch.float32
 
-    def _forward(self) -> contextlib.AbstractContextManager:
-        """Where a model forward runs: under autocast to ``forward_dtype`` when nothing else casts."""
+    @property
+    def scores_in_any_precision(self) -> bool:
+        """Whether ``compute_logprobs`` can run in another precision than the trainer's: not where
+        FSDP2 casts the parameters."""
+        return self.parallel is None or not self.parallel.casts_parameters
+
+    def _forward(self, precision: torch.dtype | None = None) -> contextlib.AbstractContextManager:
+        """Where a model forward runs: under autocast to ``forward_dtype`` when nothing else casts,
+        or to ``precision`` (float32: no autocast) where given."""
+        if precision is not None:
+            if precision == torch.float32:
+                return contextlib.nullcontext()
+            return torch.autocast(self.device.type, dtype=precision)
         if not self._autocast:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=self.forward_dtype)
@@ -503,15 +514,24 @@ class PolicyTrainer:
 
     @torch.no_grad()
     def compute_logprobs(
-        self, batch: TrainBatch, *, reference: bool = False, micro_batch_size: int | None = None
+        self,
+        batch: TrainBatch,
+        *,
+        reference: bool = False,
+        micro_batch_size: int | None = None,
+        precision: torch.dtype | None = None,
     ) -> Tensor:
         """Per-token logprobs of ``batch`` under the policy (proximal) or the frozen reference.
 
-        Aligned with ``input_ids`` like every per-token tensor, and 0 on padding.
+        Aligned with ``input_ids`` like every per-token tensor, and 0 on padding. ``precision``:
+        the forward's compute dtype instead of the trainer's, where ``scores_in_any_precision``
+        (the sampling probe measures what half precision's rounding moves).
         """
         model = self.reference_model if reference else self.model
         if model is None:
             raise ValueError("compute_logprobs: no reference model (the algorithm's scoring asks for none)")
+        if precision is not None and not self.scores_in_any_precision:
+            raise ValueError("compute_logprobs: FSDP2 casts the parameters; the forward has no other precision")
         size = micro_batch_size or self.cfg.micro_batch_size
         scoring = {
             "distribution": self.distribution,
@@ -523,7 +543,7 @@ class PolicyTrainer:
         context = None if self.parallel is None else self.parallel.context
         for part in batch.micro_batches(size):
             part = part.to(self.device, self.compute_dtype)
-            with self._forward():
+            with self._forward(precision):
                 if context is not None:
                     logprobs = context.full_logprobs(model, part, **scoring)
                 else:

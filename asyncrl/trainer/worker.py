@@ -133,7 +133,7 @@ class TrainerWorker:
             failed = self.guarded and bool(group.reward_errors)  # a failure is never trained as a number
             filtered = not failed and self.step_cfg.filter_zero_variance and not group.informative
             advantages = None if failed or filtered else self.trainer.algorithm.advantages(group.rewards)
-            self._data.add(group, self.trainer.version, advantages)
+            self._data.add(group, self.trainer.version, advantages, failed=failed)
             if failed:
                 self._data.num_failed_groups += 1
                 continue
@@ -191,13 +191,19 @@ class TrainerWorker:
     def probe_gap(self, group: RolloutGroup) -> ProbeGap:
         """How far the generator's logprobs of the probe's sampled tokens are from this policy's,
         scored as every step scores (``generation``'s temperature, top-k and top-p). Every rank
-        scores the whole probe: sharded and context-parallel forwards need them all."""
+        scores the whole probe: sharded and context-parallel forwards need them all. Its
+        ``noise`` is what bfloat16's rounding alone moves this policy's own scores of the same
+        tokens: the bound a half-precision generator is held to is a multiple of it."""
         batch = TrainBatch.from_groups([group], [torch.zeros(group.size)])
         scored = self.trainer.compute_logprobs(batch).to(torch.float64)
         mask = batch.response_mask.to(torch.float64)
         gaps = (scored - batch.behaviour_logprobs.to(torch.float64)).abs() * mask
         tokens = int(mask.sum())
-        return ProbeGap(mean=float(gaps.sum()) / max(tokens, 1), max=float(gaps.max()), tokens=tokens)
+        noise = None
+        if self.trainer.scores_in_any_precision:
+            half, full = (self.trainer.compute_logprobs(batch, precision=p) for p in (torch.bfloat16, torch.float32))
+            noise = float(((half.double() - full.double()).abs() * mask).sum()) / max(tokens, 1)
+        return ProbeGap(mean=float(gaps.sum()) / max(tokens, 1), max=float(gaps.max()), tokens=tokens, noise=noise)
 
     def save_checkpoint(self, run_dir: str, step: int, run_state: dict, keep_last: int) -> Path | None:
         """The whole policy as an HF model (a LoRA policy: its adapter in PEFT's format), the
@@ -396,9 +402,10 @@ class TrainerWorker:
         self.trainer.train_microbatch(batch)
 
 
-def _check_loss_counts(guard: IntegrityGuard, error: float, evidence: str, step: int) -> None:
-    """Promise 5, on every rank alike (the sums are global): stop (or warn) before the update."""
-    guard.check("loss_counts", error, step=step, evidence=evidence)
+def _check_loss_counts(guard: IntegrityGuard, error: float, evidence: str, version: int) -> None:
+    """Promise 5, on every rank alike (the sums are global): stop (or warn) before the update of
+    the step that trains from ``version``, step version + 1 as metrics.jsonl numbers it."""
+    guard.check("loss_counts", error, step=version + 1, evidence=evidence)
 
 
 def split_evenly(items: list, parts: int) -> list[list]:

@@ -103,17 +103,25 @@ def as_held(values: Tensor, dtype: torch.dtype) -> Tensor:
     return values.to(dtype)
 
 
+def positions(numel: int, device: torch.device | str = "cpu") -> Tensor:
+    """The ``min(SAMPLES, numel)`` evenly strided positions over ``numel`` elements, the first and
+    the last included, each rounded to the nearest: in int64, exact at any size (float32 positions
+    stop being whole numbers past 2**24 elements, and the last one can round to ``numel``)."""
+    count = min(SAMPLES, numel)
+    spans = max(count - 1, 1)
+    index = torch.arange(count, dtype=torch.int64, device=device)
+    return (2 * index * (numel - 1) + spans) // (2 * spans)
+
+
 def sample(tensors: Mapping[str, Tensor]) -> Sample:
     """The strided sample of ``tensors`` (on any device: one gather each, one host transfer)."""
     names, shapes, floating, parts = [], [], [], []
     for name, tensor in tensors.items():
         flat = tensor.detach().reshape(-1)
-        count = min(SAMPLES, flat.numel())
-        positions = torch.linspace(0, flat.numel() - 1, count, device=flat.device).round().long() if count else None
         names.append(name)
         shapes.append(tuple(tensor.shape))
         floating.append(tensor.is_floating_point())
-        parts.append(flat.new_empty(0) if positions is None else flat[positions])
+        parts.append(flat[positions(flat.numel(), flat.device)])
     lengths = [part.numel() for part in parts]
     joined = torch.cat([part.to(torch.float64) for part in parts]).cpu() if parts else torch.empty(0)
     values, start = [], 0

@@ -21,7 +21,7 @@ never drift apart. A sync then:
    then reopens the gate at the new version.
 
 ``sync.timeout_s`` bounds the sync's own phases, each on its own: closing the gate, the export,
-the loads and the checks. Waiting for running generation is not the sync: a long batch does not fail it, nor does
+the loads and the checks; the run's first load (``first_load``) has the same bounds. Waiting for running generation is not the sync: a long batch does not fail it, nor does
 a gate that stays closing while the rollout loop waits for room under the in-flight limit (room
 comes only when a batch finishes); a generation that hangs is the watchdog's to stop
 (``runtime.watchdog_s``).
@@ -125,15 +125,7 @@ class WeightSync:
         version, weights, export_s = await export
         load_start = time.perf_counter()
         self.gate.sent = version
-        loads = asyncio.gather(*(g.load_weights(weights, version) for g in self.generators))
-        try:
-            served = tuple(await self._phase(f"loading weights version {version} into the generators", loads))
-        except SyncTimeoutError:
-            raise
-        except Exception as err:
-            raise WeightLoadError(
-                f"loading weights version {version} into the generators failed: {type(err).__name__}: {err}"
-            ) from err
+        served = await self._load(version, weights)
         transfer_s = export_s + time.perf_counter() - load_start
         report = SyncReport(
             version=version,
@@ -148,6 +140,27 @@ class WeightSync:
             await self._phase(f"checking what the generators serve of version {version}", self.verify(report))
         self.gate.open(version)
         return replace(report, pause_s=time.perf_counter() - start)
+
+    async def first_load(self) -> int:
+        """Give every generator the trainer's weights (warm-started or resumed) before the first
+        rollout, the export and the loads each within ``sync.timeout_s`` as in every sync: a
+        generator that never answers stops the run instead of hanging it. Returns the version."""
+        version, weights, _ = await self._export()
+        self.gate.sent = version
+        await self._load(version, weights)
+        return version
+
+    async def _load(self, version: int, weights: Any) -> tuple[str | None, ...]:
+        """Load ``version`` into every generator; what each serves after it (its fingerprint)."""
+        loads = asyncio.gather(*(g.load_weights(weights, version) for g in self.generators))
+        try:
+            return tuple(await self._phase(f"loading weights version {version} into the generators", loads))
+        except SyncTimeoutError:
+            raise
+        except Exception as err:
+            raise WeightLoadError(
+                f"loading weights version {version} into the generators failed: {type(err).__name__}: {err}"
+            ) from err
 
     async def _exported(self, served: tuple[str | None, ...]) -> dict[str, str]:
         """The export's fingerprints in the dtypes the generators hold (``"<dtype>:<hex>"``), asked

@@ -760,6 +760,33 @@ def test_values_that_cannot_train_are_rejected(tmp_path, capsys, override, messa
     assert train_error(capsys, tmp_path, override).startswith(message)
 
 
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (
+            ["trainer.logprob_chunk_tokens=0"],
+            "trainer.logprob_chunk_tokens: Input should be greater than or equal to 1 or 'auto' (got 0)",
+        ),
+        (
+            ["trainer.logprob_chunk_tokens="],
+            "trainer.logprob_chunk_tokens: cannot be null (an empty value is null); give a value, e.g. the default auto",
+        ),
+        (["seed=-1"], "seed: Input should be greater than or equal to 0 (got -1)"),
+        (["faults.load_errors=[2, -1]"], "faults.load_errors.1: Input should be greater than or equal to 0 (got -1)"),
+        (["data.task.options.seed=-1"], "data.task.options.seed: Input should be greater than or equal to 0"),
+        (["algorithm.options.clip_low=1"], "algorithm.options.clip_low: Input should be less than 1"),
+        (
+            ["environment.name=calculator", "data.chat_template=false", "environment.options.tool_timeout_s=0"],
+            "environment.options.tool_timeout_s: Input should be greater than 0",
+        ),
+    ],
+)
+def test_numbers_out_of_range_stop_before_anything_is_built(tmp_path, capsys, overrides, message):
+    assert error(capsys, "config", *overrides) == message
+    assert train_error(capsys, tmp_path, *overrides) == message
+    assert not (tmp_path / "run").exists()
+
+
 def test_text_the_tokenizer_cannot_encode_is_rejected_by_row_and_character(tmp_path, capsys):
     path = write_jsonl(tmp_path / "train.jsonl", [*rows(2), {"prompt": "caf+1=", "answer": "café"}, *rows(2)])
     assert jsonl_error(capsys, tmp_path, [*rows(2), {"prompt": "caf+1=", "answer": "café"}, *rows(2)])[0] == (

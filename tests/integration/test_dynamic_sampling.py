@@ -68,6 +68,7 @@ def test_refills_given_up_after_their_stream_runs_out_do_not_hold_up_the_step(tm
         "step.max_refill_groups=8",
         "rewards.functions=[reward_functions:constant_zero]",
         "runtime.on_rollout_failure=skip",
+        "runtime.max_skipped_share=1",  # every refill fails by design: no share of skips stops this run
         "runtime.max_rollout_retries=0",
         "runtime.watchdog_s=120",
         "step.max_steps=2",

@@ -83,8 +83,8 @@ def test_an_environment_that_keeps_raising_skips_its_prompts_alone(tmp_path):
         tmp_path,
         "skip",
         *EPISODES,
-        f"environment.name={ALWAYS}",
-        "runtime.on_rollout_failure=skip",
+        f"environment.name={ALWAYS}",  # runtime.on_rollout_failure: skip, the default
+        "runtime.max_skipped_share=1",  # one prompt in three fails: over the default share
     )
     assert summary["steps"] == 2 and [m["num_groups"] for m in metrics] == [4, 4]
     assert metrics[-1]["skipped_prompts"] > 0
@@ -92,8 +92,35 @@ def test_an_environment_that_keeps_raising_skips_its_prompts_alone(tmp_path):
     assert not [g["prompt_uid"] for g in groups if chosen(g["prompt_uid"], 3)]
 
 
+def test_an_environment_that_raises_for_a_few_prompts_is_contained_by_default(tmp_path):
+    """One prompt in twenty fails every time: each is skipped, counted and never trained; the run ends."""
+    summary, metrics, groups = run(
+        tmp_path, "few", *EPISODES, f"environment.name={ALWAYS}", "environment.options.every=20", "step.max_steps=10"
+    )
+    assert summary["steps"] == 10 and all(m["num_groups"] == 4 for m in metrics)
+    assert metrics[-1]["skipped_prompts"] >= 1
+    assert not [g["prompt_uid"] for g in groups if chosen(g["prompt_uid"], 20)]
+
+
+def test_an_environment_that_raises_for_every_prompt_stops_once_skips_pass_their_share(tmp_path, capsys):
+    """Skipping contains a few bad inputs; a failure that is systematic still stops the run, after
+    max_skipped_share x skipped_share_window prompts (10 by default), with one line and a checkpoint."""
+    args = ["train", "--output-dir", str(tmp_path / "broken"), *SMALL, *EPISODES, f"environment.name={ALWAYS}"]
+    code = main([*args, "environment.options.every=1"])
+    err = capsys.readouterr().err
+    assert code == 1 and err.count("\n") == 1 and "Traceback" not in err, err
+    assert err.startswith(
+        "error: 11 of the last 11 prompts were skipped, over runtime.max_skipped_share=0.1 of "
+        "runtime.skipped_share_window=100; the last: prompt "
+    ), err
+    assert "EpisodeError: ConnectionError in the environment's step" in err and "checkpoint saved to" in err
+
+
 def test_an_environment_that_keeps_raising_stops_the_run_naming_its_prompt_and_error(tmp_path, capsys):
-    code = main(["train", "--output-dir", str(tmp_path / "stop"), *SMALL, *EPISODES, f"environment.name={ALWAYS}"])
+    stop = "runtime.on_rollout_failure=stop"
+    code = main(
+        ["train", "--output-dir", str(tmp_path / "stop"), *SMALL, *EPISODES, f"environment.name={ALWAYS}", stop]
+    )
     err = capsys.readouterr().err
     assert code == 1 and err.count("\n") == 1 and "Traceback" not in err, err
     assert re.match(

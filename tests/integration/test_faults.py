@@ -111,9 +111,7 @@ def first_prompt(tmp_path) -> str:
 
 def test_a_prompt_that_always_fails_is_skipped_and_replaced(tmp_path):
     uid = first_prompt(tmp_path)
-    summary, metrics, groups = run(
-        tmp_path, "skip", f"faults.failing_prompts=['{uid}']", "runtime.on_rollout_failure=skip"
-    )
+    summary, metrics, groups = run(tmp_path, "skip", f"faults.failing_prompts=['{uid}']")  # skip: the default
     assert summary["steps"] == 4 and [m["num_groups"] for m in metrics] == [4] * 4
     assert metrics[-1]["skipped_prompts"] == 1
     assert uid not in {g["prompt_uid"].rsplit("/", 1)[0] for g in groups}
@@ -121,7 +119,7 @@ def test_a_prompt_that_always_fails_is_skipped_and_replaced(tmp_path):
 
 def test_a_prompt_that_always_fails_stops_the_run_with_a_resumable_checkpoint(tmp_path, capsys):
     uid = first_prompt(tmp_path)
-    code, err = cli(capsys, tmp_path, "stop", f"faults.failing_prompts=['{uid}']")
+    code, err = cli(capsys, tmp_path, "stop", f"faults.failing_prompts=['{uid}']", "runtime.on_rollout_failure=stop")
     assert code == 1 and "\n" not in err and "Traceback" not in err
     assert err.startswith(f"error: prompt {uid}/0: generation failed 3 times (runtime.max_rollout_retries=2)")
     checkpoint = tmp_path / "stop" / "checkpoints" / "step-000000"
@@ -153,13 +151,43 @@ def test_a_pending_prompt_missing_from_the_resumed_split_is_a_one_line_error():
 
 
 def test_a_weight_sync_past_its_timeout_checkpoints_the_step_it_follows(tmp_path, capsys):
-    with pytest.raises(SyncTimeoutError, match=r"sync.timeout_s=0.3s while loading weights version 1") as err:
-        run(tmp_path, "slow", "faults.slow_sync_s=1", "sync.timeout_s=0.3")
+    # the first load is on time, with room for a loaded machine: it is bounded by the same timeout
+    slow = ("faults.slow_sync_s=4", "faults.slow_sync_from=1", "sync.timeout_s=1.5")
+    with pytest.raises(SyncTimeoutError, match=r"sync.timeout_s=1.5s while loading weights version 1") as err:
+        run(tmp_path, "slow", *slow)
     assert err.value.checkpoint == tmp_path / "slow" / "checkpoints" / "step-000001"
     state = load_state(err.value.checkpoint)
     assert state["run"]["version"] == state["trainer"]["version"] == 1
-    code, err = cli(capsys, tmp_path, "slow-cli", "faults.slow_sync_s=1", "sync.timeout_s=0.3")
+    code, err = cli(capsys, tmp_path, "slow-cli", *slow)
     assert code == 1 and "\n" not in err and "checkpoint saved to" in err
+
+
+def test_a_step_whose_sync_fails_is_counted_in_the_run_totals(tmp_path, capsys):
+    """Step 2 is non-finite and its sync fails: the stop checkpoint counts it, so the resumed run's
+    totals are the straight run's."""
+    _, straight, _ = run(tmp_path, "straight", "step.max_steps=3", "faults.nonfinite_steps=[1]")
+    code, err = cli(
+        capsys, tmp_path, "broken", "step.max_steps=3", "faults.nonfinite_steps=[1]", "faults.load_errors=[2]"
+    )
+    assert code == 1 and "loading weights version 2" in err, err
+    broken = read_jsonl(tmp_path / "broken" / "metrics.jsonl")
+    assert broken[-1]["step"] == 2 and broken[-1]["nonfinite_steps"] == 1
+    code, err = cli(capsys, tmp_path, "resumed", "faults.load_errors=[]", resume=tmp_path / "broken")
+    assert code == 0, err
+    resumed = read_jsonl(tmp_path / "broken" / "metrics.jsonl")
+    assert [m["nonfinite_steps"] for m in resumed] == [m["nonfinite_steps"] for m in straight] == [0, 1, 1]
+
+
+def test_the_first_weight_load_is_bounded_by_the_sync_timeout(tmp_path, capsys):
+    """The generators' first load (warm-started or resumed weights) stops the run like any sync's."""
+    start = time.monotonic()
+    code, err = cli(capsys, tmp_path, "first", "faults.slow_sync_s=30", "sync.timeout_s=0.5", "runtime.watchdog_s=5")
+    assert time.monotonic() - start < 25
+    assert code == 1 and "\n" not in err, err
+    assert "sync.timeout_s=0.5s while loading weights version 0 into the generators" in err
+    assert "checkpoint saved to" not in err and not (tmp_path / "first" / "checkpoints").exists()
+    code, err = cli(capsys, tmp_path, "broken-first", "faults.load_errors=[0]")
+    assert code == 1 and "\n" not in err and "loading weights version 0 into the generators failed" in err
 
 
 def test_a_weight_load_that_fails_checkpoints_the_step_it_follows_and_resumes(tmp_path, capsys):

@@ -30,23 +30,28 @@ def test_the_guard_changes_no_metric_of_an_in_order_run(tmp_path):
 
 
 def integrity_stop(tmp_path, capsys, *overrides) -> tuple[str, int, list[dict]]:
-    """A SMALL run from the command line that must end in an integrity stop: (its one line without
-    ``error: ``, the step it names, its metrics records). The stop's checkpoint is that step's."""
+    """A SMALL run from the command line that must end in an integrity stop before an update: (its
+    one line without ``error: ``, the step it names, its metrics records). The step is numbered as
+    metrics.jsonl numbers steps: the one after its last line, which has none; the stop's
+    checkpoint is the last line's step."""
     run_dir = tmp_path / "stopped"
     assert main(["train", *SMALL, f"logging.output_dir={run_dir}", *overrides]) == 3
     err = capsys.readouterr().err
     assert err.startswith("error: integrity: ") and err.count("\n") == 1 and "Traceback" not in err, err
     step = int(re.search(r"broken at step (\d+): ", err).group(1))
-    assert f"checkpoint saved to {run_dir / 'checkpoints' / f'step-{step:06d}'}" in err
-    return err.removeprefix("error: ").rstrip("\n"), step, read_jsonl(run_dir / "metrics.jsonl")
+    metrics = read_jsonl(run_dir / "metrics.jsonl")
+    last = metrics[-1]["step"] if metrics else 0
+    assert step == last + 1, (step, [m["step"] for m in metrics])
+    assert f"checkpoint saved to {run_dir / 'checkpoints' / f'step-{last:06d}'}" in err
+    return err.removeprefix("error: ").rstrip("\n"), step, metrics
 
 
 @pytest.mark.slow
 def test_tokens_older_than_the_staleness_bound_stop_the_run_before_they_are_trained(tmp_path, capsys):
     line, step, metrics = integrity_stop(tmp_path, capsys, "sampler.max_lag=0", "faults.stale_tokens=1")
-    assert line.startswith("integrity: staleness broken at step 1: group ") and step == 1
+    assert line.startswith("integrity: staleness broken at step 2: group ") and step == 2
     assert "has a token sampled by weights 0: lag 1 > sampler.max_lag=0; checkpoint saved to" in line
-    assert [m["integrity/staleness"] for m in metrics] == [0]  # step 0: version 0 is as old as a token gets
+    assert [(m["step"], m["integrity/staleness"]) for m in metrics] == [(1, 0)]  # version 0: as old as a token gets
 
 
 @pytest.mark.slow
@@ -63,21 +68,28 @@ def test_stale_groups_are_dropped_and_counted_under_action_drop(tmp_path):
 def test_a_step_whose_rewards_fail_stops_before_its_update_and_no_failure_is_trained(tmp_path, capsys):
     line, step, metrics = integrity_stop(tmp_path, capsys, "faults.rewards_raise=true")
     assert line.startswith(
-        "integrity: failures broken at step 0: 4 of the step's 4 groups have a reward that raised or was not a "
+        "integrity: failures broken at step 1: 4 of the step's 4 groups have a reward that raised or was not a "
         "finite number (integrity.failures.threshold=0.5)"
     )
-    assert step == 0 and metrics == []
+    assert step == 1 and metrics == []
     _, metrics, _ = run(tmp_path, "warned", "faults.rewards_raise=true", "integrity.failures.action=warn")
     assert [m["failed_groups"] for m in metrics] == [4] * 4 and [m["integrity/failures"] for m in metrics] == [1] * 4
     assert all(m["num_sequences"] == m["num_tokens"] == 0 for m in metrics)  # dropped, never trained as a 0
+    assert all(m["reward_mean"] is None for m in metrics)  # nothing was scored: no mean of zeros
+    run_dir = tmp_path / "warned"
+    assert all(g["failed"] for g in read_jsonl(run_dir / "groups.jsonl"))
+    assert all(r["failed"] for r in read_jsonl(run_dir / "samples.jsonl") if r["split"] == "train")
+    assert main(["samples", str(run_dir), "--step", "1"]) == 0
+    view = capsys.readouterr().out
+    assert "failed (a reward raised: not trained)" in view and "filtered" not in view
 
 
 @pytest.mark.slow
 def test_a_loss_counted_twice_stops_the_run_before_the_update(tmp_path, capsys):
     line, step, metrics = integrity_stop(tmp_path, capsys, "faults.duplicate_microbatch=true")
-    assert step == 0 and metrics == []
+    assert step == 1 and metrics == []
     counts = re.fullmatch(
-        r"integrity: loss_counts broken at step 0: the loss summed (\d+) response tokens in (\d+) sequences over its "
+        r"integrity: loss_counts broken at step 1: the loss summed (\d+) response tokens in (\d+) sequences over its "
         r"micro-batches and ranks, but the groups trained hold (\d+) in 16; checkpoint saved to .*",
         line,
     )
@@ -97,7 +109,7 @@ EPISODES = (  # the multi-turn runs of tests/integration/test_episodes_run.py
 @pytest.mark.slow
 def test_a_template_that_rewrites_the_transcript_stops_a_multi_turn_run(tmp_path, capsys):
     line, step, _ = integrity_stop(tmp_path, capsys, *EPISODES, "faults.template_rewrites_transcript=true")
-    assert step <= 2 and line.startswith(f"integrity: transcripts broken at step {step}: ")
+    assert step <= 3 and line.startswith(f"integrity: transcripts broken at step {step}: ")
     assert "met a chat template that rendered the transcript differently once messages were appended" in line
 
 

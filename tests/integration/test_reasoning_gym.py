@@ -220,7 +220,8 @@ def test_a_run_stopped_while_a_batch_generates_resumes_and_finishes(tmp_path, ca
     run_dir = tmp_path / "run"
     failing = "faults.generate_errors=[" + ", ".join(map(str, range(40))) + "]"
     train = ["train", "--output-dir", str(run_dir), *SMALL, *CHAIN_SUM, "generation.max_new_tokens=6"]
-    assert main([*train, "data.eval_size=16", "runtime.max_rollout_retries=0", failing]) == 1
+    stop = "runtime.on_rollout_failure=stop"
+    assert main([*train, "data.eval_size=16", "runtime.max_rollout_retries=0", stop, failing]) == 1
     assert "generation failed 1 times" in capsys.readouterr().err
     checkpoint = run_dir / "checkpoints" / "step-000000"
     pending = load_state(checkpoint)["run"]["pending"]
@@ -282,22 +283,23 @@ def held_out_rise(tmp_path, overrides: list[str], steps: int) -> tuple[float, fl
 
 @pytest.mark.slow
 def test_the_default_model_learns_reasoning_gym_sums_in_a_short_run(tmp_path):
-    """The embedded default model, its warm start, then 30 GRPO steps scored by the dataset's checker.
-    Held-out accuracy on 256 questions rose by 0.141 (0.375 -> 0.516); at a constant lr the first
-    steps of a longer run are this run, and that one measured +0.176, +0.250, +0.141, +0.266 and
-    +0.219 after 10, 20, 30, 40 and 50 steps. docs/data.md records earlier 50-step runs from the
-    warm starts seeded 0, 1 and 2."""
-    accuracy, _ = held_out_rise(tmp_path, BASIC_SUMS, steps=30)
+    """The embedded default model, its warm start, then 100 GRPO steps scored by the dataset's
+    checker. Where the warm start lands swings with the CPU's float rounding, and 30 steps were a
+    lottery across CPU kinds: +0.141 (0.375 -> 0.516) on one, +0.055 and +0.0 on two others. 100
+    steps from the warm start of an AMD EPYC rose by 0.098 (0.297 -> 0.395) with one torch thread
+    and 0.105 with two, the held-out accuracy near 0.39-0.42 from step 50 on. docs/data.md records
+    earlier 50-step runs from the warm starts seeded 0, 1 and 2."""
+    accuracy, _ = held_out_rise(tmp_path, BASIC_SUMS, steps=100)
     assert accuracy >= 0.04
 
 
 @pytest.mark.slow
 def test_the_default_model_learns_to_spell_words_backward_in_a_short_run(tmp_path):
     """The same for spell_backward, from a warm start of 1,000 steps of 32 examples (600 steps of 64
-    learn to reverse words from some seeds and not others), in 30 steps. The held-out score (letters
-    in place plus 1 for the exact word, 0 to 2) rose by 0.205 and held-out accuracy by 0.113
-    (0.289 -> 0.402); after 10, 20, 40 and 50 steps of a longer run (the same first steps, at a
-    constant lr) by 0.093 / 0.035, 0.170 / 0.090, 0.182 / 0.094 and 0.164 / 0.082. docs/data.md
+    learn to reverse words from some seeds and not others), in 60 steps. The held-out score (letters
+    in place plus 1 for the exact word, 0 to 2) and accuracy rose by 0.205 / 0.113 (0.289 -> 0.402)
+    in 30 steps on one CPU kind, by 0.10 / 0.0 on another; on an AMD EPYC with two torch threads,
+    by 0.183 / 0.125 after 30 steps and 0.189 / 0.129 after 60 (0.543 -> 0.672). docs/data.md
     records earlier 50-step runs from the warm starts seeded 0, 1 and 2 (the last rose least)."""
-    accuracy, score = held_out_rise(tmp_path, SPELL_BACKWARD, steps=30)
+    accuracy, score = held_out_rise(tmp_path, SPELL_BACKWARD, steps=60)
     assert score >= 0.04 and accuracy >= 0.01

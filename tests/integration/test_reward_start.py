@@ -154,6 +154,36 @@ def test_an_environment_module_that_blocks_at_import_is_one_line_and_code_2_at_t
     )
 
 
+PARTS_LOADED_ELSEWHERE = {  # part -> (its name's field, its deadline's field, the process in messages)
+    "sampler": ("sampler.name", "sampler.startup_timeout_s", "a process loading the sampler"),
+    "task": ("data.task.name", "data.task.startup_timeout_s", "a process loading the task"),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("command", COMMANDS)
+@pytest.mark.parametrize("part", PARTS_LOADED_ELSEWHERE)
+def test_a_sampler_or_task_module_that_blocks_at_import_is_one_line_and_code_2_at_its_deadline(tmp_path, part, command):
+    """The config check loads a user's sampler or task in a fresh process first, as it does a
+    reward's or an environment's: the command's own process never imports a module that blocks."""
+    name, deadline, process = PARTS_LOADED_ELSEWHERE[part]
+    spec = "blocking_reward:NeverLoads"
+    assert one_line(asyncrl(tmp_path, *COMMANDS[command], f"{name}={spec}", f"{deadline}=5")) == (
+        f"{name}: {process} did not start within {deadline}=5s: loading '{spec}' never finished (does its "
+        "module block at import?); it was killed"
+    )
+    assert not (tmp_path / "run").exists()
+
+
+def test_an_environment_that_reads_another_task_s_prompts_is_refused_at_the_config_check(tmp_path):
+    result = asyncrl(tmp_path, "config", "environment.name=search", "data.task.name=arithmetic")
+    assert one_line(result) == (
+        "data.task.name: environment 'search' reads the prompts of the 'search' task, not 'arithmetic' "
+        "(set data.task.name=search)"
+    )
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_a_tool_process_that_never_starts_stops_at_the_configured_deadline():

@@ -382,8 +382,8 @@ def test_a_run_whose_generator_breaks_a_promise_stops_with_an_integrity_stop(cap
         assert err.count("\n") == 1 and "Traceback" not in err
         [step] = read_jsonl(tmp_path / name / "metrics.jsonl")
         assert step[f"integrity/{promise}"] > 0
-    for name, fault, promise, step in [("stale", ["sampler.max_lag=0", "faults.stale_tokens=1"], "staleness", 1),
-                                       ("failed", ["faults.rewards_raise=true"], "failures", 0)]:  # fmt: skip
+    for name, fault, promise, step in [("stale", ["sampler.max_lag=0", "faults.stale_tokens=1"], "staleness", 2),
+                                       ("failed", ["faults.rewards_raise=true"], "failures", 1)]:  # fmt: skip
         vllm_generator.load_weights(build_model(config, build_tokenizer(config)).state_dict(), 0)
         code = main(["train", "--output-dir", str(tmp_path / name), *args, *fault])
         err = capsys.readouterr().err

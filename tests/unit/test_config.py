@@ -3,6 +3,8 @@
 import json
 import subprocess
 import sys
+from types import SimpleNamespace
+from typing import Annotated, get_args, get_origin
 
 import pytest
 import yaml
@@ -10,6 +12,7 @@ from helpers import ROOT
 
 from asyncrl.cli import main
 from asyncrl.config import ConfigError, RunConfig, config_keys, dump_config, load_config
+from asyncrl.config.base import section_model
 from asyncrl.run_sampler import build_run_sampler
 
 
@@ -235,8 +238,8 @@ def test_every_key_is_documented_and_the_reference_is_current():
     from asyncrl.plugins import builtin_options
 
     reference = config_reference(builtin_options())
-    assert "| `max_lag` | int | `1` |" in reference
-    assert "### `algorithm.options` of `grpo`" in reference and "| `clip_high` | float | `0.28` |" in reference
+    assert "| `max_lag` | int >= 0 | `1` |" in reference
+    assert "### `algorithm.options` of `grpo`" in reference and "| `clip_high` | float >= 0 | `0.28` |" in reference
     committed = ROOT / "docs" / "configuration.md"
     assert committed.read_text() == reference, "regenerate with: asyncrl config --reference > docs/configuration.md"
 
@@ -316,3 +319,103 @@ def test_minibatch_rules():
     assert error_of(["step.prompts_per_step=2", "step.num_minibatches=3"]).startswith(
         "step.num_minibatches: 3 > prompts_per_step 2"
     )
+
+
+# --- every number has a range
+
+
+BOUNDS = ("ge", "gt", "le", "lt")
+CHECKED_ELSEWHERE = {"trainer.betas": "[1.5, 0.9]"}  # a tuple of two, each in [0, 1): the section's own check
+ANY_NUMBER = {"rewards.weights"}  # a negative weight subtracts its reward
+
+
+def _numbers(annotation) -> bool:
+    if get_origin(annotation) is Annotated:
+        return _numbers(get_args(annotation)[0])
+    return annotation in (int, float) or any(_numbers(a) for a in get_args(annotation))
+
+
+def _bounds(field) -> list[tuple[str, float]]:
+    """A field's bounds, those of its list items or of its union's number included."""
+    inner = [get_args(a)[1].metadata for a in get_args(field.annotation) if get_origin(a) is Annotated]
+    found = [*field.metadata, *(m for metadata in inner for m in metadata)]
+    return [(key, getattr(m, key)) for m in found for key in BOUNDS if hasattr(m, key)]
+
+
+def _numbers_of(model, prefix: str = "") -> list[tuple[str, object]]:
+    """(dotted key, field) of every number in ``model``, but those its own checks bound."""
+    found = []
+    for key, field in model.model_fields.items():
+        dotted, nested = f"{prefix}{key}", section_model(field.annotation)
+        if nested is not None:
+            found += _numbers_of(nested, f"{dotted}.")
+        elif _numbers(field.annotation) and dotted not in ANY_NUMBER and dotted not in CHECKED_ELSEWHERE:
+            found.append((dotted, field))
+    return found
+
+
+def out_of_range(model) -> list[tuple[str, str, str]]:
+    """(dotted key, an out-of-range value as YAML, the key its error names) for each bound of each
+    number in ``model``."""
+    cases = [(key, value, key) for key, value in CHECKED_ELSEWHERE.items() if model is RunConfig]
+    for dotted, field in _numbers_of(model):
+        listed = get_origin(field.annotation) is list
+        for bound, limit in _bounds(field):
+            value = {"ge": limit - 1, "gt": limit, "le": limit + 1, "lt": limit}[bound]
+            cases.append((dotted, f"[{value}]" if listed else str(value), f"{dotted}.0" if listed else dotted))
+    return cases
+
+
+def test_every_number_has_a_range():
+    from asyncrl.plugins import builtin_options
+
+    models = [("", RunConfig)] + [(f"{where}[{name}].", model) for where, name, model in builtin_options()]
+    unbounded = [prefix + key for prefix, model in models for key, field in _numbers_of(model) if not _bounds(field)]
+    assert unbounded == []
+
+
+@pytest.mark.parametrize(("key", "value", "named"), out_of_range(RunConfig))
+def test_every_number_out_of_its_range_is_one_line_naming_its_key(key, value, named):
+    assert error_of([f"{key}={value}"]).startswith(f"{named}: ")
+
+
+def test_every_option_of_a_built_in_part_out_of_its_range_is_one_line_naming_its_key():
+    from asyncrl.plugins import builtin_options, checked_options
+
+    required = {"dataset": "leg_counting", "cache": 1}  # the options without a default
+    checked = 0
+    for where, name, model in builtin_options():
+        cases = out_of_range(model)
+        given = {key: required[key] for key, field in model.model_fields.items() if cases and field.is_required()}
+        for key, value, named in cases:
+            options = {**given, key: yaml.safe_load(value)}
+            with pytest.raises(ValueError) as err:
+                checked_options(SimpleNamespace(Options=model), name, options, where)
+            assert str(err.value).startswith(f"{where}.{named}: ") and "\n" not in str(err.value), (where, key)
+            checked += 1
+    assert checked > 30
+
+
+def test_a_union_of_a_number_and_a_word_names_both_and_null_is_one_line():
+    assert error_of(["trainer.logprob_chunk_tokens=0"]) == (
+        "trainer.logprob_chunk_tokens: Input should be greater than or equal to 1 or 'auto' (got 0)"
+    )
+    assert error_of(["trainer.logprob_chunk_tokens="]) == (
+        "trainer.logprob_chunk_tokens: cannot be null (an empty value is null); give a value, e.g. the default auto"
+    )
+    assert (
+        error_of(["trainer.logprob_chunk_tokens=true"]) == "trainer.logprob_chunk_tokens: expected a number, got true"
+    )
+    assert load_config(None, ["trainer.logprob_chunk_tokens=1"]).trainer.logprob_chunk_tokens == 1
+    assert error_of(["seed=9223372036854775808"]).startswith("seed: Input should be less than 9223372036854775808")
+
+
+def test_the_reference_gives_each_numbers_range():
+    from asyncrl.config import config_reference
+
+    reference = config_reference()
+    assert "| `logprob_chunk_tokens` | int >= 1 or auto | `auto` |" in reference
+    assert (
+        "| `top_p` | float in (0, 1] | `1.0` |" in reference and "| `generate_errors` | list[int >= 0] |" in reference
+    )
+    assert "- `seed` (int in [0, 2**63), default `0`)" in reference

@@ -39,7 +39,10 @@ class StopsOnGenerate:
 
 
 class IdleTrainer:
-    """Opens and aborts steps; a checkpoint is a path."""
+    """Exports no weights, opens and aborts steps; a checkpoint is a path."""
+
+    async def export_weights(self):
+        return 0, {}
 
     async def begin_step(self, step): ...
 

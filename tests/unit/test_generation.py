@@ -442,8 +442,34 @@ def test_build_generator_needs_an_eos_token():
         (dict(stop_token_ids=[], pad_token_id=0, batch_size=4), r"^HFGenerator\.stop_token_ids: at least one"),
         (dict(stop_token_ids=[1], pad_token_id=-1, batch_size=4), r"^HFGenerator\.pad_token_id: -1 is outside"),
         (dict(stop_token_ids=[1], pad_token_id=0, batch_size=0), r"^HFGenerator\.batch_size: must be >= 1"),
+        (
+            dict(stop_token_ids=[1], pad_token_id=0, batch_size=4, chunk_tokens=0),
+            r"^HFGenerator\.chunk_tokens: must be",
+        ),
     ],
 )
 def test_hf_generator_rejects_bad_arguments(kwargs, message):
     with pytest.raises(ValueError, match=message):
         HFGenerator(small_model(), **kwargs)
+
+
+def test_the_hf_generator_scores_in_the_trainer_s_logprob_chunks(monkeypatch):
+    """Episodes are scored with ``trainer.logprob_chunk_tokens``, the memory bound a train step keeps."""
+    import asyncrl.generation.hf as hf
+    from asyncrl.config import load_config
+
+    config = load_config(None, ["trainer.logprob_chunk_tokens=3", "generation.batch_size=4"])
+    built = hf.build_hf_generator(config, small_model(), TOKENIZER, [TOKENIZER.eos_token_id])
+    seen = []
+
+    def recording(*args, chunk_tokens, **kwargs):
+        seen.append(chunk_tokens)
+        return token_logprobs(*args, chunk_tokens=chunk_tokens, **kwargs)
+
+    token_logprobs = hf.token_logprobs
+    monkeypatch.setattr(hf, "token_logprobs", recording)
+    sequences = [TOKENIZER.encode(p) for p in PROMPTS]
+    scored = built.score(sequences, SamplingParams(max_new_tokens=4))
+    assert seen and set(seen) == {3}
+    whole = generator().score(sequences, SamplingParams(max_new_tokens=4))  # the default chunk: the same numbers
+    assert [x for row in scored for x in row] == pytest.approx([x for row in whole for x in row], abs=1e-5)

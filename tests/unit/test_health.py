@@ -99,3 +99,16 @@ def test_a_replayed_run_does_not_repeat_what_it_said():
     health = RunHealth(CONFIG)
     assert [w.warning for w in health.replay(records[:4])] == ["turns_cut"]
     assert health.observe(records[4]) == []
+
+
+def test_lag_pinned_counts_every_eviction_of_its_window_the_first_step_s_included():
+    at_bound = {"lag_mean": 1.0}
+    first_step_only = [healthy(step, evicted_groups=4, **at_bound) for step in range(1, 4)]
+    assert "4 groups were evicted" in warnings_of(first_step_only)["lag_pinned"]["message"]
+    one_step = load_config(None, ["logging.health_window=1", "sampler.name=windowed", "sampler.max_lag=1"])
+    rising = [healthy(step, evicted_groups=4 * step, **at_bound) for step in range(1, 4)]
+    assert warnings_of(rising, one_step)["lag_pinned"]["step"] == 1
+    evicted_before = [healthy(s, evicted_groups=4) for s in range(1, 4)] + [
+        healthy(s, evicted_groups=4, **at_bound) for s in range(4, 8)
+    ]
+    assert "lag_pinned" not in warnings_of(evicted_before)  # at the bound only once evictions had stopped

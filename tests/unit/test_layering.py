@@ -32,6 +32,7 @@ PLANTED = {
     "payloads": ("asyncrl.runtime.payloads", "asyncrl.trainer.worker"),
     "grpo": ("asyncrl.algorithms.grpo", "asyncrl.models.logprobs"),
     "models": ("asyncrl.models.logprobs", "asyncrl.algorithms.grpo"),
+    "pretrained": ("asyncrl.pretrained.gguf", "asyncrl.trainer.worker"),
 }
 
 

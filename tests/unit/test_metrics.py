@@ -312,7 +312,14 @@ def test_step_record_is_a_function_of_its_inputs():
         num_microbatches=2,
         metrics={"clip_fraction": 0.1, "is_weight_mean": 1.0, "mismatch_kl": 0.0, "kl": 0.5},
     )
-    data = StepData(num_groups=2, num_samples=8, reward_sum=4.0, reward_sq_sum=4.0, lag_histogram=Counter({0: 1, 2: 1}))
+    data = StepData(
+        num_groups=2,
+        num_samples=8,
+        num_scored_samples=8,
+        reward_sum=4.0,
+        reward_sq_sum=4.0,
+        lag_histogram=Counter({0: 1, 2: 1}),
+    )
     sync = SyncReport(version=3, pause_s=0.5, transfer_s=0.25, bytes=100, transport="in_process")
     counters = metrics.RunCounters(
         refill_groups_total=1, evicted_groups=2, skipped_prompts=3, step_retries=4, nonfinite_steps=5, empty_steps=6

@@ -21,7 +21,7 @@ from asyncrl.metrics import MetricsWriter, read_jsonl
 from asyncrl.models.tokenizer import build_char_tokenizer
 from asyncrl.rollout.episode import EpisodeLimits, MultiTurn, turn_seed
 from asyncrl.sample_view import at_step, read_samples, show
-from asyncrl.samples import as_text, spread
+from asyncrl.samples import as_text, scores, spread
 from asyncrl.types import Rollout, StepData
 
 TOKENIZER = build_char_tokenizer(chat=True)
@@ -135,6 +135,39 @@ def test_the_trainer_stamps_each_sample_with_its_step_and_advantage_and_none_whe
     ]
 
 
+def step_record_of(data: StepData) -> dict:
+    from asyncrl import metrics
+    from asyncrl.types import StepReport, StepResult
+    from asyncrl.weights.sync import SyncReport
+
+    report = StepReport(
+        StepResult(version=3, loss=0.0, grad_norm=0.0, lr=1e-3, num_sequences=0, num_tokens=0, num_microbatches=0), data
+    )
+    sync = SyncReport(version=3, pause_s=0.0, transfer_s=0.0, bytes=0, transport="in_process")
+    return metrics.step_record(report, sync, metrics.RunCounters(0, 0, 0, 0, 0, 0), metrics.StepClock(), 1.0, 1.0, 1)
+
+
+def test_a_failed_group_is_marked_failed_and_left_out_of_the_step_s_reward_and_accuracy():
+    scored, failed = make_groups(0, count=2, n=4)
+    scored.rewards, failed.rewards = torch.tensor([1.0, 1.0, 0.0, 1.0]), torch.zeros(4)
+    scored.correct, failed.correct = scored.rewards.clone(), torch.zeros(4)
+    for group in (scored, failed):
+        group.samples = [{"prompt_uid": group.prompt_uid, "sample": 0}]
+    data = StepData()
+    data.add(scored, 2, advantages=torch.tensor([0.5, 0.5, -1.5, 0.5]))
+    data.add(failed, 2, advantages=None, failed=True)
+    assert [g["failed"] for g in data.groups] == [False, True]
+    assert [r["failed"] for r in data.samples] == [False, True]
+    step = step_record_of(data)
+    assert step["reward_mean"] == step["accuracy"] == 0.75  # the failed group's zeros are not scores
+    view = scores(record(advantage=None, failed=True))
+    assert "failed (a reward raised: not trained)" in view and "filtered" not in view
+    data = StepData()
+    data.add(failed, 2, advantages=None, failed=True)
+    step = step_record_of(data)
+    assert step["reward_mean"] is None and step["accuracy"] is None
+
+
 def test_a_steps_samples_are_spread_over_its_groups_first():
     samples = [{"prompt_uid": uid, "sample": i} for uid in "abc" for i in range(2)]
     assert [(r["prompt_uid"], r["sample"]) for r in spread(samples, 4)] == [("a", 0), ("b", 0), ("c", 0), ("a", 1)]
@@ -203,6 +236,16 @@ def test_the_samples_command_prints_the_step_asked_for(tmp_path, capsys):
     assert "early" in out and "late" not in out
 
 
+def with_message(index, **changes):
+    """A record as JSON whose message ``index`` (0-based) has ``changes``."""
+    base = record()
+    base["messages"][index] = {**base["messages"][index], **changes}
+    return json.dumps(base)
+
+
+CALLS_SHAPE = "not a list of tool calls (objects whose function is an object with a string name)"
+
+
 @pytest.mark.parametrize(
     ("lines", "message"),
     [
@@ -213,6 +256,34 @@ def test_the_samples_command_prints_the_step_asked_for(tmp_path, capsys):
         ([json.dumps(record(split="test"))], "record 1 has split 'test'"),
         ([json.dumps({**record(), "messages": [{"content": "x"}]})], "record 1 has a message that is not an object"),
         ([json.dumps(record(step=4))], "--step: "),
+        (
+            [json.dumps(record()), with_message(1, tool_calls=5)],
+            f"record 2 message 2: 'tool_calls' is {CALLS_SHAPE}",
+        ),
+        (
+            [with_message(1, tool_calls=[{"function": "lookup"}])],
+            f"record 1 message 2: 'tool_calls' is {CALLS_SHAPE}",
+        ),
+        ([with_message(1, tool_calls=[{"function": {"name": 3}}])], "message 2: 'tool_calls' is not a list"),
+        ([with_message(1, tool_calls=["lookup"])], "record 1 message 2: 'tool_calls' is not a list"),
+        ([with_message(2, content={"text": "ba"})], "record 1 message 3: 'content' is not a string or null"),
+        ([with_message(3, tokens="6")], "record 1 message 4: 'tokens' is not an integer"),
+        ([with_message(3, finish_reason=None)], "record 1 message 4: 'finish_reason' is not a string"),
+        ([with_message(1, text=["<call w>"])], "record 1 message 2: 'text' is not a string"),
+        ([with_message(2, name=7)], "record 1 message 3: 'name' is not a string or null"),
+        ([json.dumps(record(sample="0"))], "record 1: 'sample' is not an integer"),
+        ([json.dumps(record(answer=7))], "record 1: 'answer' is not a string"),
+        (
+            [json.dumps(record(reward_parts={"format": "1"}))],
+            "record 1: 'reward_parts' is not an object of numbers",
+        ),
+        ([json.dumps(record(reward_parts=[1.0]))], "record 1: 'reward_parts' is not an object of numbers"),
+        ([json.dumps(record(correct="yes"))], "record 1: 'correct' is not true or false"),
+        ([json.dumps(record(advantage="-0.25"))], "record 1: 'advantage' is not a number or null"),
+        ([json.dumps(record(failed=1))], "record 1: 'failed' is not true or false"),
+        ([json.dumps(record(versions=3))], "record 1: 'versions' is not a list of integers"),
+        ([json.dumps(record(tokens={"prompt": "9"}))], "record 1: 'tokens' is not an object of integers"),
+        ([json.dumps(record(reward=True))], "record 1 has no 'reward' that is a number"),
     ],
 )
 def test_a_bad_run_directory_or_samples_file_is_one_line_and_exit_code_2(tmp_path, capsys, lines, message):
@@ -221,4 +292,17 @@ def test_a_bad_run_directory_or_samples_file_is_one_line_and_exit_code_2(tmp_pat
         run_dir.mkdir()
         if lines:
             (run_dir / "samples.jsonl").write_text("\n".join(lines) + "\n")
-    assert message in error(capsys, "samples", str(run_dir), "--step", "3")
+    shown = error(capsys, "samples", str(run_dir), "--step", "3")
+    assert message in shown
+    if "record" in message:
+        assert shown.startswith(f"{run_dir / 'samples.jsonl'}: record ")
+
+
+def test_the_records_of_a_run_keep_the_shape_the_view_reads_and_odd_calls_still_mirror_as_text(tmp_path):
+    run_dir = write_samples(tmp_path / "run", [record(), record(advantage=None, failed=True, reward_parts={})])
+    assert len(read_samples(run_dir)) == 2
+    odd = record(messages=[{"role": "assistant", "content": None, "tool_calls": 5}])
+    assert "-> call" not in as_text(odd)  # an environment's message mirrored as it came
+    calls = [{"function": "lookup"}, "search", {"name": "calc", "arguments": "1+1"}]
+    text = as_text(record(messages=[{"role": "assistant", "content": "", "tool_calls": calls}]))
+    assert "-> call lookup" in text and "-> call search" in text and "-> call calc(1+1)" in text
