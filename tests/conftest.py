@@ -7,14 +7,29 @@ and the skip says so.
 Runs on ``runtime.name: ray`` find Ray connected and use this cluster; a runtime never shuts down
 a cluster it did not start. At the end of the session the cluster is shut down and no Ray server
 process it started may remain.
+
+The suite runs on two pytest-xdist workers (``-n 2 --dist loadgroup``): each worker has its own
+session, and so its own cluster, and every test that uses the vLLM server carries the ``vllm``
+xdist group, so one worker starts it.
 """
 
 import logging
 import os
+import uuid
 from pathlib import Path
 
 import pytest
-from helpers import ray_server_processes, skip_gpu_tests, vllm_processes, wait_for_exit, wait_until_gone
+from helpers import (
+    SESSION_VARIABLE,
+    ray_server_processes,
+    skip_gpu_tests,
+    vllm_processes,
+    wait_for_exit,
+    wait_until_gone,
+)
+
+# Each pytest process (each worker of a parallel run) marks the processes its tests start.
+os.environ[SESSION_VARIABLE] = f"{os.getpid()}-{uuid.uuid4().hex}"
 
 
 def pytest_collection_modifyitems(config, items):

@@ -5,6 +5,7 @@ Every test folder imports it as ``from helpers import ...`` (``tests/`` is on ``
 pyproject.toml). It holds no tests and no fixtures (fixtures live in ``tests/conftest.py``).
 """
 
+import os
 import random
 import time
 from collections.abc import Callable
@@ -117,12 +118,30 @@ ROOT = TESTS.parent
 RAY_SERVERS = ("raylet", "gcs_server")
 
 
+# tests/conftest.py sets this in each pytest process's environment, so every process a test starts
+# (Ray's servers, a vLLM server and its engine) inherits it. The probes below count only processes
+# that carry the session's value: parallel pytest workers, or other runs on the machine, each see
+# their own.
+SESSION_VARIABLE = "ASYNCRL_TEST_SESSION"
+
+
 def _processes() -> list[Path]:
-    return [entry for entry in Path("/proc").iterdir() if entry.name.isdigit()]
+    """This session's processes: those whose environment holds this session's value."""
+    session = f"{SESSION_VARIABLE}={os.environ[SESSION_VARIABLE]}".encode()
+    entries = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            if session in (entry / "environ").read_bytes().split(b"\0"):
+                entries.append(entry)
+        except OSError:  # the process ended while we looked, or is another user's
+            pass
+    return entries
 
 
 def ray_server_processes() -> set[int]:
-    """Process ids of Ray's server processes (raylet, gcs_server) on this machine."""
+    """Process ids of the Ray server processes (raylet, gcs_server) this test session started."""
     pids = set()
     for entry in _processes():
         try:
@@ -144,13 +163,13 @@ def _command_lines() -> dict[int, str]:
 
 
 def dashboard_command_lines() -> list[list[str]]:
-    """The command lines of Ray's dashboard processes on this machine."""
+    """The command lines of the Ray dashboard processes this test session started."""
     argvs = [line.split("\0") for line in _command_lines().values()]
     return [argv for argv in argvs if any(arg.endswith("dashboard/dashboard.py") for arg in argv)]
 
 
 def vllm_processes() -> set[int]:
-    """Process ids of vLLM servers asyncrl started, and of their engine and worker processes."""
+    """Process ids of the vLLM servers this test session started, and of their engine and worker processes."""
     return {pid for pid, line in _command_lines().items() if "vllm_server.py" in line or line.startswith("VLLM::")}
 
 

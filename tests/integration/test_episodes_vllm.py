@@ -13,7 +13,7 @@ from asyncrl.metrics import read_jsonl
 from asyncrl.models.tokenizer import build_char_tokenizer
 from asyncrl.rollout.episode import OBSERVATION_VERSION, EpisodeLimits, MultiTurn
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200), pytest.mark.xdist_group("vllm")]
 
 
 def digit_turns(vllm_generator, environment, turns, prompts, seeds, max_new_tokens):

@@ -24,6 +24,7 @@ LORA_VLLM = [
     "sampler.max_lag=1",
     "trainer.device=cpu",
 ]  # 3 adapter slots
+pytestmark = pytest.mark.xdist_group("vllm")  # one worker sets up the vLLM environment and serves
 PROMPTS = ["1+1=", "12+30=", "7*8=", "(3+4)*2="]
 PARAMS = SamplingParams(max_new_tokens=12)
 

@@ -53,7 +53,7 @@ from asyncrl.weights.fingerprint import fingerprint
 from asyncrl.workers import build_rollout_worker
 
 # The first test to use the server may also create the vLLM environment (3 to 5 minutes).
-pytestmark = pytest.mark.timeout(1200)
+pytestmark = [pytest.mark.timeout(1200), pytest.mark.xdist_group("vllm")]  # one worker starts the server
 
 TOKENIZER = build_char_tokenizer()
 DEFAULT = dict(hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=512)  # model: defaults
