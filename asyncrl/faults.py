@@ -52,6 +52,7 @@ def inject_trainer_faults(worker: Any, faults: FaultsConfig) -> Any:
         or faults.nonfinite_steps
         or faults.kill_in_checkpoint is not None
         or faults.duplicate_microbatch
+        or faults.slow_module_s
     ):
         return FaultyTrainerWorker(worker, faults)
     return worker
@@ -116,13 +117,15 @@ class FaultyRolloutWorker(_Wrapper):
 
 
 class FaultyTrainerWorker(_Wrapper):
-    """Fails a step's first attempt, poisons its gradients, dies inside a checkpoint write, or
-    trains a micro-batch twice."""
+    """Fails a step's first attempt, poisons its gradients, dies inside a checkpoint write,
+    trains a micro-batch twice, or makes every micro-batch slow."""
 
     def __init__(self, worker: Any, faults: FaultsConfig) -> None:
         super().__init__(worker, faults)
         if faults.duplicate_microbatch:
             worker.trainer = _TrainsFirstMicrobatchTwice(worker.trainer)
+        if faults.slow_module_s:
+            _slow_down(worker.trainer.model, faults.slow_module_s)
         self.step: int | None = None
         self.failed_steps: set[int] = set()
 
@@ -150,6 +153,19 @@ class FaultyTrainerWorker(_Wrapper):
         # The tokenizer is written after the weights and before the state and the rename: die there.
         self.worker.tokenizer = _KilledAfterSaving(self.worker.tokenizer)
         return self.worker.save_checkpoint(run_dir, step, *args, **kwargs)
+
+
+def _slow_down(model: torch.nn.Module, seconds: float) -> None:
+    """Each module holding parameters of its own sleeps before a forward that records gradients
+    (a train micro-batch; scoring and a generator's copy of the model run without)."""
+
+    def sleep(module: torch.nn.Module, args: tuple) -> None:
+        if torch.is_grad_enabled():
+            time.sleep(seconds)
+
+    for module in model.modules():
+        if any(True for _ in module.parameters(recurse=False)):
+            module.register_forward_pre_hook(sleep)
 
 
 class _TrainsFirstMicrobatchTwice:

@@ -61,6 +61,12 @@ class FaultsConfig(Section):
         default_factory=list, description="train steps whose gradients are made NaN, on every attempt"
     )
     slow_sync_s: float = Field(0.0, ge=0.0, description="every weight load into a generator first sleeps this long")
+    slow_module_s: float = Field(
+        0.0,
+        ge=0.0,
+        description="every module of the trainer's model that holds parameters of its own sleeps this long before "
+        "a forward that records gradients: a micro-batch as slow as a real model's",
+    )
     slow_sync_from: int = Field(
         0,
         ge=0,

@@ -47,7 +47,7 @@ import time
 from collections.abc import Awaitable, Sequence
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from asyncrl.config import ConfigError, RunConfig, dump_config
 from asyncrl.control.buffer import ReplayBuffer
@@ -82,6 +82,7 @@ from asyncrl.weights.sync import SyncReport, SyncTimeoutError, WeightLoadError, 
 if TYPE_CHECKING:
     from asyncrl.types import RolloutBatch, StepReport
 
+T = TypeVar("T")
 STATE_VERSION = 2
 ABORT_TIMEOUT_S = 60.0  # a trainer too stuck to abort its step within this is left behind
 
@@ -454,7 +455,7 @@ class SingleController:
         await self.trainer.begin_step(version)
         if self.state.step_groups:
             self.watchdog.waiting["train loop"] = f"trainer.train_groups, rerunning step {version}"
-            await self.trainer.train_groups(self._vouched_for(self.state.step_groups, version))
+            await self._trainer_call(self.trainer.train_groups(self._vouched_for(self.state.step_groups, version)))
         while await self._next_chunk(version):
             pass
         if not self.state.step_groups:
@@ -463,7 +464,7 @@ class SingleController:
         self._failures(version)
         self.watchdog.waiting["train loop"] = f"trainer.finish_step({version})"
         busy_start = time.perf_counter()
-        report = await self.trainer.finish_step()
+        report = await self._trainer_call(self.trainer.finish_step())
         self.clock.train_s += time.perf_counter() - busy_start
         self.guard.record("loss_counts", report.result.count_error)  # checked by the trainer, before its update
         return report
@@ -494,7 +495,7 @@ class SingleController:
         self.changes.notify()
         self.watchdog.waiting["train loop"] = f"trainer.train_groups ({len(groups)} groups of step {version})"
         busy_start = time.perf_counter()
-        await self.trainer.train_groups(self._vouched_for(groups, version))
+        await self._trainer_call(self.trainer.train_groups(self._vouched_for(groups, version)))
         self.clock.train_s += time.perf_counter() - busy_start
         self.watchdog.progressed()
         return True
@@ -588,6 +589,11 @@ class SingleController:
             ]
         )
         return bool(prompts)
+
+    async def _trainer_call(self, call: Awaitable[T]) -> T:
+        """A train-step call a signal does not wait for: the trainer drops it at its next module
+        and the step is aborted, its groups kept for the stop checkpoint (``Interrupts.abandonable``)."""
+        return await self.interrupts.abandonable(call, self.trainer.abandon, self.version, ABORT_TIMEOUT_S)
 
     async def _abort_step(self) -> None:
         """Abort the trainer's open step; bounded, since the trainer may be what is stuck."""

@@ -27,6 +27,10 @@ class TrainerHandle(Protocol):
 
     def abort_step(self) -> Awaitable[None]: ...
 
+    def abandon(self) -> Awaitable[None]:
+        """Make the call in flight drop the open step at its next module, beside the queued calls
+        (a single rank; several finish it); the ``abort_step`` after it puts the step back."""
+
     def export_weights(self) -> Awaitable[tuple[int, Any]]:
         """(version, weights): a state dict, or a runtime's reference to one."""
 

@@ -2,8 +2,10 @@
 
 The first signal is noted, shown and announced on ``Changes``; the loops stop at their next safe
 point (``check``) and every long wait (``interruptible``) is abandoned at once, so the stop
-checkpoint never waits for running generation. A second signal is not caught any more, so it ends
-the process the default way. Signals are caught only on the main thread, where asyncio can.
+checkpoint never waits for running generation; a train step's call in flight is told to give up
+(``abandonable``), so it does not wait for a micro-batch either. A second signal is not caught any
+more, so it ends the process the default way. Signals are caught only on the main thread, where
+asyncio can.
 """
 
 from __future__ import annotations
@@ -38,17 +40,46 @@ class Interrupts:
         that can last as long as a generation batch (a weight sync, a checkpoint's drain, an
         evaluation queued behind a batch)."""
         work = asyncio.ensure_future(awaitable)
+        await self._done_or_signalled(work)
+        if not work.done():
+            work.cancel()
+            self.check(version)
+        return work.result()
+
+    async def abandonable(
+        self, awaitable: Awaitable[T], abandon: Callable[[], Awaitable[None]], version: int, timeout_s: float
+    ) -> T:
+        """``awaitable``'s result, for work a signal should not wait for (a train step's call that
+        runs for minutes on a real model). On a signal ``abandon()`` asks the worker to drop it,
+        and the work's own outcome decides: work that finished anyway returns its result (a
+        trainer's optimizer update is never abandoned, so the version it made is kept), work that
+        raised, or still runs after ``timeout_s``, gives ``RunInterrupted``."""
+        work = asyncio.ensure_future(awaitable)
+        await self._done_or_signalled(work)
+        if not work.done():
+            try:
+                async with asyncio.timeout(timeout_s):
+                    await abandon()
+                    await asyncio.wait([work])
+            except TimeoutError:
+                pass
+            if not work.done():
+                work.cancel()
+                self.check(version)
+        if work.cancelled() or work.exception() is not None:
+            self.check(version)  # else it failed on its own, before any signal: raised as it is
+        return work.result()
+
+    async def _done_or_signalled(self, work: asyncio.Future) -> None:
+        """Return once ``work`` is done or a signal has arrived; cancelled, cancel ``work`` too."""
         signalled = asyncio.ensure_future(self._changes.wait_for(lambda: self.signum is not None))
         try:
             await asyncio.wait([work, signalled], return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:
+            work.cancel()
+            raise
         finally:
             signalled.cancel()
-            signal_came_first = not work.done()
-            if signal_came_first:
-                work.cancel()
-        if signal_came_first:
-            self.check(version)
-        return work.result()
 
     @contextlib.contextmanager
     def handled(self) -> Iterator[None]:

@@ -111,6 +111,10 @@ class Generator(Protocol):
         """The fingerprint of the weights it serves (``asyncrl.weights.fingerprint``), read back
         from its own model after the last load; None: it cannot tell."""
 
+    def abandon(self) -> None:
+        """The run is ending: make a call in flight give up soon, and every later call fail.
+        Called from another thread, before ``close``."""
+
     def close(self) -> None:
         """Release what the generator holds (a server, threads, files); safe to call twice."""
 
@@ -129,6 +133,9 @@ class GeneratorBase:
     def fingerprint(self) -> str | None:
         """None: the weight sync cannot check what this backend serves (docs/integrity.md)."""
         return None
+
+    def abandon(self) -> None:
+        """Nothing to give up early: a call in flight runs to its end (or its own deadline)."""
 
     def close(self) -> None:
         """Nothing to release: a backend holding a server, threads or files stops them here."""

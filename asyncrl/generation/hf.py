@@ -22,6 +22,7 @@ two agree to floating-point tolerance whatever the sampling settings.
 from __future__ import annotations
 
 import inspect
+import threading
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
@@ -30,6 +31,7 @@ from torch import Tensor
 from transformers import PreTrainedModel
 
 from asyncrl.generation.base import GeneratorBase, SampleRequest, SamplingParams, check_vocabulary
+from asyncrl.models.abandon import Abandoned
 from asyncrl.models.factory import DTYPES
 from asyncrl.models.logprobs import (
     DEFAULT_CHUNK_TOKENS,
@@ -114,6 +116,7 @@ class HFGenerator(GeneratorBase):
         self.batch_size = batch_size
         self.version = 0
         self._targets = dict(targets) if targets is not None else self.model.state_dict()  # a sync copies into them
+        self._abandoned = threading.Event()
         # transformers 5.24 renamed the forward's ``past_key_values`` to ``cache``; a GPU image may hold an older one.
         self._cache_name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
@@ -128,6 +131,15 @@ class HFGenerator(GeneratorBase):
         for start in range(0, len(requests), self.batch_size):
             rollouts += self._generate_chunk(requests[start : start + self.batch_size], params)
         return rollouts
+
+    def abandon(self) -> None:
+        """The decoding loop and the scorer check it at every token and every chunk: a stopping
+        run's shutdown does not wait for a batch that takes minutes on a real model."""
+        self._abandoned.set()
+
+    def _check_abandoned(self) -> None:
+        if self._abandoned.is_set():
+            raise Abandoned("generation was abandoned: the run is stopping")
 
     def load_weights(self, state_dict: Mapping[str, Tensor], version: int) -> None:
         """Copy every tensor into the model (strictly: same names, same shapes), then set ``version``.
@@ -164,6 +176,7 @@ class HFGenerator(GeneratorBase):
         distribution = SampledDistribution(params.temperature, params.top_k, params.top_p)
         scores: list[list[float]] = []
         for start in range(0, len(sequences), self.batch_size):
+            self._check_abandoned()
             chunk = sequences[start : start + self.batch_size]
             width = max(len(s) for s in chunk)
             input_ids = torch.full((len(chunk), width), self.pad_token_id, dtype=torch.long)
@@ -195,6 +208,7 @@ class HFGenerator(GeneratorBase):
         position_ids = position_ids_from_mask(attention_mask)
         next_ids, cache, steps = input_ids, None, 0
         while steps < params.max_new_tokens and len(active):
+            self._check_abandoned()
             output = self.model(
                 input_ids=next_ids,
                 attention_mask=attention_mask,

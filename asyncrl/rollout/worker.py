@@ -119,6 +119,10 @@ class RolloutWorker:
         num_tokens = sum(_sampled_tokens(r) for r in rollouts)
         return RolloutBatch(groups, num_tokens, time.perf_counter() - start, failed=failed)
 
+    def abandon(self) -> None:
+        """The run is ending: the generator gives up the batch in flight (``Generator.abandon``)."""
+        self.generator.abandon()
+
     def close(self) -> None:
         """Release what the generator and the episodes hold (a server it started, environment threads)."""
         close = getattr(self.episodes, "close", None)  # a multi-turn runner's environment threads

@@ -49,10 +49,15 @@ class LocalHandle:
         return "load_weights" in getattr(self.worker, "unordered_methods", ())
 
     def shutdown(self, timeout_s: float = SHUTDOWN_TIMEOUT_S) -> None:
-        """Drop queued calls and wait up to ``timeout_s`` for the running ones (a call still running
-        then is left to its daemon thread), then ``close()`` the worker if it has one (a
-        generator's server); later calls raise RuntimeError."""
+        """Tell the worker to give up its running call (``abandon()``, where it has one: a train
+        step or a generation batch ends at its next module or token), drop queued calls and wait
+        up to ``timeout_s`` for the running ones (a call still running then is left to its daemon
+        thread), then ``close()`` the worker if it has one (a generator's server); later calls
+        raise RuntimeError."""
         deadline = time.monotonic() + timeout_s
+        abandon = getattr(self.worker, "abandon", None)
+        if callable(abandon):
+            abandon()
         self._executor.shutdown(timeout_s)
         self._unordered.shutdown(max(0.0, deadline - time.monotonic()))
         close = getattr(self.worker, "close", None)

@@ -2,9 +2,9 @@
 
 The controller sees the same handles as on the local runtime: ``handle.method(*args)`` submits at
 once and returns an awaitable, and calls to one actor run in submission order (one caller, a
-synchronous actor, one call at a time), except the methods a rollout worker lists in
-``unordered_methods`` (an in-flight weight load): they run in a concurrency group of their own,
-beside the queued calls. Three things differ from threads in one process:
+synchronous actor, one call at a time), except the methods a worker lists in
+``unordered_methods`` (a rollout worker's in-flight weight load, a trainer's ``abandon``):
+they run in a concurrency group of their own, beside the queued calls. Three things differ from threads in one process:
 
 - workers are built inside their actors by picklable module-level factories, never pickled from
   the driver; a factory that raises surfaces as the same exception the local runtime would raise;
@@ -47,7 +47,7 @@ from asyncrl.weights.broadcast import BroadcastError, BroadcastMember, Layout, R
 
 logger = logging.getLogger(__name__)
 
-UNORDERED = "unordered"  # a rollout-worker actor's concurrency group for its worker's unordered methods
+UNORDERED = "unordered"  # an actor's concurrency group for its worker's unordered methods
 SOCKET_INTERFACES = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")  # where gloo and NCCL's bootstrap bind
 
 
@@ -423,7 +423,7 @@ class RayRuntime:
         self.generators: list[RayHandle] = []
         self.trainer_ranks: list[RayHandle] = []
         self.actors: list[Any] = []
-        self.builds: list[tuple[RayHandle | None, Any]] = []  # (a generator's handle, its build): ``ready``
+        self.builds: list[tuple[RayHandle, Any]] = []  # (a handle, its build): ``ready``
         self.trainer_nodes: list[str] = []  # the node address of each trainer rank, when they form a group
         self.connected = not ray.is_initialized()
         if self.connected:
@@ -440,8 +440,7 @@ class RayRuntime:
                 configure_logging=True,
                 **options,
             )
-        self._worker_actor = ray.remote(WorkerActor)
-        self._generator_actor = ray.remote(concurrency_groups={UNORDERED: 1})(WorkerActor)
+        self._worker_actor = ray.remote(concurrency_groups={UNORDERED: 1})(WorkerActor)
         self._controller_actor = ray.remote(ControllerActor)
 
     def spawn_generators(self, factory: Callable[[], Any], count: int) -> list[RayHandle]:
@@ -450,7 +449,7 @@ class RayRuntime:
         Like ``spawn_trainer_ranks`` it returns once the builds are under way, so the actors of
         both kinds start together; ``ready`` waits for them and raises a build's error."""
         actors = [
-            self._generator_actor.options(
+            self._worker_actor.options(
                 num_cpus=self.cfg.generator_cpus,
                 num_gpus=self.cfg.generator_gpus,
                 max_restarts=self.cfg.generator_restarts,
@@ -482,18 +481,19 @@ class RayRuntime:
             addresses = resolve([actor.node_address.remote() for actor in actors])
             self.trainer_nodes = [ip for ip, _ in addresses]
             init_method = "tcp://{}:{}".format(*addresses[0])
-        self.builds += [
-            (None, actor.build.remote(build_rank(rank, init_method), rank)) for rank, actor in enumerate(actors)
-        ]
         ranks = [
             RayHandle(actor, f"trainer rank {rank}", died=TrainerRankDiedError) for rank, actor in enumerate(actors)
+        ]
+        self.builds += [
+            (handle, handle.actor.build.remote(build_rank(rank, init_method), rank))
+            for rank, handle in enumerate(ranks)
         ]
         self.trainer_ranks += ranks
         return ranks
 
     def ready(self) -> None:
-        """Wait until every spawned worker is built; a factory that raised raises here. A generator's
-        handle learns its worker's unordered methods (a trainer rank's calls all stay in order).
+        """Wait until every spawned worker is built; a factory that raised raises here. Each handle
+        learns its worker's unordered methods (a generator's in-flight load, a trainer's abandon).
         With ``broadcast``, trainer rank 0 and the rollout workers then form its group."""
         builds, self.builds = self.builds, []
         try:
@@ -501,8 +501,7 @@ class RayRuntime:
         except ProcessGroupError as err:  # the trainer ranks' group did not form
             raise _group_error(err, self.trainer_nodes) from None
         for (handle, _), unordered in zip(builds, built):
-            if handle is not None:
-                handle.unordered = unordered
+            handle.unordered = unordered
         if self.broadcast is not None and self.trainer_ranks:
             self.connect_broadcast(self.trainer_ranks[0], self.generators, *self.broadcast)
 

@@ -53,6 +53,9 @@ class TrainerGroup:
     def abort_step(self) -> Awaitable[None]:
         return self._call("abort_step")
 
+    def abandon(self) -> Awaitable[None]:
+        return self._call("abandon")
+
     def export_weights(self) -> Awaitable[tuple[int, dict]]:
         return self._call("export_weights")
 

@@ -22,6 +22,12 @@ each take their shard of it). Ranks train in rounds of dp micro-batches: a round
 its micro-batches are full, and the step's last round takes whatever is left. A rank that has no
 micro-batch in a round trains a padding micro-batch of zero weight instead, so every rank makes the
 same forward and backward calls, which FSDP and the context-parallel attention run collectives in.
+
+A stop does not wait for the step in flight on a single rank: ``abandon`` (an unordered
+method, run beside the queued calls) makes the running forward or backward raise at its next
+module (models/abandon.py), so the ``abort_step`` queued behind it runs within seconds whatever a
+micro-batch costs. Several ranks are not abandoned that way, since one rank leaving a collective
+its peers are in would hang them: they finish the call in flight first.
 Packing and the step's bookkeeping (StepData) read only a group's metadata, and a group's tensors
 are fetched (``RemoteGroup.fetch()``, a group held in an object store) only by the ranks whose
 micro-batches hold its sequences, so rank 0 reports the whole step while fetching only its share.
@@ -29,6 +35,7 @@ micro-batches hold its sequences, so rank 0 reports the whole step while fetchin
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 from functools import partial
@@ -49,6 +56,7 @@ from asyncrl.checkpoint import read_weights, save_checkpoint
 from asyncrl.config import IntegrityConfig, StepConfig
 from asyncrl.generation.base import sample_seed
 from asyncrl.integrity import IntegrityGuard
+from asyncrl.models.abandon import AbandonSwitch
 from asyncrl.models.lora import check_base, is_lora, read_adapter, save_adapter
 from asyncrl.trainer.policy import PolicyTrainer
 from asyncrl.types import ProbeGap, RolloutGroup, StepData, StepReport, TrainBatch
@@ -107,6 +115,11 @@ class TrainerWorker:
         # K mini-batches or E passes: the step is collected first, then trained update by update
         self.collect = step_cfg.num_minibatches * step_cfg.num_epochs > 1
         self.exported: Sample | None = None  # a sample of the last weights exported (rank 0)
+        self._switch: AbandonSwitch | None = None
+        if trainer.parallel is None or trainer.parallel.dp * trainer.parallel.cp == 1:
+            self._switch = AbandonSwitch("the train step")
+            self._switch.attach(trainer.model)
+        self.unordered_methods = ("abandon",)
         self._reset_step()
 
     def _reset_step(self) -> None:
@@ -124,11 +137,20 @@ class TrainerWorker:
         return self.trainer.version
 
     def begin_step(self, step: int) -> None:
+        if self._switch is not None:
+            self._switch.clear()
         self.trainer.begin_train_step(step)
         self._reset_step()
 
+    def _watched(self) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext() if self._switch is None else self._switch.watching()
+
     def train_groups(self, groups: Sequence[RolloutGroup]) -> int:
         """Add a chunk of the step; trains every full round. Returns sequences received so far."""
+        with self._watched():
+            return self._train_groups(groups)
+
+    def _train_groups(self, groups: Sequence[RolloutGroup]) -> int:
         for group in groups:
             failed = self.guarded and bool(group.reward_errors)  # a failure is never trained as a number
             filtered = not failed and self.step_cfg.filter_zero_variance and not group.informative
@@ -152,12 +174,13 @@ class TrainerWorker:
     def finish_step(self) -> StepReport:
         """Train the last round (what is left, the partial micro-batch included), then normalize,
         clip and step (V += 1). The result counts the micro-batches of the whole step."""
-        if self.collect:
-            self._train_minibatches()
-        else:
-            last_round = self._full + ([self._partial] if self._partial else [])
-            if last_round:
-                self._train_round(last_round)
+        with self._watched():
+            if self.collect:
+                self._train_minibatches()
+            else:
+                last_round = self._full + ([self._partial] if self._partial else [])
+                if last_round:
+                    self._train_round(last_round)
         result = self.trainer.finish_train_step()
         report = StepReport(result=replace(result, num_microbatches=self._num_microbatches), data=self._data)
         self._reset_step()
@@ -166,6 +189,14 @@ class TrainerWorker:
     def abort_step(self) -> None:
         self.trainer.abort_train_step()
         self._reset_step()
+        if self._switch is not None:
+            self._switch.clear()
+
+    def abandon(self) -> None:
+        """Make the call in flight on this single rank drop its step at its next module; the
+        ``abort_step`` that follows puts the step back (several ranks: nothing, see above)."""
+        if self._switch is not None:
+            self._switch.set()
 
     def export_weights(self, device: str | None = "cpu") -> tuple[int, dict[str, Tensor]]:
         """(version, whole weights on ``device``, None: where they are) on rank 0; other ranks

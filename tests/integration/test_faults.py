@@ -13,7 +13,7 @@ import time
 
 import pytest
 import torch
-from helpers import SMALL, TESTS, run
+from helpers import SMALL, TESTS, deterministic, run
 
 from asyncrl.checkpoint import load_state, resolve_checkpoint
 from asyncrl.cli import main
@@ -282,6 +282,40 @@ def test_a_signal_checkpoints_the_run_and_exits_128_plus_signal(tmp_path, signum
     checkpoint = resolve_checkpoint(tmp_path / "run")
     assert checkpoint.name == f"step-{step:06d}" and load_state(checkpoint)["run"]["version"] == step
     assert len(read_jsonl(metrics)) == step
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_signal_in_a_minute_long_step_checkpoints_within_seconds_and_the_resumed_run_is_identical(tmp_path):
+    """``faults.slow_module_s=1`` makes each train micro-batch take about 21 s (the small model has 21
+    modules with parameters), so a step of 3 micro-batches takes over a minute, as on a real model.
+    SIGTERM arrives inside the first step: the trainer abandons the micro-batch at its next module
+    and aborts the step, so the checkpoint is on disk within 10 s and the process exits within 60
+    s; resumed without the fault, the run writes what an uninterrupted one does."""
+    process = start_cli(tmp_path, "run", "faults.slow_module_s=1", "checkpoint.every_steps=null")
+    evals = tmp_path / "run" / "eval.jsonl"
+    deadline = time.monotonic() + 120
+    while not (evals.exists() and read_jsonl(evals)):
+        assert process.poll() is None and time.monotonic() < deadline, process.communicate()
+        time.sleep(0.2)
+    time.sleep(5)  # the first step's first micro-batch is 21 s long
+    process.send_signal(signal.SIGTERM)
+    signalled = time.monotonic()
+    manifest = tmp_path / "run" / "checkpoints" / "step-000000" / "manifest.json"
+    while not manifest.exists() and time.monotonic() < signalled + 60:
+        time.sleep(0.05)
+    checkpointed = time.monotonic() - signalled
+    _, err = process.communicate(timeout=120)
+    exited = time.monotonic() - signalled
+    assert process.returncode == 128 + signal.SIGTERM, err
+    assert err.strip().splitlines()[-1].startswith("error: interrupted by SIGTERM at step 0")
+    assert checkpointed < 10 and exited < 60, (checkpointed, exited)
+    assert load_state(manifest.parent)["run"]["step_groups"], "the aborted step's groups were not kept"
+    assert not (tmp_path / "run" / "metrics.jsonl").exists() or not read_jsonl(tmp_path / "run" / "metrics.jsonl")
+    _, clean, clean_groups = run(tmp_path, "clean")
+    summary, resumed, resumed_groups = run(tmp_path, "run", "faults.slow_module_s=0", resume=tmp_path / "run")
+    assert summary["steps"] == 4
+    assert deterministic(resumed) == deterministic(clean) and resumed_groups == clean_groups
 
 
 WAITS_ON_WORKERS = {  # the train loop waits behind a rollout worker's call: the method entered, the call that hangs

@@ -184,10 +184,10 @@ class LoadWaiter:
 
 
 @pytest.mark.slow
-def test_a_rollout_workers_unordered_methods_run_beside_its_calls_and_a_trainer_ranks_in_order(ray_cluster):
-    """A weight load submitted after a call that waits for it: on a rollout-worker actor whose
-    worker lists ``load_weights`` as unordered it runs during that call; otherwise, and always on a
-    trainer rank's actor, after it."""
+def test_a_workers_unordered_methods_run_beside_its_calls_on_rollout_and_trainer_actors(ray_cluster):
+    """A weight load submitted after a call that waits for it: on an actor whose worker lists
+    ``load_weights`` as unordered it runs during that call (a rollout worker's in-flight load, a
+    trainer rank's ``abandon``); otherwise after it."""
     import asyncio
 
     import ray
@@ -206,11 +206,14 @@ def test_a_rollout_workers_unordered_methods_run_beside_its_calls_and_a_trainer_
         [inflight] = runtime.spawn_generators(partial(LoadWaiter, True), 1)
         [ordered] = runtime.spawn_generators(partial(LoadWaiter, False), 1)
         [rank] = runtime.spawn_trainer_ranks(lambda rank, init: partial(LoadWaiter, True), 1)
+        [ordered_rank] = runtime.spawn_trainer_ranks(lambda rank, init: partial(LoadWaiter, False), 1)
         runtime.ready()
-        assert (inflight.unordered, ordered.unordered, rank.unordered) == (("load_weights",), (), ())
+        unordered = (inflight.unordered, ordered.unordered, rank.unordered, ordered_rank.unordered)
+        assert unordered == (("load_weights",), (), ("load_weights",), ())
         assert asyncio.run(load_during_wait(inflight, 60.0))
         assert not asyncio.run(load_during_wait(ordered, 1.0))
-        assert not asyncio.run(load_during_wait(rank, 1.0))
+        assert asyncio.run(load_during_wait(rank, 60.0))
+        assert not asyncio.run(load_during_wait(ordered_rank, 1.0))
     finally:
         runtime.shutdown()
 

@@ -328,6 +328,9 @@ class FakeTrainer:
     def abort_step(self) -> asyncio.Future:
         return self.scheduler.submit("trainer", self._abort_step)
 
+    async def abandon(self) -> None:
+        """Unordered, as on a runtime: nothing here runs long enough to abandon."""
+
     def export_weights(self) -> asyncio.Future:
         return self.scheduler.submit("trainer", lambda: (self.version, WEIGHTS))
 

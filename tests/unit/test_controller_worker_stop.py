@@ -48,6 +48,8 @@ class IdleTrainer:
 
     async def abort_step(self): ...
 
+    async def abandon(self): ...
+
     async def save_checkpoint(self, run_dir, step, run_state, keep_last):
         return CHECKPOINT
 

@@ -184,13 +184,14 @@ def test_a_generator_lacking_capabilities_is_refused_and_generator_base_gives_th
     with pytest.raises(ValueError) as refused:
         build_generator(config, model, tokenizer)
     assert str(refused.value) == (
-        "generation.backend.name: 'my_parts:Bare' built a Bare without close, concurrent_calls, fingerprint, "
+        "generation.backend.name: 'my_parts:Bare' built a Bare without abandon, close, concurrent_calls, fingerprint, "
         "loads_while_generating, score of the Generator protocol; derive it from asyncrl.generation.GeneratorBase, which gives every "
         "capability its default (docs/generation.md)"
     )
     based = build_generator(load_config(None, [*SMALL, "generation.backend.name=my_parts:Based"]), model, tokenizer)
     assert not based.loads_while_generating and not based.concurrent_calls
     assert based.score([[1, 2]], None) is None and based.close() is None and based.fingerprint() is None
+    assert based.abandon() is None
 
 
 def test_lora_needs_a_backend_that_declares_it_takes_adapters(my_parts, capsys, tmp_path, monkeypatch):
