@@ -18,8 +18,8 @@ def test_readme_opens_with_the_install_and_test_commands():
     commands = re.findall(r"```bash\n(.*?)```", README.read_text(), flags=re.S)
     assert commands[0].strip() == "pip install -e . && asyncrl train"
     assert (
-        commands[1].strip()
-        == 'pip install -e ".[test]" && ruff format --check && ruff check && lint-imports && python -m pytest'
+        commands[1].strip() == 'pip install -e ".[test]" && ruff format --check && ruff check && lint-imports '
+        "&& python -m pytest -n 2 --dist loadgroup"
     )
     ci = (README.parent / ".ci" / "run").read_text()
     assert commands[1].strip() in ci
