@@ -112,7 +112,7 @@ class Generator(Protocol):
         from its own model after the last load; None: it cannot tell."""
 
     def abandon(self) -> None:
-        """The run is ending: make a call in flight give up soon, and every later call fail.
+        """The run is ending: make the call in flight give up soon (a later call runs as usual).
         Called from another thread, before ``close``."""
 
     def close(self) -> None:

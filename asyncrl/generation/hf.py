@@ -127,6 +127,7 @@ class HFGenerator(GeneratorBase):
     def generate(self, requests: Sequence[SampleRequest], params: SamplingParams) -> list[Rollout]:
         """One Rollout per request, in request order."""
         check_vocabulary(requests, self.vocab_size)
+        self._abandoned.clear()
         rollouts: list[Rollout] = []
         for start in range(0, len(requests), self.batch_size):
             rollouts += self._generate_chunk(requests[start : start + self.batch_size], params)
@@ -134,7 +135,8 @@ class HFGenerator(GeneratorBase):
 
     def abandon(self) -> None:
         """The decoding loop and the scorer check it at every token and every chunk: a stopping
-        run's shutdown does not wait for a batch that takes minutes on a real model."""
+        run's shutdown does not wait for a batch that takes minutes on a real model. Each call
+        clears it as it starts, so it ends only the call in flight."""
         self._abandoned.set()
 
     def _check_abandoned(self) -> None:
@@ -174,6 +176,7 @@ class HFGenerator(GeneratorBase):
         their order and the weights alone. Multi-turn episodes take their logprobs from here,
         since the batches their turns were sampled in depend on when environments answered."""
         distribution = SampledDistribution(params.temperature, params.top_k, params.top_p)
+        self._abandoned.clear()
         scores: list[list[float]] = []
         for start in range(0, len(sequences), self.batch_size):
             self._check_abandoned()
