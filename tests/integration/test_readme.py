@@ -16,9 +16,10 @@ def test_readme_python_examples_run():
 
 def test_readme_opens_with_the_install_and_test_commands():
     commands = re.findall(r"```bash\n(.*?)```", README.read_text(), flags=re.S)
-    assert commands[0].strip() == "pip install -e . && asyncrl train"
+    assert commands[0].strip() == "pip install -e . torch==2.13.0 && asyncrl train"
     assert (
-        commands[1].strip() == 'pip install -e ".[test]" && ruff format --check && ruff check && lint-imports '
+        commands[1].strip()
+        == 'pip install -e ".[test]" torch==2.13.0 && ruff format --check && ruff check && lint-imports '
         "&& python -m pytest -n 2 --dist loadgroup"
     )
     ci = (README.parent / ".ci" / "run").read_text()
