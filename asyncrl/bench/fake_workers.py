@@ -99,6 +99,9 @@ class DelayTrainerWorker:
     def abort_step(self) -> None:
         self.data = StepData()
 
+    def abandon(self) -> None:
+        """Nothing to abandon early: a delay runs to its end (a stop waits at most for it)."""
+
     def export_weights(self) -> tuple[int, dict[str, torch.Tensor]]:
         return self.version, self.weights
 

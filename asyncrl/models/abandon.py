@@ -36,9 +36,18 @@ class AbandonSwitch:
     def attach(self, model: nn.Module) -> None:
         """Check the switch before the forward of each of ``model``'s modules, and in backward at
         the gradient of each module's output."""
+
+        # Plain functions, not bound methods: ``copy.deepcopy`` copies a function by reference, so a
+        # copy of the model stays copyable (the switch holds locks) and carries inert hooks.
+        def before_forward(module: nn.Module, args: tuple) -> None:
+            self._before_forward()
+
+        def after_forward(module: nn.Module, args: tuple, output: object) -> None:
+            self._after_forward(output)
+
         for module in model.modules():
-            module.register_forward_pre_hook(self._before_forward)
-            module.register_forward_hook(self._after_forward)
+            module.register_forward_pre_hook(before_forward)
+            module.register_forward_hook(after_forward)
 
     def set(self) -> None:
         """Abandon the watched call running now, and every watched call until ``clear``."""
@@ -64,11 +73,11 @@ class AbandonSwitch:
     def _watched(self) -> bool:
         return getattr(self._local, "watching", False)
 
-    def _before_forward(self, module: nn.Module, args: tuple) -> None:
+    def _before_forward(self) -> None:
         if self._watched() and self._event.is_set():
             raise Abandoned(f"{self.what} was abandoned: the run is stopping")
 
-    def _after_forward(self, module: nn.Module, args: tuple, output: object) -> None:
+    def _after_forward(self, output: object) -> None:
         if not (self._watched() and torch.is_grad_enabled()):
             return
         outputs = output if isinstance(output, (tuple, list)) else (output,)

@@ -1,6 +1,7 @@
 """Abandoning a running forward, backward or generation from another thread (models/abandon.py),
 and the local runtime's shutdown that asks its workers to (runtime/local.py)."""
 
+import copy
 import threading
 import time
 
@@ -64,6 +65,17 @@ def test_a_watched_backward_stops_at_the_next_module_output_gradient():
         with pytest.raises(Abandoned, match="abandoned in backward"):
             loss.backward()
     assert model[0].weight.grad is None  # backward never reached the first layer
+
+
+def test_a_model_carrying_the_hooks_still_deep_copies_and_its_copy_runs_unwatched():
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+    switch = AbandonSwitch("the train step")
+    switch.attach(model)
+    twin = copy.deepcopy(model)  # an in-process generator's copy, a frozen reference
+    switch.set()
+    twin(torch.randn(2, 8)).sum().backward()  # its users never run it under this switch's watch
+    with switch.watching(), pytest.raises(Abandoned):
+        model(torch.randn(2, 8))
 
 
 def test_the_switch_leaves_unwatched_forwards_and_forwards_after_clear_alone():
