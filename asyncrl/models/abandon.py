@@ -56,10 +56,6 @@ class AbandonSwitch:
     def clear(self) -> None:
         self._event.clear()
 
-    @property
-    def is_set(self) -> bool:
-        return self._event.is_set()
-
     @contextlib.contextmanager
     def watching(self) -> Iterator[None]:
         """Run the block's forwards and backwards (on this thread) under the switch."""

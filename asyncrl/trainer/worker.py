@@ -22,15 +22,15 @@ each take their shard of it). Ranks train in rounds of dp micro-batches: a round
 its micro-batches are full, and the step's last round takes whatever is left. A rank that has no
 micro-batch in a round trains a padding micro-batch of zero weight instead, so every rank makes the
 same forward and backward calls, which FSDP and the context-parallel attention run collectives in.
+Packing and the step's bookkeeping (StepData) read only a group's metadata, and a group's tensors
+are fetched (``RemoteGroup.fetch()``, a group held in an object store) only by the ranks whose
+micro-batches hold its sequences, so rank 0 reports the whole step while fetching only its share.
 
 A stop does not wait for the step in flight on a single rank: ``abandon`` (an unordered
 method, run beside the queued calls) makes the running forward or backward raise at its next
 module (models/abandon.py), so the ``abort_step`` queued behind it runs within seconds whatever a
 micro-batch costs. Several ranks are not abandoned that way, since one rank leaving a collective
 its peers are in would hang them: they finish the call in flight first.
-Packing and the step's bookkeeping (StepData) read only a group's metadata, and a group's tensors
-are fetched (``RemoteGroup.fetch()``, a group held in an object store) only by the ranks whose
-micro-batches hold its sequences, so rank 0 reports the whole step while fetching only its share.
 """
 
 from __future__ import annotations
