@@ -3,8 +3,9 @@
 The controller sees the same handles as on the local runtime: ``handle.method(*args)`` submits at
 once and returns an awaitable, and calls to one actor run in submission order (one caller, a
 synchronous actor, one call at a time), except the methods a worker lists in
-``unordered_methods`` (a rollout worker's in-flight weight load, a trainer's ``abandon``):
-they run in a concurrency group of their own, beside the queued calls. Three things differ from threads in one process:
+``unordered_methods`` (a rollout worker's in-flight weight load, a trainer's ``abandon``): they
+run in a concurrency group of their own, beside the queued calls. Three things differ from
+threads in one process:
 
 - workers are built inside their actors by picklable module-level factories, never pickled from
   the driver; a factory that raises surfaces as the same exception the local runtime would raise;
