@@ -9,7 +9,18 @@ from __future__ import annotations
 import signal
 from pathlib import Path
 
-from asyncrl.weights.sync import SyncTimeoutError
+
+class SyncTimeoutError(RuntimeError):
+    """A phase of a weight sync did not finish within ``sync.timeout_s``. ``trainer_healthy``:
+    False when the trainer's export was what hung, so nothing more should be asked of it."""
+
+    def __init__(self, message: str, *, trainer_healthy: bool = True) -> None:
+        super().__init__(message)
+        self.trainer_healthy = trainer_healthy
+
+
+class WeightLoadError(RuntimeError):
+    """A generator failed to load a version, after whatever restarts its backend makes itself."""
 
 
 class RunStopped(RuntimeError):

@@ -17,7 +17,7 @@ import re
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -30,8 +30,7 @@ from asyncrl.config import LoggingConfig
 from asyncrl.samples import SAMPLES_FILE, as_text
 
 if TYPE_CHECKING:
-    from asyncrl.types import StepReport, StepResult
-    from asyncrl.weights.sync import SyncReport
+    from asyncrl.types import StepReport, StepResult, SyncReport
 
 TIMING_PREFIX = "time/"
 METRICS_FILE = "metrics.jsonl"
@@ -103,6 +102,13 @@ class StepClock:
     generated_tokens: int = 0
     train_s: float = 0.0
     train_wait_s: float = 0.0
+
+    def lap(self) -> StepClock:
+        """What was counted since the last lap; the clock starts again from zero."""
+        lap = replace(self)
+        self.generation_s = self.train_s = self.train_wait_s = 0.0
+        self.generated_tokens = 0
+        return lap
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ padding. Per-token tensors are aligned with ``input_ids``: position t describes 
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
 
 import torch
@@ -462,3 +462,33 @@ class ProbeGap:
     max: float
     tokens: int
     noise: float | None = None
+
+
+@dataclass(frozen=True)
+class SyncReport:
+    """One weight sync (control/weight_sync.py): how long the gate stayed closed, how the weights
+    moved, and what each generator serves after it."""
+
+    version: int
+    pause_s: float  # gate closed: no new rollouts admitted
+    transfer_s: float  # export from the trainer + load into every generator
+    bytes: int
+    transport: str  # in_process, object_store or broadcast (runtime/ray.py); failed, interrupted: see failed()
+    # What each generator serves after its load (None: cannot tell), and what the trainer exported,
+    # by dtype (weights/fingerprint.py): the evidence the integrity guard's ``weights`` check reads.
+    served: tuple[str | None, ...] = ()
+    exported: Mapping[str, str] = field(default_factory=dict)
+
+    def fingerprint_mismatches(self) -> list[int]:
+        """The generators whose fingerprint is not the export's in the dtype they hold it in."""
+        return [
+            index
+            for index, served in enumerate(self.served)
+            if served is not None and self.exported.get(served.split(":", 1)[0]) != served  # "<dtype>:<hex>"
+        ]
+
+    @classmethod
+    def failed(cls, held_version: int, seconds: float, transport: str = "failed") -> SyncReport:
+        """A sync that stopped the run (it ``failed``, or a signal ``interrupted`` it): the step
+        before it is still logged, with this in its place."""
+        return cls(version=held_version, pause_s=seconds, transfer_s=seconds, bytes=0, transport=transport)

@@ -25,8 +25,8 @@ from typing import Any
 
 from asyncrl.bench.common import QUICK_RUN
 from asyncrl.config import load_config
-from asyncrl.control.controller import SingleController
 from asyncrl.generation import HFGenerator
+from asyncrl.integrity.group_checks import GroupChecks
 from asyncrl.integrity.sync_checks import SyncChecks
 from asyncrl.metrics import read_jsonl
 from asyncrl.run import train
@@ -34,13 +34,13 @@ from asyncrl.trainer import worker as trainer_worker
 from asyncrl.trainer.policy import PolicyTrainer
 from asyncrl.trainer.worker import TrainerWorker
 
-# Every function a guarded run adds to a step: the controller's checks of each group and of the
-# step, the trainer's count of what each update must sum and its check before each update; the
-# weight sync's fingerprints (the trainer's sample of its export, its digests, the generator's
+# Every function a guarded run adds to a step: the group checks of each group and of the step,
+# the trainer's count of what each update must sum and its check before each update; the weight
+# sync's fingerprints (the trainer's sample of its export, its digests, the generator's
 # read-back) and its checks, the sampling probe included (``SyncChecks.__call__``, a coroutine).
 GUARD_WORK = (
-    (SingleController, "_vouched_for"),
-    (SingleController, "_failures"),
+    (GroupChecks, "vouched_for"),
+    (GroupChecks, "failures"),
     (TrainerWorker, "_expect_counts"),
     (PolicyTrainer, "_check_counts"),
     (trainer_worker, "sample"),

@@ -39,7 +39,7 @@ GOALS = {"peak_rss_full_over_lora": 2.0, "sync_bytes_full_over_lora": 100.0, "st
 
 def measure(workload: Workload, rank: int) -> dict[str, Any]:
     """One setting (``rank`` 0: full fine-tuning) in this process: its step, sync, checkpoint and peak RSS."""
-    from asyncrl.weights.sync import state_dict_bytes
+    from asyncrl.weights.size import state_dict_bytes
 
     tokenizer, trainer, generator = _setting(workload, rank)
     steps, weights = _timed_steps(workload, trainer, generator)

@@ -20,11 +20,11 @@ from asyncrl.bench.common import runtime_session, spawn_pair
 from asyncrl.config import StepConfig, TrainerConfig
 from asyncrl.control.changes import Changes
 from asyncrl.control.gate import RolloutGate
+from asyncrl.control.weight_sync import WeightSync
 from asyncrl.generation.hf import HFGenerator
 from asyncrl.models import build_tiny_model
 from asyncrl.trainer.policy import PolicyTrainer
 from asyncrl.trainer.worker import TrainerWorker
-from asyncrl.weights.sync import WeightSync
 
 VOCAB = 256
 # name -> tiny model shape; the names are the approximate parameter counts.

@@ -1,7 +1,8 @@
-"""The control side: the controller and what it keeps the books with.
+"""The control side: the controller and the components it drives.
 
-Nothing here touches a model. The controller moves metadata between the replay buffer, the
-staleness sampler and the workers' handles; dynamic sampling (refill) is its own object. The
-rollout gate (gate.py), which admission and weight syncs share, and ``Changes`` (changes.py), the
-one thing every loop waits on, are the controller's too; weights/sync.py drives the gate.
+Nothing here touches a model. The controller (controller.py) runs the train loop and moves
+metadata between the replay buffer, the staleness sampler and the workers' handles; the rollout
+loop (rollout_loop.py), the weight sync (weight_sync.py) and dynamic sampling (refill.py) are each
+a component of their own. The rollout gate (gate.py), which admission and weight syncs share, and
+``Changes`` (changes.py), the one thing every loop waits on, sit below them all.
 """

@@ -1,5 +1,5 @@
 """RolloutGate: the controller's admission control, the only place admission and weight versions
-meet. The rollout loop admits under ``gate.version``; a weight sync (weights/sync.py) closes the
+meet. The rollout loop admits under ``gate.version``; a weight sync (weight_sync.py) closes the
 gate, waits on it and reopens it at the new version; checkpoints close it too.
 """
 

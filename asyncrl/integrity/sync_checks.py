@@ -20,19 +20,29 @@ before the rollout gate reopens, so no rollout is admitted on weights that faile
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Awaitable, Sequence
+from typing import TYPE_CHECKING, Protocol
 
 from asyncrl.config import IntegrityConfig
-from asyncrl.control.handles import RolloutHandle, TrainerHandle
 from asyncrl.data import Prompt
 from asyncrl.integrity.guard import IntegrityGuard
 
 if TYPE_CHECKING:
-    from asyncrl.types import ProbeGap
-    from asyncrl.weights.sync import SyncReport
+    from asyncrl.types import ProbeGap, RolloutGroup, SyncReport
 
 FULL_PRECISION = ("float32", "float64")
+
+
+class ProbedGenerator(Protocol):
+    """What the sampling probe asks of a generator's handle (``RolloutHandle`` has it)."""
+
+    def probe(self, prompts: Sequence[Prompt], version: int) -> Awaitable[RolloutGroup]: ...
+
+
+class ProbeScorer(Protocol):
+    """What the sampling probe asks of the trainer's handle (``TrainerHandle`` has it)."""
+
+    def probe_gap(self, group: RolloutGroup) -> Awaitable[ProbeGap]: ...
 
 
 class SyncChecks:
@@ -40,8 +50,8 @@ class SyncChecks:
         self,
         guard: IntegrityGuard,
         config: IntegrityConfig,
-        trainer: TrainerHandle,
-        generators: Sequence[RolloutHandle],
+        trainer: ProbeScorer,
+        generators: Sequence[ProbedGenerator],
         probe_prompts: Sequence[Prompt],
         version: int,
     ) -> None:

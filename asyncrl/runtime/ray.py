@@ -188,7 +188,7 @@ class WorkerActor:
     def export_weights(self, broadcast: bool = False) -> tuple[tuple[int, int], Any]:
         """((version, bytes), rank 0's weights, or the ``Layout`` of their broadcast once it has
         started). Every rank takes part: FSDP gathers."""
-        from asyncrl.weights.sync import state_dict_bytes
+        from asyncrl.weights.size import state_dict_bytes
 
         if not broadcast:
             if self.member is not None:

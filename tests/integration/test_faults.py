@@ -18,17 +18,18 @@ from helpers import SMALL, TESTS, deterministic, run
 from asyncrl.checkpoint import load_state, resolve_checkpoint
 from asyncrl.cli import main
 from asyncrl.control.controller import SingleController
+from asyncrl.control.weight_sync import WeightSync
 from asyncrl.errors import (
     EvaluationFailedError,
     NonFiniteStepsError,
     RunInterrupted,
     StallError,
+    SyncTimeoutError,
     TrainStepError,
     WeightLoadFailedError,
 )
 from asyncrl.faults import FaultyRolloutWorker
 from asyncrl.metrics import read_jsonl, strip_timing
-from asyncrl.weights.sync import SyncTimeoutError, WeightSync
 
 pytestmark = pytest.mark.slow
 COUNTERS = ("step_retries", "skipped", "nonfinite_steps", "skipped_prompts", "rollout_retries", "loss", "grad_norm")
@@ -135,7 +136,7 @@ def test_a_pending_prompt_missing_from_the_resumed_split_is_a_one_line_error():
     """A resumed run takes each pending prompt back from its train split by uid; a split that lacks
     it (or holds other text under that uid) means the data settings changed since the checkpoint."""
     from asyncrl.config import ConfigError
-    from asyncrl.control.controller import _job_from_state
+    from asyncrl.control.rollout_loop import _job_from_state
     from asyncrl.data import Prompt
 
     saved = {

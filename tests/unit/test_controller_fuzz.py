@@ -218,9 +218,9 @@ class Scheduler:
 def check_slot_accounting(controller: SingleController) -> None:
     """Between the loops' steps: every in-flight job holds exactly one reserved slot."""
     reserved = controller.buffer.num_reserved
-    assert controller.gate.in_flight == reserved == len(controller.jobs), (
+    assert controller.gate.in_flight == reserved == len(controller.rollouts.jobs), (
         f"slot accounting: {controller.gate.in_flight} in flight, {reserved} reserved slots, "
-        f"{len(controller.jobs)} jobs"
+        f"{len(controller.rollouts.jobs)} jobs"
     )
 
 
@@ -526,7 +526,7 @@ def fuzz_once(sampler_cls: type, scenario: Scenario, buffer_cls: type = CheckedB
         skipped_prompts=controller.skipped_prompts,
         cancelled_slots=controller.buffer.num_cancelled_total,
         evicted=len(ledger.evicted),
-        data_exhausted=controller.data_exhausted,
+        data_exhausted=controller.rollouts.data_exhausted,
         refills=controller.refills.total,
     )
 
@@ -535,11 +535,11 @@ def check_run(controller: SingleController, ledger: Ledger, steps: int, scenario
     buffer, sampler = controller.buffer, controller.sampler
     assert not ledger.violations, ledger.violations
     assert steps == controller.version == controller.trainer.version
-    assert steps == scenario.max_steps or controller.data_exhausted, f"stopped at step {steps} with data left"
+    assert steps == scenario.max_steps or controller.rollouts.data_exhausted, f"stopped at step {steps} with data left"
 
     # The run is quiet: nothing reserved, pending or waiting for a retry.
     assert buffer.reserved_slots() == [] and controller.gate.in_flight == 0
-    assert controller.jobs == {} and controller.retry_queue == []
+    assert controller.rollouts.jobs == {} and controller.rollouts.retry_queue == []
 
     # Every prompt handed out is trained once, evicted and counted, ready in the buffer, or (when
     # poisoned) skipped and counted. The groups of a failed step are trained when it is rerun.
@@ -590,8 +590,10 @@ def check_run(controller: SingleController, ledger: Ledger, steps: int, scenario
     for step, count in per_step.items():
         assert 1 <= count <= scenario.prompts_per_step + refills[step] and refills[step] <= budget
         assert refills_trained[step] == refills[step], f"refill: step {step} trained {refills_trained[step]} refills"
-        assert count >= scenario.prompts_per_step or controller.data_exhausted, f"step {step} trained {count} groups"
-        if scenario.refill_budget is not None and not controller.data_exhausted:
+        assert count >= scenario.prompts_per_step or controller.rollouts.data_exhausted, (
+            f"step {step} trained {count} groups"
+        )
+        if scenario.refill_budget is not None and not controller.rollouts.data_exhausted:
             full = informative[step] >= scenario.prompts_per_step or refills[step] == budget
             assert full, f"refill: step {step} has {informative[step]} informative groups, {refills[step]} refills"
     assert controller.refills.total == sum(refills.values())

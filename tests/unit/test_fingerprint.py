@@ -13,9 +13,8 @@ from asyncrl.generation import HFGenerator
 from asyncrl.integrity import IntegrityGuard
 from asyncrl.integrity.sync_checks import SyncChecks
 from asyncrl.models import build_char_tokenizer, build_tiny_model
-from asyncrl.types import ProbeGap
+from asyncrl.types import ProbeGap, SyncReport
 from asyncrl.weights.fingerprint import HELD_DTYPES, SAMPLES, Sample, fingerprint, sample
-from asyncrl.weights.sync import SyncReport
 
 TOKENIZER = build_char_tokenizer()
 

@@ -26,8 +26,10 @@ SESSION = {
 PLANTED = {
     "layers": ("asyncrl.control.controller", "asyncrl.run"),
     "workers": ("asyncrl.types", "asyncrl.control.controller"),
-    "control-side": ("asyncrl.weights.sync", "asyncrl.models.tiny"),
-    "gate": ("asyncrl.control.gate", "asyncrl.weights.sync"),
+    "control-side": ("asyncrl.control.weight_sync", "asyncrl.models.tiny"),
+    "gate": ("asyncrl.control.gate", "asyncrl.control.weight_sync"),
+    "integrity": ("asyncrl.integrity.sync_checks", "asyncrl.control.handles"),
+    "weights": ("asyncrl.weights.size", "asyncrl.types"),
     "torch-free": ("asyncrl.control.sampler", "torch"),
     "payloads": ("asyncrl.runtime.payloads", "asyncrl.trainer.worker"),
     "grpo": ("asyncrl.algorithms.grpo", "asyncrl.models.logprobs"),
@@ -63,6 +65,14 @@ def test_a_contract_holds_and_breaks_on_a_planted_import(graph, contract_id):
     importer, imported = PLANTED[contract_id]
     planted.add_import(importer=importer, imported=imported)
     assert not check(contract_id, planted)
+
+
+def test_the_weights_contract_forbids_every_other_module_of_asyncrl():
+    """weights/ may import nothing of asyncrl outside itself: a new top-level module is on the list too."""
+    package = ROOT / "asyncrl"
+    modules = {f"asyncrl.{path.stem}" for path in package.glob("*.py") if path.stem != "__init__"}
+    modules |= {f"asyncrl.{path.parent.name}" for path in package.glob("*/__init__.py")}
+    assert set(CONTRACTS["weights"]["forbidden_modules"]) == modules - {"asyncrl.weights", "asyncrl.__main__"}
 
 
 def test_the_ignored_imports_are_for_annotations_only():

@@ -299,8 +299,7 @@ def test_terminal_mode_renders_bar_numbers_and_status():
 def test_step_record_is_a_function_of_its_inputs():
     from collections import Counter
 
-    from asyncrl.types import StepData, StepReport, StepResult
-    from asyncrl.weights.sync import SyncReport
+    from asyncrl.types import StepData, StepReport, StepResult, SyncReport
 
     result = StepResult(
         version=3,
@@ -332,3 +331,15 @@ def test_step_record_is_a_function_of_its_inputs():
     assert (record["evicted_groups"], record["empty_steps"], record["refill_groups_total"]) == (2, 6, 1)
     assert record["time/tokens_per_s"] == 20.0 and record["time/generation_idle_fraction"] == 0.75
     assert record["time/train_idle_fraction"] == 0.5 and record["time/wall_s"] == 10.0
+
+
+def test_a_step_clock_lap_returns_what_was_counted_and_starts_again_from_zero():
+    from asyncrl.metrics import StepClock
+
+    clock = StepClock()
+    clock.generation_s, clock.generated_tokens, clock.train_s, clock.train_wait_s = 1.5, 7, 2.5, 0.5
+    lap = clock.lap()
+    assert (lap.generation_s, lap.generated_tokens, lap.train_s, lap.train_wait_s) == (1.5, 7, 2.5, 0.5)
+    assert clock == StepClock()
+    clock.train_s += 1.0
+    assert lap.train_s == 2.5 and clock.lap().train_s == 1.0

@@ -137,8 +137,7 @@ def test_the_trainer_stamps_each_sample_with_its_step_and_advantage_and_none_whe
 
 def step_record_of(data: StepData) -> dict:
     from asyncrl import metrics
-    from asyncrl.types import StepReport, StepResult
-    from asyncrl.weights.sync import SyncReport
+    from asyncrl.types import StepReport, StepResult, SyncReport
 
     report = StepReport(
         StepResult(version=3, loss=0.0, grad_norm=0.0, lr=1e-3, num_sequences=0, num_tokens=0, num_microbatches=0), data

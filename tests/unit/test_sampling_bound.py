@@ -10,8 +10,7 @@ from asyncrl.config import IntegrityConfig
 from asyncrl.errors import IntegrityStop
 from asyncrl.integrity import IntegrityGuard
 from asyncrl.integrity.sync_checks import SyncChecks
-from asyncrl.types import ProbeGap
-from asyncrl.weights.sync import SyncReport
+from asyncrl.types import ProbeGap, SyncReport
 
 
 class Generator:

@@ -7,12 +7,13 @@ import time
 import pytest
 import torch
 
+from asyncrl.control import weight_sync as sync_module
 from asyncrl.control.changes import Changes
 from asyncrl.control.gate import RolloutGate
+from asyncrl.control.weight_sync import WeightSync
+from asyncrl.errors import SyncTimeoutError
 from asyncrl.runtime import LocalRuntime
-from asyncrl.weights import sync as sync_module
 from asyncrl.weights.fingerprint import fingerprint, sample
-from asyncrl.weights.sync import SyncTimeoutError, WeightSync
 
 
 class Recorder:

@@ -1,8 +1,8 @@
 """WeightSync: move the trainer's weights into every generator, under the rollout gate.
 
-The gate (``RolloutGate``, control/gate.py: the controller's) is the only place admission and weight versions meet. The rollout loop stamps each
-admitted prompt with ``gate.version`` and dispatches it at once, so "admitted" and "dispatched"
-never drift apart. A sync then:
+The gate (``RolloutGate``, gate.py) is the only place admission and weight versions meet. The
+rollout loop (rollout_loop.py) stamps each admitted prompt with ``gate.version`` and dispatches it
+at once, so "admitted" and "dispatched" never drift apart. A sync then:
 
 1. closes the gate. With a gated sampler (``in_order``, ``weight_fifo``) it first lets the rollout
    loop admit everything the sampler still allows under the old version: that is what makes a
@@ -31,59 +31,15 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import replace
 from typing import Any, Literal
 
 from asyncrl.control.gate import RolloutGate
 from asyncrl.control.handles import RolloutHandle, TrainerHandle
-
-
-class SyncTimeoutError(RuntimeError):
-    """A phase of a weight sync did not finish within ``sync.timeout_s``. ``trainer_healthy``:
-    False when the trainer's export was what hung, so nothing more should be asked of it."""
-
-    def __init__(self, message: str, *, trainer_healthy: bool = True) -> None:
-        super().__init__(message)
-        self.trainer_healthy = trainer_healthy
-
-
-class WeightLoadError(RuntimeError):
-    """A generator failed to load a version, after whatever restarts its backend makes itself."""
-
-
-@dataclass(frozen=True)
-class SyncReport:
-    version: int
-    pause_s: float  # gate closed: no new rollouts admitted
-    transfer_s: float  # export from the trainer + load into every generator
-    bytes: int
-    transport: str  # in_process, object_store or broadcast (runtime/ray.py); failed, interrupted: see failed()
-    # What each generator serves after its load (None: cannot tell), and what the trainer exported,
-    # by dtype (weights/fingerprint.py): the evidence the integrity guard's ``weights`` check reads.
-    served: tuple[str | None, ...] = ()
-    exported: Mapping[str, str] = field(default_factory=dict)
-
-    def fingerprint_mismatches(self) -> list[int]:
-        """The generators whose fingerprint is not the export's in the dtype they hold it in."""
-        return [
-            index
-            for index, served in enumerate(self.served)
-            if served is not None and self.exported.get(served.split(":", 1)[0]) != served  # "<dtype>:<hex>"
-        ]
-
-    @classmethod
-    def failed(cls, held_version: int, seconds: float, transport: str = "failed") -> SyncReport:
-        """A sync that stopped the run (it ``failed``, or a signal ``interrupted`` it): the step
-        before it is still logged, with this in its place."""
-        return cls(version=held_version, pause_s=seconds, transfer_s=seconds, bytes=0, transport=transport)
-
-
-def state_dict_bytes(state: Any) -> int:
-    """Bytes of exported weights: a state dict, or a reference to one that knows its size (``nbytes``)."""
-    if hasattr(state, "nbytes"):
-        return state.nbytes
-    return sum(t.numel() * t.element_size() for t in state.values())
+from asyncrl.errors import SyncTimeoutError, WeightLoadError
+from asyncrl.types import SyncReport
+from asyncrl.weights.size import state_dict_bytes
 
 
 class WeightSync:
