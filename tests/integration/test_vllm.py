@@ -241,7 +241,8 @@ def test_greedy_evaluation_equals_the_hf_backend(vllm_generator):
         torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), rtol=0, atol=1e-5)
 
 
-ATTEMPTS = 3
+ATTEMPTS = 5
+SPANNING_SAMPLES = 8  # 40 sequences of 600 tokens: seconds of decoding, a window a load lands in under load
 
 
 def running_or_done(url: str, worker: threading.Thread) -> bool:
@@ -251,7 +252,7 @@ def running_or_done(url: str, worker: threading.Thread) -> bool:
 def generate_into(client: VLLMGenerator, result: dict) -> None:
     """600 tokens of each request into ``result["r"]``, or the error into ``result["error"]``."""
     try:
-        result["r"] = client.generate(requests(), SamplingParams(600))
+        result["r"] = client.generate(requests(SPANNING_SAMPLES), SamplingParams(600))
     except Exception as err:  # shown by the caller's assertion
         result["error"] = err
 
@@ -270,7 +271,7 @@ def test_an_inflight_update_gives_responses_spanning_two_versions(vllm_generator
         result: dict = {}
         worker = threading.Thread(target=generate_into, args=(endless, result))
         worker.start()
-        # 600 decoding steps take seconds; a load 0.1 s
+        # 600 decoding steps of 40 sequences take seconds; a load 0.1 s
         wait_until(partial(running_or_done, vllm_generator.url, worker), 300, "the batch running")
         if worker.is_alive():
             vllm_generator.load_weights(new.state_dict(), new_version)
