@@ -124,7 +124,7 @@ def test_unparseable_files_with_a_matching_manifest_are_refused_by_the_loaders(t
         ({"trainer": 3}, "state.pt: not an asyncrl run state"),
         (
             "real trainer, foreign run",
-            "the resumed checkpoint's state.pt: holds a state this version of asyncrl cannot load (KeyError: 'data_exhausted')",
+            "the resumed checkpoint's state.pt: holds a state this version of asyncrl cannot load (KeyError: 'num_evicted')",
         ),
     ],
 )
