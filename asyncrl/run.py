@@ -49,7 +49,13 @@ from asyncrl.runtime import Runtime, build_runtime
 from asyncrl.trainer.group import TrainerGroup
 from asyncrl.trainer.optim import resumed_schedule_warning
 from asyncrl.warm_start import warm_start_policy
-from asyncrl.workers import Shared, build_rollout_worker, build_trainer_rank, rollout_worker
+from asyncrl.workers import (
+    Shared,
+    build_rollout_worker,
+    build_trainer_rank,
+    generator_request_bound,
+    rollout_worker,
+)
 
 T = TypeVar("T")
 
@@ -168,9 +174,13 @@ def _start_workers(
 ) -> tuple[TrainerHandle, list[RolloutHandle]]:
     """The trainer and rollout worker handles, built by asyncrl/workers.py's builders wherever the
     runtime places them: a runtime in this process shares the driver's warm-started model,
-    tokenizer, rewards and run parts with them. Rollout workers first: with LoRA their model copies the
+    tokenizer, rewards, run parts and the request bound its backend takes (computed once, here)
+    with them. Rollout workers first: with LoRA their model copies the
     policy's base before the trainer turns the policy into its adapters' base in place."""
-    shared = Shared(built.tokenizer, built.model, built.rewards, built.parts) if runtime.in_process else None
+    shared = None
+    if runtime.in_process:
+        bound = _input(generator_request_bound, config, built.task, built.parts.environment, built.tokenizer)
+        shared = Shared(built.tokenizer, built.model, built.rewards, built.parts, bound)
     resume_from = str(context.checkpoint_dir) if context.checkpoint_dir is not None else None
     generators = _input(
         runtime.spawn_generators,
@@ -362,7 +372,8 @@ def evaluate(config: RunConfig, *, checkpoint: str | Path | None = None) -> dict
     rewards = _input(RewardRunner.from_config, config.rewards, task, config.generation.max_new_tokens)
     generator = worker = None
     try:
-        generator = _input(build_generator, config, model, tokenizer)
+        bound = _input(generator_request_bound, config, task, parts.environment, tokenizer)
+        generator = _input(build_generator, config, model, tokenizer, None, bound)
         worker = _input(rollout_worker, config, parts, generator, rewards, tokenizer)
         result = worker.evaluate(list(task.heldout[: config.data.eval_size]))
     finally:

@@ -4,8 +4,11 @@ The local runtime, the Ray actors, ``asyncrl eval`` and the benchmarks all build
 their copies cannot disagree on the warm start (demonstrations included), the algorithm, the
 in-flight setting or fault injection. A runtime whose workers live in the driver's process
 (``Runtime.in_process``) hands the builders the driver's ``Shared`` objects, its warm-started
-model, tokenizer, rewards and ``RunParts`` (the algorithm, the environment), instead of letting
-each build its own; a worker in a process of its own builds each once there.
+model, tokenizer, rewards, ``RunParts`` (the algorithm, the environment) and the run's request
+bound, instead of letting each build its own; a worker in a process of its own builds each once
+there. This is also where a generator gets the request bound a backend declaring
+``takes_request_bound`` needs (``generator_request_bound``): the backend never builds the task or
+resolves the environment itself.
 """
 
 from __future__ import annotations
@@ -21,14 +24,17 @@ from torch import nn
 
 from asyncrl.checkpoint import STATE_FILE, load_contents, load_state
 from asyncrl.config import RunConfig
-from asyncrl.data import build_task
+from asyncrl.data import Task, build_task
+from asyncrl.data.files import Budget
+from asyncrl.environments.base import EnvironmentPart
 from asyncrl.faults import inject_rollout_faults, inject_trainer_faults
-from asyncrl.generation import Generator, SamplingParams, build_generator
+from asyncrl.generation import Generator, SamplingParams, build_generator, takes_request_bound
 from asyncrl.models.factory import DTYPES, build_model, build_tokenizer, resolve_device
 from asyncrl.models.lora import generator_copy
 from asyncrl.parts import RunParts, build_run_parts
 from asyncrl.rewards import RewardRunner
 from asyncrl.rollout import RolloutWorker
+from asyncrl.rollout.context import request_bound
 from asyncrl.rollout.episode import build_episodes
 from asyncrl.trainer.parallel import ParallelContext, init_parallel, start_rank
 from asyncrl.trainer.policy import PolicyTrainer
@@ -40,12 +46,26 @@ from asyncrl.warm_start import warm_start_policy
 class Shared:
     """The driver's objects that workers in its own process use instead of building their own: the
     policy (already warm-started; a LoRA trainer turns it into its adapters' base in place), its
-    tokenizer, the rewards, and the run's parts."""
+    tokenizer, the rewards, the run's parts, and the request bound its generators' backend takes
+    (``generator_request_bound``: None when it declares none)."""
 
     tokenizer: Any
     model: nn.Module
     rewards: RewardRunner
     parts: RunParts
+    request_bound: tuple[int, Budget] | None = None
+
+
+def generator_request_bound(
+    config: RunConfig, task: Task, environment: EnvironmentPart | None, tokenizer: Any
+) -> tuple[int, Budget] | None:
+    """What ``build_generator`` hands a backend that declares ``takes_request_bound``: the run's
+    longest first request and what a request may add to it (``asyncrl.rollout.context.request_bound``
+    over ``task`` and ``environment``, ``RunParts.environment``), computed here, once; None for any
+    other backend, which nothing is tokenized for."""
+    if not takes_request_bound(config):
+        return None
+    return request_bound(task, config, environment, tokenizer)
 
 
 def build_trainer_rank(
@@ -106,16 +126,18 @@ def build_rollout_worker(config: RunConfig, run_dir: Path | None = None, shared:
     """A rollout worker of the run, fault injection included. Without ``shared`` it builds its own
     model, generator and rewards (the weights come from the trainer before the first batch, so
     the model is not warm-started here); with it, the generator's model is a copy of the
-    driver's (with LoRA, the same base tensors, in memory once) and the rewards are the driver's."""
+    driver's (with LoRA, the same base tensors, in memory once), and the rewards and the request
+    bound are the driver's."""
     if shared is None:
         tokenizer, parts = build_tokenizer(config), build_run_parts(config)
         model = build_model(config, tokenizer)
         task = build_task(config.data, tokenizer)
         rewards = RewardRunner.from_config(config.rewards, task, max_new_tokens=config.generation.max_new_tokens)
+        bound = generator_request_bound(config, task, parts.environment, tokenizer)
     else:
-        tokenizer, rewards, parts = shared.tokenizer, shared.rewards, shared.parts
+        tokenizer, rewards, parts, bound = shared.tokenizer, shared.rewards, shared.parts, shared.request_bound
         model = generator_copy(shared.model, config.lora.rank, DTYPES[config.trainer.dtype])
-    generator = build_generator(config, model, tokenizer, run_dir)
+    generator = build_generator(config, model, tokenizer, run_dir, request_bound=bound)
     return inject_rollout_faults(rollout_worker(config, parts, generator, rewards, tokenizer), config.faults)
 
 

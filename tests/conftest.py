@@ -94,11 +94,16 @@ def vllm_config(vllm_python, tmp_path_factory):
 def vllm_generator(vllm_config):
     """One vLLM server for the session, started through the backend's own code; no vLLM process
     may outlive it."""
+    from asyncrl.data import build_task
+    from asyncrl.environments.base import environment_class
     from asyncrl.generation import build_generator
     from asyncrl.models.factory import build_model, build_tokenizer
+    from asyncrl.workers import generator_request_bound
 
     tokenizer = build_tokenizer(vllm_config)
-    generator = build_generator(vllm_config, build_model(vllm_config, tokenizer), tokenizer)
+    task, environment = build_task(vllm_config.data, tokenizer), environment_class(vllm_config)
+    bound = generator_request_bound(vllm_config, task, environment, tokenizer)
+    generator = build_generator(vllm_config, build_model(vllm_config, tokenizer), tokenizer, request_bound=bound)
     yield generator
     generator.close()
     assert not wait_for_exit(vllm_processes), "vLLM processes outlived the test session"

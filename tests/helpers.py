@@ -5,8 +5,11 @@ Every test folder imports it as ``from helpers import ...`` (``tests/`` is on ``
 pyproject.toml). It holds no tests and no fixtures (fixtures live in ``tests/conftest.py``).
 """
 
+import importlib
 import os
 import random
+import sys
+import textwrap
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -55,6 +58,17 @@ def run(tmp_path, name, *overrides, resume=None):
 def deterministic(records):
     """Metric records without their timings: what two equal runs must agree on exactly."""
     return [strip_timing(r) for r in records]
+
+
+def user_module(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str, source: str):
+    """``source`` written as the module ``name`` in a folder of its own on ``sys.path``, and
+    imported fresh: a user's parts as a run would load them."""
+    folder = tmp_path / "parts"
+    folder.mkdir(exist_ok=True)
+    (folder / f"{name}.py").write_text(textwrap.dedent(source))
+    monkeypatch.syspath_prepend(str(folder))
+    monkeypatch.delitem(sys.modules, name, raising=False)
+    return importlib.import_module(name)
 
 
 def error(capsys, *argv) -> str:

@@ -14,10 +14,13 @@ import time
 from pathlib import Path
 
 from asyncrl.config import load_config
+from asyncrl.data import build_task
+from asyncrl.environments.base import environment_class
 from asyncrl.generation import SampleRequest, SamplingParams, build_generator, sample_seed
 from asyncrl.metrics import read_jsonl
 from asyncrl.models.factory import build_model, build_tokenizer
 from asyncrl.run import train
+from asyncrl.workers import generator_request_bound
 
 SETTINGS = {"short": 16, "long": 256}  # max_new_tokens of each generation setting
 
@@ -27,12 +30,12 @@ def run(*, requests: int, updates: int, train_steps: int) -> list[dict]:
     tokenizer = build_tokenizer(config)
     model = build_model(config, tokenizer)
     batch = [SampleRequest(tokenizer.encode(f"{i}+{i % 7}="), sample_seed(0, str(i), 0)) for i in range(requests)]
+    task, environment = build_task(config.data, tokenizer), environment_class(config)
     rows = []
     for backend in ("hf", "vllm"):
-        backend_config = config.model_copy(
-            update={"generation": config.generation.model_copy(update={"backend": backend})}
-        )
-        generator = build_generator(backend_config, build_model(config, tokenizer), tokenizer)
+        backend_config = load_config(None, [f"generation.backend.name={backend}"])
+        bound = generator_request_bound(backend_config, task, environment, tokenizer)
+        generator = build_generator(backend_config, build_model(config, tokenizer), tokenizer, request_bound=bound)
         try:
             row = {"backend": backend}
             for name, length in SETTINGS.items():

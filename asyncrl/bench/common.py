@@ -119,21 +119,19 @@ def runtime_session(names: tuple[str, ...]) -> Iterator[None]:
 
 
 def spawn_pair(name: str, trainer: Callable[[], Any], generator: Callable[[], Any]) -> tuple[Any, Any, Any]:
-    """(runtime, trainer handle, generator handle) on runtime ``name``; the factories are
-    picklable, since on Ray they run inside the actors."""
-    from asyncrl.config import RuntimeConfig
+    """(runtime, trainer handle, generator handle) on runtime ``name``, as ``asyncrl.runtime.build_runtime``
+    builds it for a run whose ``runtime.name`` is ``name`` (one trainer rank, one rollout worker, a
+    torch thread per op in a Ray actor); the factories are picklable, since on Ray they run inside
+    the actors."""
+    from typing import get_args
 
-    if name == "local":
-        from asyncrl.runtime import LocalRuntime
+    from asyncrl.config import RuntimeConfig, load_config
+    from asyncrl.runtime import build_runtime
 
-        runtime = LocalRuntime()
-        return runtime, runtime.spawn(trainer, "trainer"), runtime.spawn(generator, "generator")
-    if name == "ray":
-        from asyncrl.runtime.ray import RayRuntime
-
-        runtime = RayRuntime(RuntimeConfig(name="ray", torch_threads=1))
-        (trainer_handle,) = runtime.spawn_trainer_ranks(lambda rank, init_method: trainer, 1)
-        (generator_handle,) = runtime.spawn_generators(generator, 1)
-        runtime.ready()
-        return runtime, trainer_handle, generator_handle
-    raise ValueError(f"--runtime: unknown runtime '{name}'")
+    if name not in get_args(RuntimeConfig.model_fields["name"].annotation):
+        raise ValueError(f"--runtime: unknown runtime '{name}'")
+    runtime = build_runtime(load_config(None, [f"runtime.name={name}", "runtime.torch_threads=1"]))
+    (trainer_handle,) = runtime.spawn_trainer_ranks(lambda rank, init_method: trainer, 1)
+    (generator_handle,) = runtime.spawn_generators(generator, 1)
+    runtime.ready()
+    return runtime, trainer_handle, generator_handle

@@ -346,9 +346,12 @@ def _vllm(workload: Workload, device: str) -> dict[str, Any]:
     except VLLMEnvError as err:
         return {"skipped": str(err)}
     from asyncrl.config import load_config
+    from asyncrl.data import build_task
+    from asyncrl.environments.base import environment_class
     from asyncrl.generation import SampleRequest, SamplingParams
     from asyncrl.generation.vllm import build_vllm_generator
     from asyncrl.models.factory import build_tokenizer
+    from asyncrl.rollout.context import request_bound
 
     config = load_config(
         None,
@@ -357,7 +360,9 @@ def _vllm(workload: Workload, device: str) -> dict[str, Any]:
     )  # fmt: skip
     model = _model(workload, device)
     weights = {name: t.to(torch.bfloat16) for name, t in model.state_dict().items()}
-    generator = build_vllm_generator(config, model, build_tokenizer(config), stop_token_ids=[])
+    tokenizer = build_tokenizer(config)
+    bound = request_bound(build_task(config.data, tokenizer), config, environment_class(config), tokenizer)
+    generator = build_vllm_generator(config, model, tokenizer, stop_token_ids=[], request_bound=bound)
     try:
         gen = torch.Generator().manual_seed(0)
         requests = [

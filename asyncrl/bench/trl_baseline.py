@@ -56,7 +56,7 @@ from asyncrl.rewards import RewardRunner
 from asyncrl.rollout import RolloutWorker
 from asyncrl.run import local_torch_threads
 from asyncrl.warm_start import warm_start_policy
-from asyncrl.workers import rollout_worker
+from asyncrl.workers import generator_request_bound, rollout_worker
 
 # token-mean is DAPO's global token mean. TRL's "luspo" sums each sequence's token losses and
 # averages over sequences, which is seq-mean-token-sum as long as ratios stay per token.
@@ -206,7 +206,8 @@ def run_trl(config: RunConfig, *, seed: int, max_steps: int, eval_every_steps: i
     settings = trl_settings(config)
     rewards = RewardRunner.from_config(config.rewards, task)
     # The warm-started model becomes the generator's; TRL trains its own, loaded from init_dir.
-    generator = build_generator(config, model, tokenizer)
+    bound = generator_request_bound(config, task, parts.environment, tokenizer)
+    generator = build_generator(config, model, tokenizer, request_bound=bound)
     evaluator = Evaluator(
         rollout_worker(config.model_copy(update={"seed": seed}), parts, generator, rewards, tokenizer),
         list(task.heldout[: config.data.eval_size]),

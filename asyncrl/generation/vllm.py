@@ -38,7 +38,7 @@ import uuid
 from collections.abc import Mapping, Sequence
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from peft import LoraConfig
@@ -48,17 +48,17 @@ from transformers import PreTrainedModel
 
 from asyncrl.checkpoint import ADAPTER_WEIGHTS_FILE
 from asyncrl.config import RunConfig
-from asyncrl.data import build_task
-from asyncrl.environments.base import environment_class
 from asyncrl.generation.base import GeneratorBase, SampleRequest, SamplingParams, check_vocabulary
 from asyncrl.generation.vllm_env import checked_python
 from asyncrl.generation.vllm_options import VLLMOptions
 from asyncrl.generation.vllm_process import ServerError, VLLMServer, http_json
 from asyncrl.models.lora import adapter_tensors, apply_lora, peft_config
-from asyncrl.rollout.context import request_bound
 from asyncrl.types import Rollout
 from asyncrl.weights.broadcast import BroadcastMember, Rendezvous
 from asyncrl.weights.fingerprint import Sample, fingerprint
+
+if TYPE_CHECKING:
+    from asyncrl.data.files import Budget
 
 SHM = Path("/dev/shm")
 CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256)  # what vLLM's CPU attention implements
@@ -86,6 +86,8 @@ def build_vllm_generator(
     tokenizer,
     stop_token_ids: Sequence[int],
     run_dir: Path | None = None,
+    *,
+    request_bound: tuple[int, Budget],
     **settings: Any,
 ) -> VLLMGenerator:
     """A generator on the options' ``url``, or on a server started from ``model``'s weights;
@@ -93,8 +95,10 @@ def build_vllm_generator(
 
     The model is saved (in the server's dtype) to a temporary directory the server loads at
     start; the server's log goes to ``<run_dir>/vllm/`` (beside the saved model outside a run).
-    Its context holds the run's longest request (``served_context``), and its KV cache at least
-    one such sequence (``server_kv_cache``). A server that does not start (an incompatible
+    Its context holds the run's longest request, ``request_bound`` (the longest first request and
+    what a request may add to it, as ``asyncrl.rollout.context.request_bound`` gives them; the
+    composition root computes it and ``build_generator`` hands it over: ``served_context``), and
+    its KV cache at least one such sequence (``server_kv_cache``). A server that does not start (an incompatible
     environment) is a ValueError naming the ``python`` option and the log's last line.
     """
     cfg = VLLMOptions.model_validate(settings)
@@ -111,7 +115,7 @@ def build_vllm_generator(
     )
     if cfg.url is not None:
         return VLLMGenerator(url=cfg.url, adapters=_adapters(config, model, run_dir), **options)
-    server, weights_path, python = _started_server(config, cfg, model, tokenizer, run_dir, options["collective"])
+    server, weights_path, python = _started_server(config, cfg, model, request_bound, run_dir, options["collective"])
     adapters = _adapters(config, model, run_dir)
     try:
         generator = VLLMGenerator(server=server, weights_path=weights_path, adapters=adapters, **options)
@@ -127,6 +131,7 @@ def build_vllm_generator(
 build_vllm_generator.Options = VLLMOptions  # generation.backend.options
 build_vllm_generator.writes_to_run_dir = True  # the server's log, and the adapters it loads
 build_vllm_generator.takes_lora_adapters = True
+build_vllm_generator.takes_request_bound = True  # the run's longest request sizes a started server's context
 
 
 def _adapters(config: RunConfig, model: PreTrainedModel, run_dir: Path | None) -> ServedAdapters | None:
@@ -148,7 +153,7 @@ def _started_server(
     config: RunConfig,
     cfg: VLLMOptions,
     model: PreTrainedModel,
-    tokenizer,
+    request_bound: tuple[int, Budget],
     run_dir: Path | None,
     collective: str | None,
 ) -> tuple[VLLMServer, Path, str]:
@@ -163,7 +168,7 @@ def _started_server(
             f"supports {list(CPU_HEAD_SIZES)}; change model.hidden_size or model.num_heads"
         )
     dtype = server_dtype(cfg.dtype, config.trainer.dtype, gpu)
-    max_model_len = served_context(config, cfg, tokenizer, model.config.max_position_embeddings)
+    max_model_len = served_context(request_bound, cfg, model.config.max_position_embeddings)
     kv_cache_bytes = server_kv_cache(config, cfg, model.config, dtype, max_model_len, gpu)
     python = checked_python(cfg.python, "gpu" if gpu else "cpu")
     remove_dead_runs_files()
@@ -199,13 +204,14 @@ def server_dtype(setting: str, trainer_dtype: str, gpu: bool) -> str:
     return "float32" if trainer_dtype == "float64" else trainer_dtype
 
 
-def served_context(config: RunConfig, cfg: VLLMOptions, tokenizer, max_positions: int) -> int:
+def served_context(request_bound: tuple[int, Budget], cfg: VLLMOptions, max_positions: int) -> int:
     """The ``max_model_len`` option, else the run's longest request: the task's longest prompt, or with an
     environment its longest templated opening plus the whole episode, then a turn's
-    ``generation.max_new_tokens`` (``asyncrl.rollout.context``). A server sized to the
+    ``generation.max_new_tokens``. ``request_bound`` is that opening's length and the rest's
+    ``Budget``, as ``asyncrl.rollout.context.request_bound`` returns them (the composition root
+    computes it; this module builds no task and resolves no environment). A server sized to the
     model's whole context would need its KV cache for one such sequence."""
-    environment = environment_class(config)  # the server's process resolves it once, here
-    opening, room = request_bound(build_task(config.data, tokenizer), config, environment, tokenizer)
+    opening, room = request_bound
     needed = opening + room.tokens
     length = cfg.max_model_len or needed
     if length > max_positions:

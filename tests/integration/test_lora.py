@@ -148,7 +148,9 @@ def started_workers(tmp_path, monkeypatch, *overrides):
     from asyncrl.runtime.local import LocalRuntime
 
     built = []
-    monkeypatch.setattr(workers, "build_generator", lambda *args: built.append(build_generator(*args)) or built[-1])
+    monkeypatch.setattr(
+        workers, "build_generator", lambda *args, **kwargs: built.append(build_generator(*args, **kwargs)) or built[-1]
+    )
     config = load_config(None, [*SMALL, "trainer.device=cpu", *overrides])
     runtime = LocalRuntime()
     trainer, _ = run_module._start_workers(runtime, config, run_module.RunContext(tmp_path), run_module._build(config))

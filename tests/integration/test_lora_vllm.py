@@ -10,6 +10,8 @@ from helpers import SMALL, vllm_processes, wait_for_exit
 
 from asyncrl.cli import main
 from asyncrl.config import load_config
+from asyncrl.data import build_task
+from asyncrl.environments.base import environment_class
 from asyncrl.generation import SampleRequest, SamplingParams, build_generator
 from asyncrl.generation.vllm import max_lora_rank
 from asyncrl.generation.vllm_process import ServerError, http_json
@@ -17,6 +19,7 @@ from asyncrl.metrics import read_jsonl
 from asyncrl.models import build_model, build_tokenizer, token_logprobs
 from asyncrl.trainer import PolicyTrainer
 from asyncrl.weights.fingerprint import fingerprint
+from asyncrl.workers import generator_request_bound
 
 LORA_VLLM = [
     "generation.backend.name=vllm",
@@ -27,6 +30,11 @@ LORA_VLLM = [
 pytestmark = pytest.mark.xdist_group("vllm")  # one worker sets up the vLLM environment and serves
 PROMPTS = ["1+1=", "12+30=", "7*8=", "(3+4)*2="]
 PARAMS = SamplingParams(max_new_tokens=12)
+
+
+def run_bound(config, tokenizer):
+    """The request bound the composition root hands the vllm backend (it declares takes_request_bound)."""
+    return generator_request_bound(config, build_task(config.data, tokenizer), environment_class(config), tokenizer)
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +48,9 @@ def lora_served(vllm_python, tmp_path_factory):
     tokenizer = build_tokenizer(config)
     model = build_model(config, tokenizer)
     before = vllm_processes()
-    generator = build_generator(config, copy.deepcopy(model), tokenizer, run_dir)
+    generator = build_generator(
+        config, copy.deepcopy(model), tokenizer, run_dir, request_bound=run_bound(config, tokenizer)
+    )
     yield PolicyTrainer.from_config(config, model), tokenizer, generator
     generator.close()
     assert not wait_for_exit(lambda: vllm_processes() - before), "vLLM processes outlived the module"
@@ -86,7 +96,7 @@ def test_a_rank_above_what_vllm_serves_is_refused_and_the_server_gets_the_smalle
     config = load_config(None, [*LORA_VLLM, "lora.rank=1024"])
     tokenizer = build_tokenizer(config)
     with pytest.raises(ValueError, match="lora.rank: 1024 is above 512, the largest adapter rank vLLM serves"):
-        build_generator(config, build_model(config, tokenizer), tokenizer)
+        build_generator(config, build_model(config, tokenizer), tokenizer, request_bound=run_bound(config, tokenizer))
     assert [max_lora_rank(rank) for rank in (1, 4, 8, 9, 300, 512)] == [1, 8, 8, 16, 320, 512]
 
 

@@ -28,6 +28,7 @@ from asyncrl.cli import main
 from asyncrl.config import load_config
 from asyncrl.data import build_task, longest_prompt
 from asyncrl.data.prompts import Prompt
+from asyncrl.environments.base import environment_class
 from asyncrl.generation import HFGenerator, SampleRequest, SamplingParams, build_generator, sample_seed
 from asyncrl.generation import vllm as vllm_module
 from asyncrl.generation.vllm import (
@@ -47,6 +48,7 @@ from asyncrl.models import SampledDistribution, build_char_tokenizer, build_tiny
 from asyncrl.models.example import write_example_checkpoint
 from asyncrl.models.factory import build_model, build_tokenizer
 from asyncrl.models.tiny import tiny_config
+from asyncrl.rollout.context import request_bound
 from asyncrl.types import RolloutJob
 from asyncrl.weights.broadcast import Layout
 from asyncrl.weights.fingerprint import fingerprint
@@ -58,6 +60,12 @@ pytestmark = [pytest.mark.timeout(1200), pytest.mark.xdist_group("vllm")]  # one
 TOKENIZER = build_char_tokenizer()
 DEFAULT = dict(hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=512)  # model: defaults
 PROMPTS = ["1+1=", "12+30=", "7*8=", "(3+4)*2=", "9-5="]
+
+
+def run_bound(config, tokenizer=TOKENIZER):
+    """The run's request bound, as the composition root computes it for the vllm backend (which
+    declares takes_request_bound) and build_generator hands it over."""
+    return request_bound(build_task(config.data, tokenizer), config, environment_class(config), tokenizer)
 
 
 def engine_core(pid: int) -> bool:
@@ -308,7 +316,7 @@ def test_an_untied_head_follows_updates_and_a_killed_server_is_restarted_and_res
             torch.manual_seed(seed)
             return AutoModelForCausalLM.from_config(config)
 
-    generator = build_generator(vllm_config, untied(0), TOKENIZER)
+    generator = build_generator(vllm_config, untied(0), TOKENIZER, request_bound=run_bound(vllm_config))
     assert generator.collective == "gloo"
     try:
         params = SamplingParams(max_new_tokens=16)
@@ -483,8 +491,8 @@ def test_the_server_context_and_kv_cache_follow_the_run_and_settings_that_cannot
     small = load_config(None, ["step.prompts_per_step=2", "step.generations_per_prompt=2"])
     assert server_kv_cache(small, options(small), model_config, "float32", 1000, gpu=False) == 4 * 1024 * 24 * 2**10
     longest = longest_prompt(build_task(config.data, TOKENIZER), TOKENIZER)
-    assert served_context(load_config(None, []), VLLMOptions(), TOKENIZER, 1024) == longest + 16
-    assert served_context(config, options(config), TOKENIZER, 32768) == 32768
+    assert served_context(run_bound(load_config(None, [])), VLLMOptions(), 1024) == longest + 16
+    assert served_context(run_bound(config), options(config), 32768) == 32768
     assert server_dtype("auto", "float32", gpu=False) == "float32"
     assert server_dtype("auto", "float64", gpu=False) == "float32"
     assert server_dtype("auto", "float32", gpu=True) == "bfloat16"
@@ -539,7 +547,7 @@ def test_a_long_context_checkpoint_is_served_with_the_defaults(tmp_path, vllm_py
     tokenizer = build_tokenizer(config)
     model = build_model(config, tokenizer)
     longest = longest_prompt(build_task(config.data, tokenizer), tokenizer)
-    generator = build_generator(config, model, tokenizer)
+    generator = build_generator(config, model, tokenizer, request_bound=run_bound(config, tokenizer))
     try:
         [served] = http_json(f"{generator.url}/v1/models", timeout=10)["data"]
         assert served["max_model_len"] == longest + config.generation.max_new_tokens
@@ -592,11 +600,8 @@ def test_a_server_whose_port_another_run_took_starts_on_another_and_answers_as_i
     free = vllm_process._free_port
     monkeypatch.setattr(vllm_process, "_free_port", lambda: next(ports, None) or free())
     model = tiny(71)
-    generator = build_generator(
-        load_config(None, ["generation.backend.name=vllm", "generation.backend.options.weight_transfer=file"]),
-        model,
-        TOKENIZER,
-    )
+    config = load_config(None, ["generation.backend.name=vllm", "generation.backend.options.weight_transfer=file"])
+    generator = build_generator(config, model, TOKENIZER, request_bound=run_bound(config))
     try:
         assert generator.url != vllm_generator.url and generator.server.served_model() == generator.server.served_name
         generator.load_weights(model.state_dict(), 3)

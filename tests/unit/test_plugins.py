@@ -2,11 +2,10 @@
 options, named as ``package.module:attr`` in a config and used by a real run."""
 
 import json
-import textwrap
 from typing import Annotated, Any
 
 import pytest
-from helpers import SMALL, error
+from helpers import SMALL, error, user_module
 from pydantic import BaseModel
 
 from asyncrl.config import load_config
@@ -113,11 +112,7 @@ PARTS = [
 
 @pytest.fixture
 def my_parts(tmp_path, monkeypatch):
-    (tmp_path / "parts").mkdir()
-    (tmp_path / "parts" / "my_parts.py").write_text(textwrap.dedent(PLUGINS))
-    monkeypatch.syspath_prepend(str(tmp_path / "parts"))
-    monkeypatch.delitem(__import__("sys").modules, "my_parts", raising=False)
-    return __import__("importlib").import_module("my_parts")
+    return user_module(tmp_path, monkeypatch, "my_parts", PLUGINS)
 
 
 @pytest.mark.slow

@@ -28,7 +28,7 @@ def test_a_runs_longest_request_is_its_templated_opening_its_episode_and_a_turn(
     assert longest_prompt(task, tokenizer) == raw
     longest, budget = request_bound(task, config, environment_class(config), tokenizer)
     assert (longest, longest + budget.tokens) == (opening, bound)
-    assert served_context(config, VLLMOptions(), tokenizer, 1024) == bound
+    assert served_context((longest, budget), VLLMOptions(), 1024) == bound
     check_prompt_lengths(first_requests(task, environment_class(config), tokenizer), task, config, bound)
     with pytest.raises(ValueError, match=rf"the templated opening is {opening} tokens, and with environment.max_tok"):
         check_prompt_lengths(first_requests(task, environment_class(config), tokenizer), task, config, bound - 1)
@@ -36,4 +36,4 @@ def test_a_runs_longest_request_is_its_templated_opening_its_episode_and_a_turn(
         ValueError,
         match=rf"^generation.backend.options.max_model_len: {bound - 1} tokens do not hold .* raise it to {bound}",
     ):
-        served_context(config, VLLMOptions(max_model_len=bound - 1), tokenizer, 1024)
+        served_context((longest, budget), VLLMOptions(max_model_len=bound - 1), 1024)
