@@ -1,5 +1,6 @@
-"""Shared fixtures: one local Ray cluster and one vLLM server for the whole test session, each
-started on first use. Every test folder sees them (this file sits at the top of ``tests/``).
+"""Shared fixtures: one local Ray cluster, one vLLM server and one model directory at a released
+model's tensor sizes for the whole test session, each made on first use. Every test folder sees
+them (this file sits at the top of ``tests/``).
 
 A test marked ``gpu`` needs CUDA: where ``torch.cuda.is_available()`` is False it is skipped,
 and the skip says so.
@@ -107,3 +108,35 @@ def vllm_generator(vllm_config):
     yield generator
     generator.close()
     assert not wait_for_exit(vllm_processes), "vLLM processes outlived the test session"
+
+
+# SmolLM2-135M's tensor sizes (docs/models.md), with the example checkpoint's 2 layers of its 30
+SMOLLM2_SHAPES = dict(
+    vocab_size=49_152, hidden_size=576, num_attention_heads=9, num_key_value_heads=3, intermediate_size=1536
+)
+
+
+@pytest.fixture(scope="session")
+def real_size_model(tmp_path_factory):
+    """A model directory with SmolLM2-135M's tensor sizes (a tied 49,152 x 576 embedding: over
+    2**24 elements) but 2 layers, seeded random weights, and the example checkpoint's tokenizer
+    of a few hundred tokens, so the embedding has rows past the tokenizer's vocabulary, as a
+    padded one has. Every real row gets one shared offset (a random direction of norm 2) and every
+    padded row its negative: the untrained model then samples the tokenizer's tokens, nearly
+    uniformly, as a trained model never samples its padding, and a group's rewards differ."""
+    import torch
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoTokenizer
+
+    from asyncrl.models.example import write_example_checkpoint
+
+    directory = write_example_checkpoint(tmp_path_factory.mktemp("real-size") / "model", **SMOLLM2_SHAPES)
+    real_rows = len(AutoTokenizer.from_pretrained(directory))
+    weights = load_file(directory / "model.safetensors")
+    embedding = weights["model.embed_tokens.weight"]
+    direction = torch.randn(embedding.shape[1], generator=torch.Generator().manual_seed(0))
+    offset = (2 * direction / direction.norm()).to(embedding.dtype)
+    embedding[:real_rows] += offset
+    embedding[real_rows:] = -offset
+    save_file(weights, directory / "model.safetensors", metadata={"format": "pt"})
+    return directory

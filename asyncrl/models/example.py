@@ -79,13 +79,14 @@ SHAPE = dict(
 
 def write_example_checkpoint(directory: str | Path, *, seed: int = 0, **shape: int) -> Path:
     """Write the checkpoint to ``directory`` (created if missing) and return its path; ``shape``
-    overrides fields of ``SHAPE`` (a released model's layer counts and context length)."""
+    overrides fields of ``SHAPE`` (a released model's layer counts and context length) and
+    ``vocab_size`` (the tokenizer's by default; a larger one pads the embedding, as released
+    models do)."""
     directory = Path(directory)
     tokenizer = build_tokenizer(seed)
     end_ids = [tokenizer.convert_tokens_to_ids(t) for t in (EOS, END_OF_TURN)]
     config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        **{**SHAPE, **shape},
+        **{"vocab_size": len(tokenizer), **SHAPE, **shape},
         tie_word_embeddings=True,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=end_ids,

@@ -74,10 +74,16 @@ def apply_lora(
     from the global RNG."""
     check_targets(model, settings.target_modules)
     model.to(dtype)
-    with warnings.catch_warnings(), _seeded_rng(seed, next(model.parameters()).device):
-        # peft reads a transformers attribute deprecated in 5.x
-        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing", category=FutureWarning)
+    with _peft_quietly(), _seeded_rng(seed, next(model.parameters()).device):
         return get_peft_model(model, peft_config(settings, random_b=random_b), autocast_adapter_dtype=True)
+
+
+@contextlib.contextmanager
+def _peft_quietly() -> Iterator[None]:
+    """peft reads a transformers attribute deprecated in 5.x; its warning is no user's to act on."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing", category=FutureWarning)
+        yield
 
 
 def adapter_seed(run_seed: int, init_seed: int) -> int:
@@ -180,7 +186,9 @@ def frozen_base_sha256(model: nn.Module, state: Mapping[str, Tensor]) -> str:
 def save_adapter(model: PeftModel, directory: Path, state: Mapping[str, Tensor]) -> None:
     """The adapter in PEFT's format (``PeftModel.from_pretrained`` loads it) and ``lora_base.json``:
     the base it applies to (its class, config and weights' SHA-256), which is not saved."""
-    model.save_pretrained(directory, state_dict=dict(state), safe_serialization=True)
+    # the adapter alone, as adapter_tensors names it: peft's default ("auto") would add an
+    # adapted lm_head's whole base weight, which read_adapter then refuses on resume
+    model.save_pretrained(directory, state_dict=dict(state), safe_serialization=True, save_embedding_layers=False)
     base = model.get_base_model()
     (directory / LORA_BASE_FILE).write_text(
         json.dumps(
@@ -230,4 +238,19 @@ def merged_model(base: nn.Module, checkpoint_dir: Path, dtype: torch.dtype) -> n
     weights: a plain model again. The base is checked against the one the adapter was trained over."""
     base.to(dtype)
     check_base(base.state_dict(), checkpoint_dir)
-    return PeftModel.from_pretrained(base, checkpoint_dir).merge_and_unload()
+    _untie_an_adapted_head(base, LoraConfig.from_pretrained(checkpoint_dir).target_modules)
+    with _peft_quietly():
+        return PeftModel.from_pretrained(base, checkpoint_dir).merge_and_unload()
+
+
+def _untie_an_adapted_head(base: nn.Module, targets) -> None:
+    """An output head tied to the input embedding that has an adapter gets its own copy of the
+    weight, so that merging adds B A into the head alone: merged into the shared tensor it would
+    change the input embedding too, which the trained policy never did."""
+    head, embedding = base.get_output_embeddings(), base.get_input_embeddings()
+    if head is None or head.weight is not embedding.weight:
+        return
+    name = next(name for name, module in base.named_modules() if module is head).rsplit(".", 1)[-1]
+    if name in targets:
+        head.weight = nn.Parameter(head.weight.detach().clone(), requires_grad=False)
+        base.config.tie_word_embeddings = False
