@@ -8,20 +8,24 @@ kind imports nothing heavy until a part of it is used. ``import_attribute`` is t
 code is loaded (docs/security.md).
 
 A part declares its settings as a pydantic model in its ``Options`` attribute; ``validate_options``
-checks the config's ``options`` mapping against it and returns the keywords the part is built with.
-A part without ``Options`` takes none. An ``Options`` field that names another part (a tool
-environment's parser) is typed ``Annotated[str, PartRef(kind, options=...)]``: ``validate_options``
-resolves it and checks its options too, so a nested part is checked with the part that names it.
-A part with a ``check_options`` classmethod is given its checked options to check what its model
-cannot (a tool environment's tool schemas). What a part can do beyond its kind's contract, it declares
-as an attribute too (docs/plugins.md), so no caller compares names.
+checks the config's ``options`` mapping against it and returns that model's instance, and
+``build_part`` is the one way every kind is built: the arguments its kind gives, then that instance
+whole, so a part reads its settings as attributes and never rebuilds its model. A part without
+``Options`` takes no options and gets no options argument. An ``Options`` field that names another
+part (a tool environment's parser) is typed ``Annotated[str, PartRef(kind, options=...)]``:
+``validate_options`` resolves it and checks its options too, so a nested part is checked with the
+part that names it, and built like any other with an instance of its own ``Options``. A part with
+a ``check_options`` classmethod is given its checked options to check what its model cannot (a
+tool environment's tool schemas). What a part can do beyond its kind's contract, it declares as an
+attribute too (docs/plugins.md), so no caller compares names.
 """
 
 from __future__ import annotations
 
 import importlib
+import inspect
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -141,30 +145,50 @@ def checked_options(part: Any, spec: str, options: Mapping[str, Any], field: str
         raise ValueError(f"{where}: {message}") from None
 
 
-def validate_options(part: Any, spec: str, options: Mapping[str, Any], field: str) -> dict[str, Any]:
-    """``options`` checked by the part's ``Options`` model (``checked_options``), as the keywords it
-    is built with."""
+def validate_options(part: Any, spec: str, options: Mapping[str, Any], field: str) -> BaseModel | None:
+    """``options`` checked by the part's ``Options`` model (``checked_options``), the parts its
+    ``PartRef`` fields name and the part's own ``check_options`` included: what it is built with."""
     validated = checked_options(part, spec, options, field)
     if validated is None:
-        return {}
-    keywords = _nested_parts(type(validated), dict(validated), field)
+        return None
+    _check_nested_parts(validated, field)
     check = getattr(part, "check_options", None)
     if check is not None:
         try:
-            check(**keywords)
+            check(validated)
         except ValueError as err:
             raise ValueError(f"{field}: '{spec}': {err}") from None
-    return keywords
+    return validated
 
 
-def _nested_parts(model: type[BaseModel], keywords: dict[str, Any], field: str) -> dict[str, Any]:
-    """``keywords`` with each part a ``PartRef`` field names resolved and its options checked."""
-    for key, info in model.model_fields.items():
+def _check_nested_parts(options: BaseModel, field: str) -> None:
+    """Each part a ``PartRef`` field of ``options`` names, resolved and its own options checked."""
+    for key, info in type(options).model_fields.items():
         for ref in (m for m in info.metadata if isinstance(m, PartRef)):
-            nested = resolve(ref.kind, keywords[key], f"{field}.{key}")
-            options = keywords.get(ref.options) or {}
-            keywords[ref.options] = validate_options(nested, keywords[key], options, f"{field}.{ref.options}")
-    return keywords
+            spec = getattr(options, key)
+            nested = resolve(ref.kind, spec, f"{field}.{key}")
+            validate_options(nested, spec, getattr(options, ref.options) or {}, f"{field}.{ref.options}")
+
+
+def build_part(build: Callable[..., Any], options: BaseModel | None, *arguments: Any, **keywords: Any) -> Any:
+    """``build(*arguments, options, **keywords)``: every kind's part is built this way, given the
+    arguments its kind defines, then its validated ``Options`` instance whole (none for a part
+    without ``Options``), then the keywords of the capabilities it declares."""
+    return build(*arguments, **keywords) if options is None else build(*arguments, options, **keywords)
+
+
+def refused_arguments(build: Callable[..., Any], options: BaseModel | None, **arguments: Any) -> str | None:
+    """None when ``build_part(build, options, *arguments.values())`` binds to ``build``'s signature
+    (or it has none to inspect: a class implemented in C); else the arguments it must take, named
+    as an error shows them (``prompts_per_step, max_lag, options``)."""
+    given = [*arguments.values(), *([] if options is None else [options])]
+    try:
+        inspect.signature(build).bind(*given)
+    except TypeError:
+        return ", ".join([*arguments, *([] if options is None else ["options"])])
+    except ValueError:
+        pass
+    return None
 
 
 def builtin_options() -> list[tuple[str, str, type[BaseModel]]]:

@@ -144,10 +144,9 @@ def _train(
 def demonstrations(environment: EnvironmentPart | None) -> dict[str, Any]:
     """The ``warm_start`` keywords of the run's environment (``RunParts.environment``): its
     ``demonstration`` and tools, when it has one (the calculator environment); none otherwise."""
-    if environment is None or not hasattr(environment[0], "demonstration"):
+    if environment is None or not hasattr(environment.cls, "demonstration"):
         return {}
-    cls, options = environment
-    env = cls(**options)
+    env = environment.build()
     return {"demonstration": env.demonstration, "tools": env.tools}
 
 

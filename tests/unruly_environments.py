@@ -22,9 +22,9 @@ class _Unruly(FeedbackEnvironment):
     class Options(FeedbackEnvironment.Options):
         every: int = Field(3, ge=0, description="the prompts that misbehave: one in every, by uid (0: none)")
 
-    def __init__(self, every: int = 3, **options) -> None:
-        super().__init__(**options)
-        self.every = every
+    def __init__(self, options) -> None:
+        super().__init__(options)
+        self.every = options.every
         self.uid = ""
 
     def reset(self, prompt):

@@ -6,8 +6,9 @@ normalization contract of docs/loss.md, parallelism, the staleness contract) is 
 and the sampler's, the same for every algorithm: an algorithm says what the trainer must score for
 it (``Scoring``) and which per-token metrics its loss returns (``metrics``), and the trainer
 reduces those whatever their names. ``algorithm.name`` picks a built-in (``grpo``, in
-``asyncrl.plugins.BUILTINS``) or ``package.module:attribute``, a factory called with the run config
-and its validated ``algorithm.options`` (docs/plugins.md, "Algorithm").
+``asyncrl.plugins.BUILTINS``) or ``package.module:attribute``, a factory built like every part
+(``plugins.build_part``): called with the run config and its validated ``algorithm.options``
+(docs/plugins.md, "Algorithm").
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import Protocol
 from torch import Tensor
 
 from asyncrl.config import RunConfig
-from asyncrl.plugins import checked_options, resolve
+from asyncrl.plugins import build_part, resolve, validate_options
 from asyncrl.types import TokenLossInputs
 
 
@@ -71,9 +72,9 @@ def build_algorithm(config: RunConfig) -> Algorithm:
     factory = resolve("algorithm", name, "algorithm.name")
     if not callable(factory):
         raise ValueError(f"algorithm.name: '{name}' is not callable; it must take the run config and its options")
-    options = checked_options(factory, name, config.algorithm.options, "algorithm.options")
+    options = validate_options(factory, name, config.algorithm.options, "algorithm.options")
     try:
-        algorithm = factory(config, options)
+        algorithm = build_part(factory, options, config)
     except ValueError as err:  # the algorithm refusing its options against the rest of the run
         raise ValueError(f"algorithm.options.{err}") from None
     except Exception as err:  # the user's code raising on the run config

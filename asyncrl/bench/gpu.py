@@ -350,6 +350,7 @@ def _vllm(workload: Workload, device: str) -> dict[str, Any]:
     from asyncrl.environments.base import environment_class
     from asyncrl.generation import SampleRequest, SamplingParams
     from asyncrl.generation.vllm import build_vllm_generator
+    from asyncrl.generation.vllm_options import VLLMOptions
     from asyncrl.models.factory import build_tokenizer
     from asyncrl.rollout.context import request_bound
 
@@ -362,7 +363,8 @@ def _vllm(workload: Workload, device: str) -> dict[str, Any]:
     weights = {name: t.to(torch.bfloat16) for name, t in model.state_dict().items()}
     tokenizer = build_tokenizer(config)
     bound = request_bound(build_task(config.data, tokenizer), config, environment_class(config), tokenizer)
-    generator = build_vllm_generator(config, model, tokenizer, stop_token_ids=[], request_bound=bound)
+    options = VLLMOptions.model_validate(config.generation.backend.options)
+    generator = build_vllm_generator(config, model, tokenizer, [], options, request_bound=bound)
     try:
         gen = torch.Generator().manual_seed(0)
         requests = [

@@ -51,22 +51,23 @@ UNMATCHED = {
 def require_tool_environment(config: RunConfig) -> type[ToolEnvironment]:
     """The config's environment class, or a one-line error when TRL cannot run its episodes."""
     found = environment_class(config)
-    if found is None or not issubclass(found[0], ToolEnvironment):
+    if found is None or not issubclass(found.cls, ToolEnvironment):
         raise ConfigError(
             f"--against trl: environment.name {config.environment.name!r} is not a tool environment; TRL's "
             "GRPOTrainer runs only tool-calling episodes"
         )
-    if found[1].get("parser", "hermes") != "hermes":
+    if found.options.parser != "hermes":
         raise ConfigError("--against trl: environment.options.parser: TRL reads only Hermes tool calls here")
-    return found[0]
+    return found.cls
 
 
 def trl_environment(config: RunConfig) -> type:
     """A TRL environment class: each instance plays asyncrl's environment for one episode at a time."""
-    cls, options = environment_class(config)
+    environment = environment_class(config)
+    cls = environment.cls
 
     def reset(self, uid: str, prompt: list, **_: Any) -> None:
-        self.env = cls(**options)
+        self.env = environment.build()
         self.env.reset(Prompt(uid, prompt[-1]["content"], ""))  # seeds the episode's latencies by its uid
 
     methods = {"reset": reset, **{fn.__name__: _tool_method(fn) for fn in cls.functions}}
@@ -91,8 +92,8 @@ def _tool_method(fn: Any) -> Any:
 
 def episode_prompts(config: RunConfig, prompts: list[Prompt]) -> list[list[dict]]:
     """Each prompt's opening messages, as the environment's ``reset`` gives them."""
-    cls, options = environment_class(config)
-    return [cls(**options).reset(prompt) for prompt in prompts]
+    environment = environment_class(config)
+    return [environment.build().reset(prompt) for prompt in prompts]
 
 
 def use_response_template(tokenizer: Any) -> None:

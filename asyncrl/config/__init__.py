@@ -1,6 +1,7 @@
 """The run configuration, one module per job:
 
-- ``base``: ``ConfigError`` and the strict ``Section`` base every section model extends;
+- ``base``: ``ConfigError``, the strict ``Section`` base every section model extends, and
+  ``PartSection``, the base of the sections that name a part (``name`` and ``options``);
 - ``model``, ``data``, ``generation``, ``rewards``, ``environment``, ``algorithm``, ``trainer``, ``control``,
   ``outputs``: the sections, each with the checks that stay inside it;
 - ``root``: ``RunConfig``, one field per section; ``checks``: the checks that span sections;

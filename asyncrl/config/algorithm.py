@@ -6,11 +6,13 @@ from typing import Any
 
 from pydantic import Field, model_validator
 
-from asyncrl.config.base import Section
+from asyncrl.config.base import PartSection, Section
 
 
-class AlgorithmConfig(Section):
+class AlgorithmConfig(PartSection):
     """The RL algorithm: advantages, the informative-group test, the per-token loss (asyncrl/algorithms)."""
+
+    kind, at = "algorithm", "algorithm"
 
     name: str = Field(
         "grpo",
@@ -21,13 +23,6 @@ class AlgorithmConfig(Section):
         description="settings of the algorithm (its Options model; grpo's are listed in docs/loss.md), checked "
         "where the run is built",
     )
-
-    @model_validator(mode="after")
-    def _named(self) -> AlgorithmConfig:
-        from asyncrl.plugins import check_spec
-
-        check_spec("algorithm", self.name, "algorithm.name")
-        return self
 
 
 class StepConfig(Section):

@@ -6,11 +6,13 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
-from asyncrl.config.base import Section
+from asyncrl.config.base import PartSection, Section
 
 
-class SamplerConfig(Section):
+class SamplerConfig(PartSection):
     """The staleness contract between the rollout and train loops."""
+
+    kind, at = "sampler", "sampler"
 
     name: str = Field(
         "in_order", description="in_order, weight_fifo, windowed, or package.module:Class (docs/plugins.md)"
@@ -30,14 +32,6 @@ class SamplerConfig(Section):
         description="a user's sampler (package.module:Class) must load within this in the fresh process the config "
         "check resolves it in (a module that blocks at import); past it, exit code 2",
     )
-
-    @model_validator(mode="after")
-    def _named(self) -> SamplerConfig:
-        """The name only: the sampler is built, its options checked, where the run is built."""
-        from asyncrl.plugins import check_spec
-
-        check_spec("sampler", self.name, "sampler.name")
-        return self
 
 
 class RuntimeConfig(Section):

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import Field, model_validator
+from pydantic import Field
 
-from asyncrl.config.base import Section, Seed
+from asyncrl.config.base import PartSection, Section, Seed
 
 
-class TaskConfig(Section):
+class TaskConfig(PartSection):
     """The task part: a name and its options, like every part (docs/plugins.md)."""
+
+    kind, at = "task", "data.task"
 
     name: str = Field(
         "running_sum",
@@ -29,14 +31,6 @@ class TaskConfig(Section):
         description="a user's task (package.module:Class) must load within this in the fresh process the config "
         "check resolves it in (a module that blocks at import); past it, exit code 2",
     )
-
-    @model_validator(mode="after")
-    def _named(self) -> TaskConfig:
-        """The name only: the task part is built, its options checked, by ``parts.check_parts``."""
-        from asyncrl.plugins import check_spec
-
-        check_spec("task", self.name, "data.task.name")
-        return self
 
 
 class DataConfig(Section):

@@ -6,11 +6,13 @@ from typing import Any
 
 from pydantic import Field, model_validator
 
-from asyncrl.config.base import Section
+from asyncrl.config.base import PartSection
 
 
-class EnvironmentConfig(Section):
+class EnvironmentConfig(PartSection):
     """What an episode talks to, and its limits; no name: one response per prompt (single turn)."""
+
+    kind, at = "environment", "environment"
 
     name: str | None = Field(
         None,
@@ -43,13 +45,8 @@ class EnvironmentConfig(Section):
     )
 
     @model_validator(mode="after")
-    def _environment_named(self) -> EnvironmentConfig:
-        """The name only: the environment and the parts its options name are resolved, and their
-        options checked, by ``parts.check_parts``."""
-        from asyncrl.plugins import check_spec
-
-        if self.name is not None:
-            check_spec("environment", self.name, "environment.name")
-        elif self.options:
+    def _options_need_a_name(self) -> EnvironmentConfig:
+        """Options without a name: single-turn, nothing to set them on."""
+        if self.name is None and self.options:
             raise ValueError("environment.options: set, but environment.name is null (single-turn)")
         return self

@@ -6,13 +6,15 @@ from typing import Any
 
 from pydantic import Field, model_validator
 
-from asyncrl.config.base import Section
+from asyncrl.config.base import PartSection, Section
 
 MIN_TEMPERATURE = 1e-6  # logits / T stays finite in float32 for any logit below 3.4e32
 
 
-class BackendConfig(Section):
+class BackendConfig(PartSection):
     """The generation backend part: a name and its options, like every part (docs/plugins.md)."""
+
+    kind, at = "backend", "generation.backend"
 
     name: str = Field(
         "hf",
@@ -22,13 +24,6 @@ class BackendConfig(Section):
     options: dict[str, Any] = Field(
         default_factory=dict, description="the backend's settings (its Options model); hf takes none"
     )
-
-    @model_validator(mode="after")
-    def _named(self) -> BackendConfig:
-        from asyncrl.plugins import check_spec
-
-        check_spec("backend", self.name, "generation.backend.name")
-        return self
 
 
 class GenerationConfig(Section):

@@ -18,8 +18,8 @@ A group's lag when trained at version V is ``V - start_version``. Built-ins, by 
 - ``windowed``: admission bounded by capacity only; trains any group with lag <= max_lag, oldest
   first. Both evict groups whose lag exceeds max_lag.
 - ``package.module:Class``: any class with the ``Sampler`` methods, built as
-  ``Class(prompts_per_step, max_lag, **options)`` with ``sampler.options`` checked by its ``Options``
-  model (docs/plugins.md); built-ins take no options.
+  ``Class(prompts_per_step, max_lag, options)`` with ``sampler.options`` checked by its ``Options``
+  model (``plugins.build_part``, docs/plugins.md); built-ins take no options.
 
 Retrying a failed rollout needs no new admission. Either keep its slot reserved and commit the
 regenerated group to it (it keeps its place in dispatch order), or ``buffer.cancel`` it and
@@ -34,13 +34,12 @@ so a refill is trained in the step it refills under any sampler.
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
 from asyncrl.control.buffer import ReplayBuffer, Slot
-from asyncrl.plugins import resolve, validate_options
+from asyncrl.plugins import build_part, refused_arguments, resolve, validate_options
 
 
 @dataclass(frozen=True)
@@ -179,14 +178,10 @@ def sampler_part(name: str, options: Mapping[str, Any] | None = None) -> type:
 
 
 def build_sampler(name: str, prompts_per_step: int, max_lag: int, options: Mapping[str, Any] | None = None) -> Sampler:
-    """``Class(prompts_per_step, max_lag, **options)``, the options checked by ``Class.Options``."""
+    """``Class(prompts_per_step, max_lag, options)``, the options checked by ``Class.Options``."""
     cls = resolve_sampler(name)
-    keywords = validate_options(cls, name, options or {}, "sampler.options")
-    try:
-        inspect.signature(cls).bind(prompts_per_step=prompts_per_step, max_lag=max_lag, **keywords)
-    except TypeError:
-        shown = ", ".join(["prompts_per_step", "max_lag", *(f"{k}=..." for k in keywords)])
-        raise ValueError(f"sampler.name: '{name}' must be constructible as {cls.__name__}({shown})") from None
-    except ValueError:
-        pass  # no inspectable signature (a class implemented in C)
-    return cls(prompts_per_step=prompts_per_step, max_lag=max_lag, **keywords)
+    checked = validate_options(cls, name, options or {}, "sampler.options")
+    refused = refused_arguments(cls, checked, prompts_per_step=prompts_per_step, max_lag=max_lag)
+    if refused is not None:
+        raise ValueError(f"sampler.name: '{name}' must be constructible as {cls.__name__}({refused})")
+    return build_part(cls, checked, prompts_per_step, max_lag)

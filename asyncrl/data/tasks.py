@@ -1,15 +1,15 @@
 """Task parts and build_task: the configured prompts, from a built-in task or a user's.
 
-A task part (docs/plugins.md) is a class built as ``Part(data, **options)``: ``data`` is the
-``data`` config section, ``options`` is ``data.task.options`` checked by the part's ``Options``
-model. Its constructor only checks the settings (``asyncrl config`` builds it to check a file), and
+A task part (docs/plugins.md) is a class built as ``Part(data, options)`` (``plugins.build_part``):
+``data`` is the ``data`` config section, ``options`` is ``data.task.options`` checked by the part's
+``Options`` model, its instance. Its constructor only checks the settings (``asyncrl config`` builds it to check a file), and
 ``build()`` returns the ``Task``. What it declares:
 
 - ``has_checker``: its Task carries a ``score``, the ``task`` reward; ``checker_required``: it is
   scored by that checker alone, so ``rewards.functions`` must list ``task``.
 
-The built-ins are parts like any other, found through ``asyncrl.plugins.BUILTINS``; each reads its
-settings from its ``Options`` model, so each default is written once.
+The built-ins are parts like any other, found through ``asyncrl.plugins.BUILTINS``; each keeps the
+``Options`` instance it is given as its settings, so each default is written once.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from asyncrl.config.base import Seed
 from asyncrl.data.files import file_task, hf_dataset_task
 from asyncrl.data.prompts import Prompt, Task, apply_chat_template
 from asyncrl.data.synthetic import SYNTHETIC_TASKS, GeneratedOptions, check_difficulty, synthetic_task
-from asyncrl.plugins import resolve, validate_options
+from asyncrl.plugins import build_part, resolve, validate_options
 
 if TYPE_CHECKING:
     from asyncrl.config import DataConfig
@@ -44,8 +44,8 @@ class SyntheticTaskSource:
     Options = GeneratedOptions
     checker_required = False
 
-    def __init__(self, data: DataConfig, **options: Any) -> None:
-        self.name, self.settings, self.eval_size = data.task.name, self.Options(**options), data.eval_size
+    def __init__(self, data: DataConfig, options: GeneratedOptions) -> None:
+        self.name, self.settings, self.eval_size = data.task.name, options, data.eval_size
         check_difficulty(self.name, self.settings.difficulty)
         self.has_checker = SYNTHETIC_TASKS[self.name].score is not None
 
@@ -67,8 +67,8 @@ class FileTaskSource:
 
     has_checker = checker_required = False
 
-    def __init__(self, data: DataConfig, **options: Any) -> None:
-        self.kind, self.settings, self.eval_size = data.task.name, self.Options(**options), data.eval_size
+    def __init__(self, data: DataConfig, options: FileTaskSource.Options) -> None:
+        self.kind, self.settings, self.eval_size = data.task.name, options, data.eval_size
 
     def build(self) -> Task:
         return file_task(self.kind, eval_size=self.eval_size, **self.settings.model_dump())
@@ -86,8 +86,8 @@ class HFDatasetTaskSource:
 
     has_checker = checker_required = False
 
-    def __init__(self, data: DataConfig, **options: Any) -> None:
-        self.settings, self.eval_size = self.Options(**options), data.eval_size
+    def __init__(self, data: DataConfig, options: HFDatasetTaskSource.Options) -> None:
+        self.settings, self.eval_size = options, data.eval_size
 
     def build(self) -> Task:
         return hf_dataset_task(eval_size=self.eval_size, **self.settings.model_dump())
@@ -111,8 +111,8 @@ class ReasoningGymTaskSource:
 
     has_checker = checker_required = True
 
-    def __init__(self, data: DataConfig, **options: Any) -> None:
-        self.settings, self.eval_size = self.Options(**options), data.eval_size
+    def __init__(self, data: DataConfig, options: ReasoningGymTaskSource.Options) -> None:
+        self.settings, self.eval_size = options, data.eval_size
 
     def build(self) -> Task:
         from asyncrl.data.reasoning_gym import reasoning_gym_task  # reasoning-gym is optional
@@ -127,7 +127,7 @@ def task_source(data: DataConfig) -> Any:
     """The part ``data.task.name`` names, built from ``data`` and its checked ``data.task.options``."""
     spec = data.task.name
     part = resolve("task", spec, "data.task.name")
-    return part(data, **validate_options(part, spec, data.task.options, "data.task.options"))
+    return build_part(part, validate_options(part, spec, data.task.options, "data.task.options"), data)
 
 
 def build_task(cfg: DataConfig, tokenizer=None) -> Task:

@@ -7,7 +7,8 @@ messages and whether the episode is over. The loop never re-templates the transc
 the chat template's delta for each observation and keeps the sampled tokens as they were.
 
 A part of kind ``environment`` (asyncrl/plugins.py) is a subclass of ``Environment``, built once
-per episode as ``Class(**options)`` with options checked by its ``Options`` model. State shared by
+per episode as ``Class(options)`` (``plugins.build_part``) with its options checked by its
+``Options`` model, that model's instance (``Class()`` without one). State shared by
 the episodes of a run (a pool of tool processes) lives at class level, created on first use.
 This module imports no torch: environment code stays light enough for the reward processes.
 """
@@ -18,8 +19,10 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from pydantic import BaseModel
+
 from asyncrl.data.prompts import Prompt
-from asyncrl.plugins import resolve, validate_options
+from asyncrl.plugins import build_part, resolve, validate_options
 
 if TYPE_CHECKING:
     from asyncrl.config import RunConfig
@@ -57,9 +60,25 @@ class Environment(ABC):
         return {"role": "assistant", "content": text}
 
 
+@dataclass(frozen=True)
+class EnvironmentPart:
+    """An environment class with its checked options, and ``environment.startup_timeout_s`` for a
+    class that declares ``takes_startup_timeout`` (its tool processes' deadline)."""
+
+    cls: type[Environment]
+    options: BaseModel | None
+    startup_timeout_s: float
+
+    def build(self) -> Environment:
+        """One episode's environment."""
+        if getattr(self.cls, "takes_startup_timeout", False):
+            return build_part(self.cls, self.options, startup_timeout_s=self.startup_timeout_s)
+        return build_part(self.cls, self.options)
+
+
 def environment_part(
     spec: str, options: dict[str, Any], task: str | None = None
-) -> tuple[type[Environment], dict[str, Any]]:
+) -> tuple[type[Environment], BaseModel | None]:
     """The class ``environment.name`` names and its checked options, nested parts included: what
     the parts check runs in a fresh process (asyncrl/parts.py). ``task``: the run's
     ``data.task.name``, refused when the environment reads another task's prompts."""
@@ -74,15 +93,10 @@ def environment_part(
     return part, validate_options(part, spec, options, "environment.options")
 
 
-EnvironmentPart = tuple[type[Environment], dict[str, Any]]  # an environment class and its checked options
-
-
 def environment_class(config: RunConfig) -> EnvironmentPart | None:
     """The class ``environment.name`` names and its checked options; None for single-turn runs."""
     spec = config.environment.name
     if spec is None:
         return None
     part, options = environment_part(spec, config.environment.options)
-    if getattr(part, "takes_startup_timeout", False):
-        options["startup_timeout_s"] = config.environment.startup_timeout_s
-    return part, options
+    return EnvironmentPart(part, options, config.environment.startup_timeout_s)

@@ -97,8 +97,8 @@ class ProductsTask:
     has_checker = True
     checker_required = False
 
-    def __init__(self, data: DataConfig, **options: Any) -> None:
-        self.settings, self.eval_size = self.Options(**options), data.eval_size
+    def __init__(self, data: DataConfig, options: GeneratedOptions) -> None:
+        self.settings, self.eval_size = options, data.eval_size
 
     def build(self) -> Task:
         digits, eval_size = self.settings.difficulty, self.eval_size
@@ -127,8 +127,8 @@ class CalculatorEnvironment(ToolEnvironment):
         latency_sigma: float = Field(1.0, ge=0.0, description="spread of the lognormal latency (sigma of its log)")
         latency_seed: Seed = Field(0, description="seed of the simulated latencies, with the prompt's uid")
 
-    def __init__(self, startup_timeout_s: float = STARTUP_TIMEOUT_S, **options: Any) -> None:
-        super().__init__(startup_timeout_s, **options)
+    def __init__(self, options: CalculatorEnvironment.Options, startup_timeout_s: float = STARTUP_TIMEOUT_S) -> None:
+        super().__init__(options, startup_timeout_s)
         settings = self.settings
         self.latency_median_s, self.latency_sigma = settings.latency_median_s, settings.latency_sigma
         self.latency_seed = settings.latency_seed

@@ -10,7 +10,6 @@ episode loop and the loss masks, not tool latency.
 from __future__ import annotations
 
 import re
-from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -29,10 +28,9 @@ class FeedbackEnvironment(Environment):
         too_low: str = Field("too low", description="the user's reply to an answer below the target")
         not_a_number: str = Field("a number?", description="the user's reply to an answer without a number")
 
-    def __init__(self, **options: Any) -> None:
-        settings = self.Options(**options)  # each default written once, in Options
-        self.discount = settings.discount
-        self.replies = {1: settings.too_high, -1: settings.too_low, 0: settings.not_a_number}
+    def __init__(self, options: FeedbackEnvironment.Options) -> None:
+        self.discount = options.discount
+        self.replies = {1: options.too_high, -1: options.too_low, 0: options.not_a_number}
         self.target = 0.0
         self.answers = 0
 

@@ -1,8 +1,8 @@
 """Tool-call parsers: one model turn's text -> an assistant message with its ``tool_calls``.
 
 A parser is a part of kind ``tool_parser`` (asyncrl/plugins.py): a built-in name or
-``package.module:attr``, a class built as ``Class(**options)`` whose ``parse(text)`` returns a
-``ParsedTurn``. A call the parser cannot read is not dropped silently: it becomes one entry of
+``package.module:attr``, a class built as ``Class(options)`` (``Class()`` without ``Options``)
+whose ``parse(text)`` returns a ``ParsedTurn``. A call the parser cannot read is not dropped silently: it becomes one entry of
 ``errors``, which the tool environment answers with an error observation and counts.
 
 The built-in ``hermes`` reads the format of Hermes and Qwen chat templates, one JSON object per
@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from asyncrl.environments.base import Message
-from asyncrl.plugins import resolve, validate_options
+from asyncrl.plugins import build_part, resolve, validate_options
 
 
 @dataclass
@@ -76,4 +76,4 @@ class HermesParser:
 def build_parser(spec: str, options: dict[str, Any], field_name: str) -> ToolCallParser:
     """The parser ``spec`` names, built with ``options`` checked by its ``Options`` model."""
     part = resolve("tool_parser", spec, field_name)
-    return part(**validate_options(part, spec, options, f"{field_name}_options"))
+    return build_part(part, validate_options(part, spec, options, f"{field_name}_options"))

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import random
 import re
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -47,8 +47,8 @@ class SearchTask:
     has_checker = False
     checker_required = False
 
-    def __init__(self, data: DataConfig, **options: Any) -> None:
-        self.settings, self.eval_size = self.Options(**options), data.eval_size
+    def __init__(self, data: DataConfig, options: SearchTask.Options) -> None:
+        self.settings, self.eval_size = options, data.eval_size
         if self.settings.num_problems <= self.eval_size:
             raise ValueError(f"data.eval_size: {self.eval_size} held-out problems leave none to train on")
 
@@ -73,9 +73,9 @@ class SearchEnvironment(Environment):
             "direction", description="a wrong guess is told up / down, or the range the number is now known to be in"
         )
 
-    def __init__(self, **options: Any) -> None:
-        settings = self.Options(**options)  # each default written once, in Options
-        self.bonus, self.reply = settings.bonus, settings.reply
+    def __init__(self, options: SearchEnvironment.Options) -> None:
+        self.settings = options
+        self.bonus, self.reply = options.bonus, options.reply
         self.target = self.low = self.high = 0
         self.guesses = 0
 
@@ -107,7 +107,7 @@ class SearchEnvironment(Environment):
         """An episode of the answer format and the rules, with no strategy in it: each guess is
         drawn uniformly (seeded by the prompt) from the numbers the replies so far still allow,
         never their middle on purpose, until one hits."""
-        rng, env = random.Random(prompt.uid), SearchEnvironment(bonus=self.bonus, reply=self.reply)
+        rng, env = random.Random(prompt.uid), SearchEnvironment(self.settings)
         messages = env.reset(prompt)
         for _ in range(env.high - env.low + 1):  # each wrong guess narrows the range, so one of these hits
             guess = {"role": "assistant", "content": str(rng.randint(env.low, env.high))}

@@ -38,14 +38,13 @@ class SkyRLGymEnvironment(Environment):
             default_factory=dict, description="more of its extras (max_turns, ...); reward_spec comes from the prompt"
         )
 
-    def __init__(self, **options: Any) -> None:
-        settings = self.Options(**options)  # each default written once, in Options
+    def __init__(self, options: SkyRLGymEnvironment.Options) -> None:
         registry = _skyrl_gym().registry
-        if settings.env not in registry:
+        if options.env not in registry:
             raise ValueError(
-                f"environment.options.env: SkyRL-Gym has no environment '{settings.env}' ({', '.join(registry)})"
+                f"environment.options.env: SkyRL-Gym has no environment '{options.env}' ({', '.join(registry)})"
             )
-        self.env_id, self.env_config, self.extras = settings.env, settings.env_config, settings.extras
+        self.env_id, self.env_config, self.extras = options.env, options.env_config, options.extras
         self.env = None
         self.reward = 0.0
 

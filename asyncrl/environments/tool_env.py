@@ -76,16 +76,16 @@ class ToolEnvironment(Environment):
         return [Tool(fn).schema for fn in cls.functions]
 
     @classmethod
-    def check_options(cls, **options: Any) -> None:
+    def check_options(cls, options: ToolEnvironment.Options) -> None:
         """The tools, checked with the config: each one's schema, and their names unique."""
         names = [schema["function"]["name"] for schema in cls.schemas()]
         if len(set(names)) != len(names):
             raise ValueError(f"tools: names must be unique, got {names}")
 
-    def __init__(self, startup_timeout_s: float = STARTUP_TIMEOUT_S, **options: Any) -> None:
-        """``options``: the class's own ``Options`` (a subclass's extends them), each default written
-        once there; ``settings`` holds them checked."""
-        self.settings = settings = self.Options(**options)
+    def __init__(self, options: ToolEnvironment.Options, startup_timeout_s: float = STARTUP_TIMEOUT_S) -> None:
+        """``options``: an instance of the class's own ``Options`` (a subclass's extends them), kept
+        as ``settings``."""
+        self.settings = settings = options
         self.max_tool_calls = settings.max_tool_calls
         self.toolbox = shared_toolbox(
             self.functions, settings.tool_timeout_s, settings.tool_processes, startup_timeout_s

@@ -18,7 +18,7 @@ from asyncrl.generation.base import (
 )
 from asyncrl.generation.hf import HFGenerator
 from asyncrl.models.hf import stop_token_ids
-from asyncrl.plugins import resolve, validate_options
+from asyncrl.plugins import build_part, resolve, validate_options
 
 if TYPE_CHECKING:
     from asyncrl.data.files import Budget
@@ -40,10 +40,11 @@ def build_generator(
     request_bound: tuple[int, Budget] | None = None,
 ) -> Generator:
     """The generator of the backend ``generation.backend.name`` names (a built-in, hf or vllm, or
-    ``package.module:attr``): ``backend(config, model, tokenizer, stop_token_ids, **options)`` with
-    ``generation.backend.options`` checked by its ``Options`` model, stopping on every end token the
-    tokenizer and ``model.path`` declare (docs/plugins.md). A backend that declares
-    ``writes_to_run_dir`` also gets ``run_dir``, the run's directory (None outside a run); one that
+    ``package.module:attr``): ``backend(config, model, tokenizer, stop_token_ids, options)``
+    (``plugins.build_part``) with ``generation.backend.options`` checked by its ``Options`` model, its
+    instance (none without one), stopping on every end token the tokenizer and ``model.path``
+    declare (docs/plugins.md). A backend that declares
+    ``writes_to_run_dir`` also gets ``run_dir=``, the run's directory (None outside a run); one that
     declares ``takes_request_bound`` also gets ``request_bound=``, the run's longest request as
     ``asyncrl.rollout.context.request_bound`` returns it (the longest first request's tokens and
     the ``Budget`` a request may add to it), which the caller, the composition root, computes
@@ -66,16 +67,18 @@ def build_generator(
         )
     if tokenizer.eos_token_id is None:
         raise ValueError("tokenizer.path: the tokenizer has no eos token, so generation could never stop early")
+    keywords = {}
     if getattr(backend, "writes_to_run_dir", False):
-        options["run_dir"] = run_dir
+        keywords["run_dir"] = run_dir
     if getattr(backend, "takes_request_bound", False):
         if request_bound is None:
             raise TypeError(
                 f"build_generator: generation.backend.name '{spec}' declares takes_request_bound; pass the run's "
                 "request_bound (asyncrl.workers.generator_request_bound)"
             )
-        options["request_bound"] = request_bound
-    generator = backend(config, model, tokenizer, stop_token_ids(tokenizer, config.model.path), **options)
+        keywords["request_bound"] = request_bound
+    stops = stop_token_ids(tokenizer, config.model.path)
+    generator = build_part(backend, options, config, model, tokenizer, stops, **keywords)
     missing = missing_members(generator)
     if missing:
         raise ValueError(

@@ -38,7 +38,7 @@ import uuid
 from collections.abc import Mapping, Sequence
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 from peft import LoraConfig
@@ -85,13 +85,13 @@ def build_vllm_generator(
     model: PreTrainedModel,
     tokenizer,
     stop_token_ids: Sequence[int],
-    run_dir: Path | None = None,
+    cfg: VLLMOptions,
     *,
+    run_dir: Path | None = None,
     request_bound: tuple[int, Budget],
-    **settings: Any,
 ) -> VLLMGenerator:
     """A generator on the options' ``url``, or on a server started from ``model``'s weights;
-    ``settings`` are ``generation.backend.options`` as ``VLLMOptions`` checked them.
+    ``cfg`` is ``generation.backend.options`` as ``VLLMOptions`` checked it.
 
     The model is saved (in the server's dtype) to a temporary directory the server loads at
     start; the server's log goes to ``<run_dir>/vllm/`` (beside the saved model outside a run).
@@ -101,7 +101,6 @@ def build_vllm_generator(
     its KV cache at least one such sequence (``server_kv_cache``). A server that does not start (an incompatible
     environment) is a ValueError naming the ``python`` option and the log's last line.
     """
-    cfg = VLLMOptions.model_validate(settings)
     lora = config.lora.rank > 0
     if lora:
         max_lora_rank(config.lora.rank)  # before a server starts

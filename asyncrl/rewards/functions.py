@@ -15,9 +15,10 @@ Built-ins, by name:
 - ``task``: the task's own checker (a reasoning-gym dataset's ``score_answer``, running_sum's credit
   per partial sum).
 - ``package.module:attr``: a function (or an instance) taking (completion, answer), or a class
-  built as ``Class(**options)`` with ``rewards.options[spec]`` checked by its ``Options`` model.
+  built as ``Class(options)`` with ``rewards.options[spec]`` checked by its ``Options`` model
+  (``plugins.build_part``; ``Class()`` without one).
 
-A class with a ``from_run(context, **options)`` classmethod is built by it instead, for a reward
+A class with a ``from_run(context, options)`` classmethod is built by it instead, for a reward
 that needs the run (a ``RewardContext``): that is how ``format``, ``overlong`` and ``task`` get the
 task's pattern and checker and generation.max_new_tokens. Built-ins are resolved exactly like a
 user's path (asyncrl/plugins.py, docs/plugins.md).
@@ -38,7 +39,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field, field_validator
 
-from asyncrl.plugins import resolve, validate_options
+from asyncrl.plugins import build_part, refused_arguments, resolve, validate_options
 from asyncrl.rewards.extract import stated_answer
 
 RewardFn = Callable[[str, str], float]
@@ -103,8 +104,8 @@ class FormatReward:
         self.pattern = re.compile(pattern)
 
     @classmethod
-    def from_run(cls, context: RewardContext, pattern: str | None) -> FormatReward:
-        pattern = pattern if pattern is not None else context.format_pattern
+    def from_run(cls, context: RewardContext, options: FormatOptions) -> FormatReward:
+        pattern = options.pattern if options.pattern is not None else context.format_pattern
         if pattern is None:
             raise ValueError("rewards.options.format.pattern: the format reward needs a pattern and the task has none")
         return cls(pattern)
@@ -138,10 +139,10 @@ class OverlongPenalty:
         self.max_new_tokens, self.cache = max_new_tokens, cache
 
     @classmethod
-    def from_run(cls, context: RewardContext, cache: int) -> OverlongPenalty:
+    def from_run(cls, context: RewardContext, options: OverlongPenalty.Options) -> OverlongPenalty:
         if context.max_new_tokens is None:
             raise ValueError("rewards.options.overlong.cache: the overlong reward needs generation.max_new_tokens")
-        return cls(context.max_new_tokens, cache)
+        return cls(context.max_new_tokens, options.cache)
 
     def __call__(self, completion: str, answer: str, *, num_tokens: int) -> float:
         over = num_tokens - (self.max_new_tokens - self.cache)
@@ -209,27 +210,19 @@ class TaskReward:
         return context.task_score
 
 
-def reward_part(name: str, options: Mapping[str, Any] | None = None) -> tuple[Any, dict[str, Any]]:
+def reward_part(name: str, options: Mapping[str, Any] | None = None) -> tuple[Any, BaseModel | None]:
     """What ``name`` resolves to, and its checked options: what ``parts.check_parts`` checks before a run."""
     part = resolve("reward", name, "rewards.functions")
     if not callable(part):
         raise ValueError(f"rewards.functions: '{name}' is not callable")
-    keywords = validate_options(
-        part if isinstance(part, type) else None, name, options or {}, f"rewards.options.{name}"
-    )
+    checked = validate_options(part if isinstance(part, type) else None, name, options or {}, f"rewards.options.{name}")
     if isinstance(part, type):
         build = getattr(part, "from_run", None)
-        try:
-            inspect.signature(build or part).bind(*([RewardContext()] if build else []), **keywords)
-        except TypeError:
-            shown = ", ".join(["context"] * (build is not None) + [f"{k}=..." for k in keywords])
+        refused = refused_arguments(build or part, checked, **({"context": RewardContext()} if build else {}))
+        if refused is not None:
             how = f"{part.__name__}.from_run" if build else part.__name__
-            raise ValueError(
-                f"rewards.functions: '{name}' is a class that must be constructible as {how}({shown})"
-            ) from None
-        except ValueError:
-            pass  # no inspectable signature
-    return part, keywords
+            raise ValueError(f"rewards.functions: '{name}' is a class that must be constructible as {how}({refused})")
+    return part, checked
 
 
 def resolve_reward(
@@ -243,12 +236,12 @@ def resolve_reward(
     """The reward function ``name`` gives: a built-in name or a ``package.module:attr`` path, built
     with ``options``. ``task_score`` is the task's own checker, the ``task`` reward, and
     ``format_pattern`` its pattern, the format reward's when its options give none."""
-    part, keywords = reward_part(name, options)
+    part, checked = reward_part(name, options)
     fn = part
     if isinstance(part, type):
         build = getattr(part, "from_run", None)
         context = RewardContext(format_pattern, task_score, max_new_tokens)
-        fn = build(context, **keywords) if build else part(**keywords)
+        fn = build_part(build, checked, context) if build else build_part(part, checked)
     if inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None)):  # noqa: B004 (not a callable check)
         raise ValueError(f"rewards.functions: '{name}' is async; rewards are called, not awaited: use a plain def")
     try:

@@ -31,8 +31,7 @@ def first_requests(task: Task, environment: EnvironmentPart | None, tokenizer) -
     if environment is None:
         yield from encoded_prompts(task, tokenizer)
         return
-    cls, options = environment
-    env = cls(**options)
+    env = environment.build()
     for split in (task.train, task.heldout):
         for start in range(0, len(split), TOKENIZE_BATCH):
             chunk = split[start : start + TOKENIZE_BATCH]

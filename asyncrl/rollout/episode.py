@@ -29,7 +29,6 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, field
-from functools import partial
 from typing import TYPE_CHECKING, Any, Protocol
 
 from asyncrl.data import Prompt, encode_prompts
@@ -461,12 +460,11 @@ def build_episodes(config: RunConfig, environment: EnvironmentPart | None, gener
     case; a turn ends at the end tokens the generator stops on."""
     if environment is None:
         return SingleTurn(generator, tokenizer)
-    cls, options = environment
     env = config.environment
     return MultiTurn(
         generator,
         tokenizer,
-        partial(cls, **options),
+        environment.build,
         stop_token_ids=stop_token_ids(tokenizer, config.model.path),
         limits=EpisodeLimits(env.max_turns, env.max_tokens, env.max_seconds),
         env_threads=env.threads,

@@ -2,6 +2,8 @@
 from the server, each observation is the chat template's delta, masked, and every sampled token
 carries the weight version the server reports."""
 
+from functools import partial
+
 import pytest
 
 from asyncrl.cli import main
@@ -23,7 +25,8 @@ def digit_turns(vllm_generator, environment, turns, prompts, seeds, max_new_toke
     ids = tokenizer("0123456789", add_special_tokens=False)["input_ids"]
     stops, saved = ids + [tokenizer.eos_token_id], vllm_generator.stop_token_ids
     vllm_generator.stop_token_ids = stops
-    episodes = MultiTurn(vllm_generator, tokenizer, environment, stop_token_ids=stops, limits=EpisodeLimits(turns, 60))
+    make_env = partial(environment, environment.Options())  # its options at their defaults, as a run builds it
+    episodes = MultiTurn(vllm_generator, tokenizer, make_env, stop_token_ids=stops, limits=EpisodeLimits(turns, 60))
     try:
         return tokenizer, episodes.run(prompts, seeds, SamplingParams(max_new_tokens=max_new_tokens))
     finally:

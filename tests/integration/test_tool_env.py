@@ -12,7 +12,7 @@ from helpers import ROOT, SMALL, error
 from asyncrl.data.prompts import Prompt
 from asyncrl.environments.calculator import CalculatorEnvironment
 from asyncrl.environments.tool_env import METRICS, ToolEnvironment, close_toolboxes
-from asyncrl.plugins import resolve, validate_options
+from asyncrl.plugins import build_part, resolve, validate_options
 
 PROMPT = Prompt("products/2/7", "12*34=", "408")
 
@@ -21,6 +21,11 @@ PROMPT = Prompt("products/2/7", "12*34=", "408")
 def _close_toolboxes():
     yield
     close_toolboxes()
+
+
+def calculator(**options) -> CalculatorEnvironment:
+    """The calculator environment built as a run builds it, with these options checked."""
+    return CalculatorEnvironment(CalculatorEnvironment.Options(**options))
 
 
 def call(expr, name="calc"):
@@ -32,7 +37,7 @@ def step(env, text):
 
 
 def test_a_call_is_answered_by_a_tool_message_and_the_answer_ends_the_episode():
-    env = CalculatorEnvironment()
+    env = calculator()
     assert env.reset(PROMPT) == [{"role": "user", "content": "12*34="}]
     turn = step(env, call("12*34"))
     assert not turn.done
@@ -56,7 +61,7 @@ def test_a_call_is_answered_by_a_tool_message_and_the_answer_ends_the_episode():
     ],
 )
 def test_a_failed_call_is_an_error_observation_counted_by_kind_and_the_episode_goes_on(text, kind, says):
-    env = CalculatorEnvironment()
+    env = calculator()
     env.reset(PROMPT)
     turn = step(env, text)
     assert not turn.done
@@ -68,7 +73,7 @@ def test_a_failed_call_is_an_error_observation_counted_by_kind_and_the_episode_g
 
 
 def test_every_call_of_a_turn_is_run_in_order_and_a_call_past_the_limit_ends_the_episode():
-    env = CalculatorEnvironment(max_tool_calls=3)
+    env = calculator(max_tool_calls=3)
     env.reset(PROMPT)
     first = step(env, call("1+1") + call("2+2"))
     assert [m["content"] for m in first.messages] == ["2", "4"]
@@ -80,7 +85,7 @@ def test_every_call_of_a_turn_is_run_in_order_and_a_call_past_the_limit_ends_the
 
 def test_the_simulated_latency_is_lognormal_with_its_median_and_seeded_by_the_prompt():
     def draws(uid, seed=0, count=2001):
-        env = CalculatorEnvironment(latency_median_s=0.05, latency_sigma=1.0, latency_seed=seed)
+        env = calculator(latency_median_s=0.05, latency_sigma=1.0, latency_seed=seed)
         env.reset(Prompt(uid, "1*1=", "1"))
         return [env.latency() for _ in range(count)]
 
@@ -89,12 +94,12 @@ def test_the_simulated_latency_is_lognormal_with_its_median_and_seeded_by_the_pr
     assert sample != draws("b") and sample != draws("a", seed=1)
     assert statistics.median(sample) == pytest.approx(0.05, rel=0.1)
     assert statistics.mean(sample) > 1.4 * statistics.median(sample)  # long-tailed: exp(sigma^2 / 2) = 1.65
-    assert CalculatorEnvironment().latency() == 0.0
+    assert calculator().latency() == 0.0
 
 
 def test_a_tool_environment_checks_its_options_and_parser():
     with pytest.raises(ValueError, match="^environment.options.parser: unknown tool_parser 'xml'"):
-        CalculatorEnvironment(parser="xml")
+        calculator(parser="xml")
     assert set(ToolEnvironment.Options.model_fields) <= set(CalculatorEnvironment.Options.model_fields)
 
 
@@ -105,7 +110,9 @@ def test_the_example_of_docs_environments_runs(tmp_path, monkeypatch):
     (tmp_path / "my_tools.py").write_text(source)
     monkeypatch.syspath_prepend(str(tmp_path))
     env_class = resolve("environment", "my_tools:Dictionary", "environment.name")
-    env = env_class(**validate_options(env_class, "my_tools:Dictionary", {"max_tool_calls": 2}, "environment.options"))
+    env = build_part(
+        env_class, validate_options(env_class, "my_tools:Dictionary", {"max_tool_calls": 2}, "environment.options")
+    )
     assert env.tools[0]["function"]["name"] == "lookup"
     env.reset(Prompt("d/1", "What is a cat?", "a small carnivore"))
     turn = step(env, '<tool_call>{"name": "lookup", "arguments": {"word": "cat", "limit": 1}}</tool_call>')
@@ -114,7 +121,7 @@ def test_the_example_of_docs_environments_runs(tmp_path, monkeypatch):
 
 
 def test_the_simulated_latency_is_waited_before_each_call_and_counted_in_the_tool_time():
-    env = CalculatorEnvironment(latency_median_s=0.2, latency_sigma=0.0)  # every draw is the median
+    env = calculator(latency_median_s=0.2, latency_sigma=0.0)  # every draw is the median
     env.reset(PROMPT)
     turn = step(env, call("1+1") + call("2+2"))
     assert [m["content"] for m in turn.messages] == ["2", "4"]

@@ -6,6 +6,7 @@ import re
 import threading
 import time
 from dataclasses import replace
+from functools import partial
 
 import pytest
 import torch
@@ -58,8 +59,14 @@ class ScriptedGenerator(GeneratorBase):
         return rollouts
 
 
-def run(script, prompts, limits=EpisodeLimits(max_turns=4, max_tokens=200), make_env=FeedbackEnvironment):
+def defaults(cls):
+    """One episode's ``cls`` as a run builds it (``plugins.build_part``), its options at their defaults."""
+    return partial(cls, cls.Options())
+
+
+def run(script, prompts, limits=EpisodeLimits(max_turns=4, max_tokens=200), make_env=None):
     generator = ScriptedGenerator(script)
+    make_env = make_env or defaults(FeedbackEnvironment)
     episodes = MultiTurn(generator, TOKENIZER, make_env, stop_token_ids=[EOS], limits=limits)
     try:
         return episodes.run(prompts, sorted(script), PARAMS), generator
@@ -128,7 +135,9 @@ def test_a_template_that_rewrites_the_transcript_ends_the_episode_before_the_obs
     tokenizer = build_char_tokenizer(chat=True)
     tokenizer.chat_template = "{% for m in messages[-1:] %}{{ m.content }}{% endfor %}"  # only the last message
     generator = ScriptedGenerator({1: [ids("9") + [EOS], ids("4") + [EOS]]})
-    episodes = MultiTurn(generator, tokenizer, FeedbackEnvironment, stop_token_ids=[EOS], limits=EpisodeLimits(4, 99))
+    episodes = MultiTurn(
+        generator, tokenizer, defaults(FeedbackEnvironment), stop_token_ids=[EOS], limits=EpisodeLimits(4, 99)
+    )
     [completion] = episodes.run([Prompt("p", "2+2=", "4")], [1], PARAMS)
     episodes.close()
     assert completion.rollout.finish_reason == "transcript" and completion.metrics["transcript_breaks"] == 1
@@ -171,7 +180,9 @@ def test_an_episode_samples_the_same_tokens_alone_or_batched_with_others_on_the_
     model = build_tiny_model(len(TOKENIZER), seed=0, dtype=torch.float64)
     stops = ids("0123456789") + [EOS]
     generator = HFGenerator(model, stop_token_ids=stops, pad_token_id=0, batch_size=8)
-    episodes = MultiTurn(generator, TOKENIZER, FeedbackEnvironment, stop_token_ids=stops, limits=EpisodeLimits(4, 60))
+    episodes = MultiTurn(
+        generator, TOKENIZER, defaults(FeedbackEnvironment), stop_token_ids=stops, limits=EpisodeLimits(4, 60)
+    )
     prompts = [Prompt(f"p{i}", f"{i}+{i}=", str(2 * i)) for i in range(4)]
     together = episodes.run(prompts, [10, 11, 12, 13], SamplingParams(max_new_tokens=12))
     alone = episodes.run(prompts[2:3], [12], SamplingParams(max_new_tokens=12))
@@ -206,7 +217,9 @@ class _NoRewards:
 def test_an_episode_takes_new_weights_between_turns_and_each_token_keeps_its_version():
     seed = sample_seed(0, "p", 0)  # the worker's seed for sample 0 of prompt "p"
     generator = _NewWeightsEachCall({seed: [ids("9") + [EOS], ids("3") + [EOS], ids("4") + [EOS]]})
-    episodes = MultiTurn(generator, TOKENIZER, FeedbackEnvironment, stop_token_ids=[EOS], limits=EpisodeLimits(4, 99))
+    episodes = MultiTurn(
+        generator, TOKENIZER, defaults(FeedbackEnvironment), stop_token_ids=[EOS], limits=EpisodeLimits(4, 99)
+    )
     worker = RolloutWorker(
         generator, _NoRewards(), TOKENIZER, run_seed=0, group_size=1, sampling=PARAMS, inflight=True, episodes=episodes
     )
@@ -241,7 +254,7 @@ def test_episodes_are_bit_identical_however_their_turns_were_batched_on_the_hf_b
     model = build_tiny_model(len(TOKENIZER), seed=0)
     stops = ids("0123456789") + [EOS]
     generator = HFGenerator(model, stop_token_ids=stops, pad_token_id=0, batch_size=8)
-    episodes = MultiTurn(generator, TOKENIZER, _Slow, stop_token_ids=stops, limits=EpisodeLimits(4, 60))
+    episodes = MultiTurn(generator, TOKENIZER, defaults(_Slow), stop_token_ids=stops, limits=EpisodeLimits(4, 60))
     prompts = [Prompt(f"p{i}", f"{i}+{i}=", str(2 * i)) for i in range(6)]
     runs = []
     for slow in (("p0", "p1"), ("p4", "p5")):
@@ -262,12 +275,12 @@ def test_the_environment_docs_example_runs_as_a_user_copies_it(tmp_path, monkeyp
     (tmp_path / "my_env.py").write_text(re.search(r"```python\n(# my_env.py\n.*?)```", doc, re.S).group(1))
     monkeypatch.syspath_prepend(str(tmp_path))
     config = load_config(None, ["environment.name=my_env:Spell", "environment.options={bonus: 0.5}"])
-    cls, options = environment_class(config)
-    assert options == {"bonus": 0.5}
+    environment = environment_class(config)
+    assert environment.options == environment.cls.Options(bonus=0.5)
     [completion], _ = run(
         {4: [ids("cot") + [EOS], ids("cat") + [EOS]]},
         [Prompt("w", "spell cat", "cat")],
-        make_env=lambda: cls(**options),
+        make_env=environment.build,
     )
     assert completion.reward == 1.0 and completion.metrics["right_letters"] == 2 + 3
     assert TOKENIZER.decode(completion.rollout.response_ids) == "cot<eos>U:2 letters right\nA:cat<eos>"
@@ -277,7 +290,7 @@ def test_an_episode_past_its_wall_time_is_truncated_after_the_step_that_crossed_
     _Slow.slow = ("p",)  # each step takes 0.3 s, three times the limit
     wrong = [ids("9") + [EOS]] * 4
     limits = EpisodeLimits(max_turns=4, max_tokens=200, max_seconds=0.1)
-    [completion], _ = run({1: wrong}, [Prompt("p", "2+2=", "4")], limits, make_env=_Slow)
+    [completion], _ = run({1: wrong}, [Prompt("p", "2+2=", "4")], limits, make_env=defaults(_Slow))
     assert completion.metrics["turns"] == 1 and completion.metrics["truncated"] == 1
     assert completion.metrics["timed_out"] == 1
     assert completion.rollout.finish_reason == "time_limit" and completion.reward is None
@@ -307,7 +320,7 @@ def test_a_backend_taking_concurrent_calls_gets_turns_that_become_ready_while_a_
     _Slow.slow = ("a",)  # a's environment answers 0.3 s after b's, so their second turns part
     answer = [ids("9") + [EOS], ids("4") + [EOS]]
     generator = _ConcurrentScripted({1: answer, 2: answer}, hold_seed=turn_seed(2, 1), release_seed=turn_seed(1, 1))
-    episodes = MultiTurn(generator, TOKENIZER, _Slow, stop_token_ids=[EOS], limits=EpisodeLimits(4, 99))
+    episodes = MultiTurn(generator, TOKENIZER, defaults(_Slow), stop_token_ids=[EOS], limits=EpisodeLimits(4, 99))
     prompts = [Prompt("a", "2+2=", "4"), Prompt("b", "2+2=", "4")]
     completions = episodes.run(prompts, [1, 2], PARAMS)
     episodes.close()
@@ -349,7 +362,7 @@ class _NanReward(FeedbackEnvironment):
 def test_a_non_finite_environment_reward_scores_zero_and_is_counted_as_a_reward_error():
     seeds = [sample_seed(0, "p", i) for i in range(2)]
     generator = ScriptedGenerator({seed: [ids("4") + [EOS]] for seed in seeds})
-    episodes = MultiTurn(generator, TOKENIZER, _NanReward, stop_token_ids=[EOS], limits=EpisodeLimits(4, 99))
+    episodes = MultiTurn(generator, TOKENIZER, defaults(_NanReward), stop_token_ids=[EOS], limits=EpisodeLimits(4, 99))
     worker = RolloutWorker(
         generator, _NoRewards(), TOKENIZER, run_seed=0, group_size=2, sampling=PARAMS, episodes=episodes
     )
@@ -382,7 +395,7 @@ def test_an_environment_step_that_never_returns_is_abandoned_at_max_seconds():
     prompts = [Prompt("hangs", "2+2=", "4"), Prompt("answers", "2+2=", "4")]
     done = []
     thread = threading.Thread(
-        target=lambda: done.append(run({1: answer, 2: answer}, prompts, limits, _Hangs)), daemon=True
+        target=lambda: done.append(run({1: answer, 2: answer}, prompts, limits, defaults(_Hangs))), daemon=True
     )
     thread.start()
     thread.join(timeout=120)
@@ -417,7 +430,12 @@ def _generate_with_failures(failures: dict[str, int], max_retries: int = 2):
     seeds = {uid: [sample_seed(0, uid, i) for i in range(2)] for uid in "ab"}
     generator = ScriptedGenerator({s: [ids("9") + [EOS], ids("4") + [EOS]] for uid in "ab" for s in seeds[uid]})
     episodes = MultiTurn(
-        generator, TOKENIZER, _Raises, stop_token_ids=[EOS], limits=EpisodeLimits(4, 99), max_retries=max_retries
+        generator,
+        TOKENIZER,
+        defaults(_Raises),
+        stop_token_ids=[EOS],
+        limits=EpisodeLimits(4, 99),
+        max_retries=max_retries,
     )
     worker = RolloutWorker(
         generator, _NoRewards(), TOKENIZER, run_seed=0, group_size=2, sampling=PARAMS, episodes=episodes

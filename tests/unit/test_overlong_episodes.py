@@ -1,6 +1,8 @@
 """The overlong reward in an episode: ``generation.max_new_tokens`` limits each model turn alone,
 so the length it is held against is the episode's longest turn, never the turns' sum."""
 
+from functools import partial
+
 from asyncrl.data import Prompt
 from asyncrl.environments.feedback import FeedbackEnvironment
 from asyncrl.generation import GeneratorBase, SamplingParams
@@ -48,7 +50,7 @@ def _episode_rewards(turn_text: str, max_turns: int) -> tuple[list[float], list[
     episodes = MultiTurn(
         generator,
         TOKENIZER,
-        FeedbackEnvironment,
+        partial(FeedbackEnvironment, FeedbackEnvironment.Options()),
         stop_token_ids=[EOS],
         limits=EpisodeLimits(max_turns=max_turns, max_tokens=200),
     )

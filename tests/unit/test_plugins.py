@@ -8,10 +8,11 @@ import pytest
 from helpers import SMALL, error, user_module
 from pydantic import BaseModel
 
-from asyncrl.config import load_config
+from asyncrl.config import AlgorithmConfig, BackendConfig, EnvironmentConfig, SamplerConfig, TaskConfig, load_config
+from asyncrl.config.base import PartSection
 from asyncrl.generation import build_generator
 from asyncrl.models.factory import build_model, build_tokenizer
-from asyncrl.plugins import BUILTINS, PartRef, resolve, validate_options
+from asyncrl.plugins import BUILTINS, OPTIONS_AT, PartRef, build_part, resolve, validate_options
 from asyncrl.run import train
 
 PLUGINS = '''
@@ -31,9 +32,9 @@ class Counted(InOrderSampler):
     class Options(BaseModel):
         label: str
 
-    def __init__(self, prompts_per_step, max_lag, label):
+    def __init__(self, prompts_per_step, max_lag, options):
         super().__init__(prompts_per_step, max_lag)
-        built_samplers.append(label)
+        built_samplers.append(options.label)
 
 
 class Scaled:
@@ -42,8 +43,8 @@ class Scaled:
     class Options(BaseModel):
         scale: float = 1.0
 
-    def __init__(self, scale):
-        self.scale = scale
+    def __init__(self, options):
+        self.scale = options.scale
 
     def __call__(self, completion, answer):
         return self.scale * float(completion.strip() == answer.strip())
@@ -55,20 +56,20 @@ class Doubling:
     class Options(BaseModel):
         count: int
 
-    def __init__(self, data, count):
-        if count < data.eval_size + 1:
-            raise ValueError(f"data.task.options.count: {count} leaves no train prompts")
-        self.data, self.count = data, count
+    def __init__(self, data, options):
+        if options.count < data.eval_size + 1:
+            raise ValueError(f"data.task.options.count: {options.count} leaves no train prompts")
+        self.data, self.count = data, options.count
 
     def build(self):
         prompts = [Prompt(uid=f"d{n}", text=f"{n}+{n}=", answer=str(2 * n)) for n in range(self.count)]
         return Task("doubling", train=prompts[self.data.eval_size :], heldout=prompts[: self.data.eval_size])
 
 
-def hf_inflight(config, model, tokenizer, stop_token_ids, loads_while_generating):
+def hf_inflight(config, model, tokenizer, stop_token_ids, options):
     """The hf generator, declaring the capability its option gives (only the false one is true of it)."""
     generator = build_hf_generator(config, model, tokenizer, stop_token_ids)
-    generator.loads_while_generating = loads_while_generating
+    generator.loads_while_generating = options.loads_while_generating
     return generator
 
 
@@ -218,12 +219,45 @@ class Nesting:
 
 
 def test_a_part_named_in_options_is_resolved_and_its_options_checked_by_the_loader():
-    assert validate_options(Nesting, "n", {"inner": "windowed"}, "x.options") == {
-        "inner": "windowed",
-        "inner_options": {},
-    }
+    assert validate_options(Nesting, "n", {"inner": "windowed"}, "x.options") == Nesting.Options(inner="windowed")
     with pytest.raises(ValueError, match=r"^x\.options\.inner: unknown sampler 'nosuch'; built-ins are"):
         validate_options(Nesting, "n", {"inner": "nosuch"}, "x.options")
     with pytest.raises(ValueError) as caught:
         validate_options(Nesting, "n", {"inner_options": {"window": 2}}, "x.options")
     assert str(caught.value) == "x.options.inner_options.window: unknown option; 'in_order' takes no options"
+
+
+class Sized:
+    """A part with options, a check of its own and a capability keyword."""
+
+    checked: list = []
+
+    class Options(BaseModel):
+        size: int = 1
+
+    @classmethod
+    def check_options(cls, options):
+        cls.checked.append(options)
+
+    def __init__(self, first, options, *, extra=None):
+        self.built_with = (first, options, extra)
+
+
+def bare(first):
+    return first
+
+
+def test_every_part_is_built_with_its_options_instance_whole_and_a_part_without_options_with_none():
+    options = validate_options(Sized, "s", {"size": 2}, "x.options")
+    assert options == Sized.Options(size=2) and Sized.checked == [options]
+    assert build_part(Sized, options, "first", extra=3).built_with == ("first", options, 3)
+    assert build_part(bare, validate_options(bare, "b", {}, "x.options"), "first") == "first"
+
+
+def test_every_section_naming_a_part_derives_from_one_base_that_knows_where_its_options_are_set():
+    sections = [SamplerConfig, TaskConfig, BackendConfig, AlgorithmConfig, EnvironmentConfig]
+    assert all(issubclass(section, PartSection) for section in sections)
+    assert {section.kind: f"{section.at}.options" for section in sections} == {
+        kind: at for kind, at in OPTIONS_AT.items() if kind != "reward"
+    }
+    assert all(list(section.model_fields)[:2] == ["name", "options"] for section in sections)

@@ -16,7 +16,13 @@ from asyncrl.warm_start import encode_conversation
 
 
 def search_task(difficulty=10, num_problems=100, eval_size=20) -> SearchTask:
-    return SearchTask(DataConfig(eval_size=eval_size), difficulty=difficulty, num_problems=num_problems)
+    return SearchTask(
+        DataConfig(eval_size=eval_size), SearchTask.Options(difficulty=difficulty, num_problems=num_problems)
+    )
+
+
+def search_environment(**options) -> SearchEnvironment:
+    return SearchEnvironment(SearchEnvironment.Options(**options))
 
 
 def test_the_task_hides_every_number_of_the_range_equally_often_in_both_splits():
@@ -43,7 +49,7 @@ def test_the_task_refuses_a_range_of_one_number_and_an_empty_train_split(setting
 
 
 def test_each_wrong_guess_is_told_up_or_down_and_the_solve_scores_by_its_guesses():
-    env = SearchEnvironment(bonus=0.5)
+    env = search_environment(bonus=0.5)
     assert env.reset(Prompt("p", "0-9", "6")) == [{"role": "user", "content": "0-9"}]
     replies = [env.step({"role": "assistant", "content": guess}) for guess in ("4", "8", "seven", "6")]
     assert [t.messages[0]["content"] for t in replies[:3]] == ["up", "down", "?"]
@@ -54,7 +60,7 @@ def test_each_wrong_guess_is_told_up_or_down_and_the_solve_scores_by_its_guesses
 
 
 def test_range_replies_give_the_range_the_number_is_now_known_to_be_in():
-    env = SearchEnvironment(reply="range")
+    env = search_environment(reply="range")
     env.reset(Prompt("p", "0-9", "6"))
     replies = [env.step({"role": "assistant", "content": guess}).messages for guess in ("4", "8", "x", "7")]
     assert [m[0]["content"] for m in replies] == ["5-9", "5-7", "?", "5-6"]
@@ -62,11 +68,11 @@ def test_range_replies_give_the_range_the_number_is_now_known_to_be_in():
 
 def test_a_prompt_that_is_not_a_range_and_a_number_is_refused_naming_it():
     with pytest.raises(ValueError, match="prompt q: the search environment needs a range"):
-        SearchEnvironment().reset(Prompt("q", "12*34=", "408"))
+        search_environment().reset(Prompt("q", "12*34=", "408"))
 
 
 def test_a_first_guess_that_hits_scores_the_most():
-    env = SearchEnvironment(bonus=0.5)
+    env = search_environment(bonus=0.5)
     env.reset(Prompt("p", "0-9", "3"))
     assert env.step({"role": "assistant", "content": " 3 "}).reward == 1.5
 
@@ -74,7 +80,7 @@ def test_a_first_guess_that_hits_scores_the_most():
 def test_the_demonstrations_guess_at_random_among_the_numbers_the_replies_allow():
     """The format and the rules, not the strategy: every guess fits the replies so far, but it is
     drawn uniformly from the numbers still possible, not halving them (binary search's guess)."""
-    env = SearchEnvironment()
+    env = search_environment()
     halving = guesses = 0
     firsts = set()
     for j in range(200):
@@ -97,7 +103,7 @@ def test_the_demonstrations_guess_at_random_among_the_numbers_the_replies_allow(
 
 def test_a_demonstration_encodes_with_only_the_guesses_trained():
     tokenizer = build_char_tokenizer(chat=True)
-    messages = SearchEnvironment().demonstration(Prompt("search/10/1", "0-9", "1"))
+    messages = search_environment().demonstration(Prompt("search/10/1", "0-9", "1"))
     ids, mask = encode_conversation(tokenizer, messages, None)
     trained = tokenizer.decode([i for i, m in zip(ids, mask) if m])
     guesses = [m["content"] for m in messages if m["role"] == "assistant"]

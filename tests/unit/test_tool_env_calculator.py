@@ -53,7 +53,7 @@ def test_calc_raises_what_arithmetic_raises():
 
 def test_the_schema_comes_from_the_signature_and_docstring():
     assert CalculatorEnvironment.schemas() == [Tool(calc).schema]
-    assert CalculatorEnvironment().tools == CalculatorEnvironment.schemas()
+    assert CalculatorEnvironment(CalculatorEnvironment.Options()).tools == CalculatorEnvironment.schemas()
     function = CalculatorEnvironment.schemas()[0]["function"]
     assert function["name"] == "calc"
     assert function["parameters"]["properties"]["expr"]["type"] == "string"
@@ -61,7 +61,10 @@ def test_the_schema_comes_from_the_signature_and_docstring():
 
 
 def products(difficulty: int, num_problems: int = 500, eval_size: int = 50, seed: int = 0) -> ProductsTask:
-    return ProductsTask(DataConfig(eval_size=eval_size), difficulty=difficulty, num_problems=num_problems, seed=seed)
+    return ProductsTask(
+        DataConfig(eval_size=eval_size),
+        ProductsTask.Options(difficulty=difficulty, num_problems=num_problems, seed=seed),
+    )
 
 
 def test_products_are_two_factors_of_the_difficulty_in_digits_with_disjoint_splits():
