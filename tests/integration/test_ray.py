@@ -16,7 +16,7 @@ from functools import partial
 
 import pytest
 import torch
-from helpers import SMALL, dashboard_command_lines, ray_server_processes, wait_until_gone
+from helpers import SMALL, dashboard_command_lines, ray_server_processes, wait_for_exit, wait_until_gone
 from test_integrity import EPISODES
 
 from asyncrl.config import ConfigError, load_config
@@ -52,6 +52,26 @@ def local_run(tmp_path_factory):
 def deterministic(records, *drop):
     """The records without timing, nor how weights moved (local: in process; Ray: not)."""
     return [{k: v for k, v in strip_timing(r).items() if k not in {"sync_transport", *drop}} for r in records]
+
+
+def kill_until_dead(actor, *, restart: bool = True) -> None:
+    """Kill an actor and return once its process is gone: ``ray.kill`` returns before the kill
+    lands, so a call made at once may still run on the old process and succeed."""
+    import os
+
+    import ray
+
+    pid = ray.get(actor.__ray_call__.remote(lambda _: os.getpid()))
+    ray.kill(actor, no_restart=not restart)
+
+    def running() -> set[int]:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return set()
+        return {pid}
+
+    assert not wait_for_exit(running, timeout_s=30.0), f"the actor's process {pid} outlived ray.kill"
 
 
 # ---- without a cluster ------------------------------------------------------------------------
@@ -158,7 +178,7 @@ def test_group_payloads_are_owned_by_the_caller_and_outlive_their_generator(ray_
     import asyncio
 
     batch = asyncio.run(generate())
-    ray.kill(handle.actor, no_restart=True)
+    kill_until_dead(handle.actor, restart=False)
     runtime.shutdown()
     assert ray.is_initialized()  # the session's cluster is not the runtime's to shut down
     assert [type(g) for g in batch.groups] == [RemoteGroup, RemoteGroup]
@@ -284,7 +304,7 @@ def test_a_generator_that_dies_mid_run_is_restarted_with_the_latest_weights(ray_
 
 @pytest.mark.slow
 def test_a_generator_that_misses_a_broadcast_loads_rank0s_copy_and_the_broadcast_stops(ray_cluster):
-    """A generator killed after a broadcast fails its next call, which stops the broadcast; once
+    """A generator that dies in a batch after a broadcast fails that batch, which stops the broadcast; once
     restarted it loads the broadcast version from rank 0's copy. A generator killed before a
     broadcast fails to join it, and loads rank 0's copy in that same sync. Either way it then
     generates the same groups as before it died, and later syncs use the object store."""
@@ -296,7 +316,9 @@ def test_a_generator_that_misses_a_broadcast_loads_rank0s_copy_and_the_broadcast
     from asyncrl.runtime.ray import RayRuntime, WorkerDiedError
     from asyncrl.workers import build_rollout_worker, build_trainer_rank
 
-    config = load_config(None, [*SMALL, RAY, "sync.transport=broadcast"])
+    marker = ray_cluster
+    kill_in_reward = ("rewards.functions=[reward_functions:exit_when_marked]", "rewards.processes=1")
+    config = load_config(None, [*SMALL, RAY, "sync.transport=broadcast", *kill_in_reward])
     jobs = [RolloutJob(slot, Prompt(f"u{slot}", f"{slot}+1=", str(slot + 1)), 0, 0) for slot in range(2)]
     runtime = RayRuntime(config.runtime)
 
@@ -321,16 +343,17 @@ def test_a_generator_that_misses_a_broadcast_loads_rank0s_copy_and_the_broadcast
         runtime.connect_broadcast(rank0, [generator], "gloo", 60.0)
         assert asyncio.run(sync(generator)) == "broadcast"
         before = asyncio.run(generate(generator))
-        ray.kill(generator.actor, no_restart=False)
+        marker.write_text("")  # the batch's first reward call kills the actor
         with pytest.raises(WorkerDiedError):
             asyncio.run(generate(generator))
+        assert not marker.exists()
         assert generator.broadcast.stopped == "rollout worker 0 died"
         assert same(asyncio.run(generate(generator)), before)  # on version 0, from rank 0's copy
         assert asyncio.run(sync(generator)) == "object_store"
 
         runtime.connect_broadcast(rank0, [generator], "gloo", 60.0)  # a new group, as at the start of a run
         assert asyncio.run(sync(generator)) == "broadcast"
-        ray.kill(generator.actor, no_restart=False)
+        kill_until_dead(generator.actor)
         ray.get(generator.actor.alive.remote())  # restarted
         assert asyncio.run(sync(generator)) == "broadcast"  # rank 0 broadcast; the generator missed it
         # Ray may report the restart to the join itself, or the restarted actor refuses it.
