@@ -352,7 +352,7 @@ def _vllm(workload: Workload, device: str) -> dict[str, Any]:
     from asyncrl.generation.vllm import build_vllm_generator
     from asyncrl.generation.vllm_options import VLLMOptions
     from asyncrl.models.factory import build_tokenizer
-    from asyncrl.rollout.context import request_bound
+    from asyncrl.workers import generator_request_bound
 
     config = load_config(
         None,
@@ -362,7 +362,7 @@ def _vllm(workload: Workload, device: str) -> dict[str, Any]:
     model = _model(workload, device)
     weights = {name: t.to(torch.bfloat16) for name, t in model.state_dict().items()}
     tokenizer = build_tokenizer(config)
-    bound = request_bound(build_task(config.data, tokenizer), config, environment_class(config), tokenizer)
+    bound = generator_request_bound(config, build_task(config.data, tokenizer), environment_class(config), tokenizer)
     options = VLLMOptions.model_validate(config.generation.backend.options)
     generator = build_vllm_generator(config, model, tokenizer, [], options, request_bound=bound)
     try:
