@@ -151,6 +151,20 @@ def bench_lora(
     common.write_result("lora", lora.settings(workload), lora.run(workload), output)
 
 
+@bench_app.command("roofline")
+def bench_roofline(
+    quick: bool = typer.Option(False, "--quick", help="a smoke run: a tiny random model, a few tokens, no vLLM"),
+    output: Path | None = typer.Option(None, "--output", help=OUTPUT_HELP),
+) -> None:
+    """Train step (full and LoRA) and generation (HF, vLLM: prefill and decode) FLOP/s as fractions of
+    this CPU's float32 matmul FLOP/s, on SmolLM2-135M-Instruct (or its shape)."""
+    from asyncrl.bench import common, roofline
+
+    workload = roofline.QUICK if quick else roofline.FULL
+    result = roofline.run(workload, cached_model=not quick)
+    common.write_result("roofline", roofline.settings(workload), result, output)
+
+
 @bench_app.command("e2e")
 def bench_e2e(
     quick: bool = typer.Option(False, "--quick", help="a smoke run: a tiny model, a few steps, one seed"),

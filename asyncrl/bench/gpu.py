@@ -34,6 +34,8 @@ from typing import Any
 
 import torch
 
+from asyncrl.bench.flops import train_flops_per_token
+
 # Dense bfloat16 tensor-core peaks in TFLOP/s, by a substring of torch.cuda.get_device_name();
 # the longest matching name wins, so "H100 PCIe" is not read as an SXM "H100".
 PEAK_TFLOPS = {
@@ -91,7 +93,7 @@ def peak_tflops(device_name: str) -> float | None:
 def flops_per_token(parameters: int, workload: Workload) -> float:
     """Training FLOPs per token (forward and backward), PaLM's count."""
     m = workload.model
-    return 6 * parameters + 12 * m["num_layers"] * m["hidden_size"] * workload.seq_len
+    return train_flops_per_token(parameters, m["num_layers"], m["hidden_size"], workload.seq_len)
 
 
 def run(workload: Workload = QWEN25_05B, *, device: str = "cuda", peak: float | None = None) -> dict[str, Any]:

@@ -520,3 +520,30 @@ def test_integrity_reports_the_step_time_ratio_of_runs_with_and_without_the_guar
     assert "### `asyncrl bench integrity`" in text and f"| median | {results['step_s_on']:.3f} |" in text
     assert f"Step time with the guard over without it: {results['overhead_percent']:+.1f} %" in text
     assert 0 < pair["guard_share"] == results["guard_share"] < 1  # the guarded run timed the guard's work
+
+
+def test_roofline_reports_each_rate_as_a_fraction_of_the_matmul_rate(capsys, tmp_path):
+    result = bench(capsys, tmp_path, "roofline")
+    measured, settings = result["results"], result["settings"]
+    rate = measured["matmul"]["flops_per_s"]
+    assert rate == max(measured["matmul"]["model_flops_per_s"], measured["matmul"]["square_flops_per_s"]) > 0
+    layers, hidden = settings["model"]["num_layers"], settings["model"]["hidden_size"]
+    attention = 12 * layers * hidden * (settings["prompt_len"] + settings["response_len"])
+    full, lora = measured["train"]["full"], measured["train"]["lora"]
+    assert full["flops_per_token"] == 6 * full["parameters"] + attention
+    adapter = lora["trainable_parameters"]
+    assert lora["flops_per_token"] == 4 * (lora["parameters"] - adapter) + 6 * adapter + attention
+    assert full["tokens"] == lora["tokens"] == settings["rows"] * (settings["prompt_len"] + settings["response_len"])
+    phases = [full, lora, measured["hf"]["prefill"], measured["hf"]["decode"]]
+    for row in phases:
+        assert row["tokens_per_s"] > 0 and row["flops_per_s"] > 0
+        assert row["over_matmul"] == pytest.approx(row["flops_per_s"] / rate)
+    assert measured["hf"]["prefill"]["tokens_per_s"] == pytest.approx(
+        settings["rows"] * settings["prompt_len"] / measured["hf"]["prefill"]["seconds"]
+    )
+    assert measured["vllm"] == {"skipped": "--quick starts no vLLM server"}
+    goals = measured["goals"]
+    assert set(goals) == {"train_full", "train_lora", "hf_prefill", "hf_decode"}
+    assert goals["train_full"]["value"] == full["over_matmul"] and goals["train_full"]["goal"] == ">= 0.7"
+    assert goals["hf_decode"]["value"] == measured["hf"]["decode"]["over_matmul"]
+    assert goals["hf_decode"]["goal"] == ">= 0.5"
