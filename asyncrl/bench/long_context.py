@@ -8,14 +8,16 @@ which computes no padding. Every measurement is a fresh set of rank processes fr
 project's launcher (trainer/parallel.py ``launch``, gloo), since peak resident memory is a
 per-process high-water mark. A rank builds its trainer, takes a short step (so AdamW's moments
 exist, as in any step after a run's first), resets its high-water mark (``/proc/self/clear_refs``)
-and reports the step's peak growth above that: what T costs, not the weights and optimizer. T
-doubles per setting until the next step is expected to take its ranks' resident memory together
-past ``memory_limit`` bytes or to run past ``time_limit`` seconds (the growth so far
+and reports the step's peak growth above that: what T costs, not the weights and optimizer; large
+allocations are mapped on their own (``_map_large_allocations``), so the mark follows the
+tensors. T doubles per setting until the next step is expected to take its ranks' resident memory
+together past ``memory_limit`` bytes or to run past ``time_limit`` seconds (the growth so far
 extrapolated), or a step fails.
 """
 
 from __future__ import annotations
 
+import ctypes
 import gc
 import json
 import operator
@@ -43,6 +45,7 @@ MEMORY_LIMIT = 16 * 2**30  # the ranks of a step together, on a 24 GiB machine
 TIME_LIMIT = 600.0  # seconds of one step
 RAGGED = (0.6, 0.4)  # the two rows' shares of T
 PROMPT_TOKENS = 64
+M_MMAP_THRESHOLD, MMAP_THRESHOLD = -3, 64 * 1024  # glibc's mallopt parameter, and its value here
 EQUAL = (False, False)  # (padded: ragged rows, packed)
 LAYOUTS = (EQUAL, (True, False), (True, True))  # equal, ragged, ragged packed
 
@@ -121,6 +124,15 @@ def train_batch(lengths: list[int], vocab: int, seed: int = 0) -> TrainBatch:
     )
 
 
+def _map_large_allocations() -> None:
+    """Have glibc map each allocation of ``MMAP_THRESHOLD`` bytes or more on its own (a fixed
+    threshold also turns off its dynamic one), so that a freed tensor leaves RSS at once and the
+    high-water mark follows the live tensors. On glibc's default heap two runs of the same step
+    grew by 5.6 and 8.0 GB; mapped, runs agree to 0.1 %."""
+    if not ctypes.CDLL(None).mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD):
+        raise RuntimeError("mallopt(M_MMAP_THRESHOLD) failed")
+
+
 def _rss(field: str) -> int:
     for line in Path("/proc/self/status").read_text().splitlines():
         if line.startswith(field):
@@ -140,6 +152,7 @@ def measure_rank(
 ) -> bytes:
     """One rank's step: its peak growth above the built trainer, that trainer's RSS and the
     step's seconds, as JSON bytes."""
+    _map_large_allocations()
     torch.set_num_threads(CORES // world_size)
     torch.manual_seed(0)
     parallel = init_parallel(ParallelConfig(cp=world_size)) if world_size > 1 else None
