@@ -256,7 +256,8 @@ def _long_context(result: dict) -> str:
     rows = [[*_long_context_row(r), f"{r['step_seconds']:.2f}"] for r in result["results"]]
     header = ["T", "cp", "rows", "vocab", "rank", "step peak GB", "step s"]
     goals = [
-        f"{name}: {_number(goal['value'], '{:.2f}')} ({_goal(goal['met'], goal['goal'])})"
+        f"{name}: {_number(goal['value'], '{:.2f}')}"
+        + ("" if goal["met"] is None else f" ({_goal(goal['met'], goal['goal'])})")
         for name, goal in result["goals"].items()
     ]
     stopped = [f"cp={s['cp']} {_rows_shape(s)} stopped at T={s['seq_len']} ({s['reason']})" for s in result["stopped"]]
