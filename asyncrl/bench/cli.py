@@ -120,22 +120,41 @@ def bench_memory(
 
 @bench_app.command("long-context")
 def bench_long_context(
-    quick: bool = typer.Option(False, "--quick", help="a smoke run: T = 256, a 4,096-token vocabulary"),
-    max_len: int = typer.Option(32768, "--max-len", min=16, help="the largest T (tokens of the step's two rows)"),
-    vocab: list[int] = typer.Option(
-        [151_936], "--vocab", min=64, help="vocabulary sizes to measure (repeatable; the goals use 151,936)"
+    quick: bool = typer.Option(
+        False, "--quick", help="a smoke run: T = 256, a 4,096-token vocabulary, 4 blocks at most"
     ),
-    output: Path | None = typer.Option(None, "--output", help=OUTPUT_HELP),
+    shape: str = typer.Option(
+        "tiny", "--shape", help="the model: tiny (Qwen2 layout, 4 layers, V = 151,936) or smollm2 (SmolLM2-135M's)"
+    ),
+    max_len: int = typer.Option(32768, "--max-len", min=16, help="the largest T (tokens of the step's two rows)"),
+    vocab: list[int] | None = typer.Option(
+        None, "--vocab", min=64, help="vocabulary sizes to measure (repeatable; default and goals: the shape's)"
+    ),
+    output: Path | None = typer.Option(
+        None, "--output", help="where to write the JSON (default: bench-results/long-context[-<shape>].json)"
+    ),
 ) -> None:
-    """Per-rank peak memory growth and time of one train step for T = 1k to 32k tokens, cp = 1 and 2,
-    equal and ragged rows (Qwen2 layout, hidden 256, 4 layers, float32, CPU gloo ranks)."""
+    """Per-rank peak memory growth and time of one train step for T = 1k to 32k tokens, cp = 1 and 2
+    (float32, CPU gloo ranks): equal, ragged and packed rows on the tiny shape, equal rows on smollm2."""
     from asyncrl.bench import common, long_context
 
+    if shape not in long_context.SHAPES:
+        raise typer.BadParameter(f"'{shape}' is not one of {', '.join(long_context.SHAPES)}", param_hint="--shape")
+    chosen = long_context.SHAPES[shape]
+    vocab = vocab or [chosen.vocab_size]
     if quick:
-        max_len, vocab = long_context.QUICK_SEQ_LEN, [long_context.QUICK_VOCAB]
-    settings = {"max_len": max_len, "vocab_sizes": vocab, "model": long_context.MODEL, "cores": long_context.CORES}
-    measured = long_context.run(max_len=max_len, vocabs=tuple(vocab))
-    common.write_result("long-context", settings, measured.pop("results"), output, **measured)
+        chosen, max_len, vocab = chosen.quick(), long_context.QUICK_SEQ_LEN, [long_context.QUICK_VOCAB]
+    settings = {
+        "shape": shape,
+        "max_len": max_len,
+        "vocab_sizes": vocab,
+        "model": chosen.model,
+        "cores": long_context.CORES,
+        "memory_limit_bytes": long_context.MEMORY_LIMIT,
+        "time_limit_s": long_context.TIME_LIMIT,
+    }
+    measured = long_context.run(shape=chosen, max_len=max_len, vocabs=tuple(vocab))
+    common.write_result(chosen.result, settings, measured.pop("results"), output, **measured)
 
 
 @bench_app.command("lora")

@@ -256,10 +256,11 @@ def _long_context(result: dict) -> str:
     rows = [[*_long_context_row(r), f"{r['step_seconds']:.2f}"] for r in result["results"]]
     header = ["T", "cp", "rows", "vocab", "rank", "step peak GB", "step s"]
     goals = [
-        f"{name}: {_number(goal['value'], '{:.2f}')} ({_goal(goal['met'], goal['goal'])})"
+        f"{name}: {_number(goal['value'], '{:.2f}')}"
+        + ("" if goal["met"] is None else f" ({_goal(goal['met'], goal['goal'])})")
         for name, goal in result["goals"].items()
     ]
-    stopped = [f"cp={s['cp']} {_rows_shape(s)} stopped at T={s['seq_len']}" for s in result["stopped"]]
+    stopped = [f"cp={s['cp']} {_rows_shape(s)} stopped at T={s['seq_len']} ({s['reason']})" for s in result["stopped"]]
     return f"{_table(header, rows)}\n\n" + "; ".join(goals + stopped) + "."
 
 
@@ -293,6 +294,7 @@ SECTIONS: dict[str, Callable[[dict], str]] = {
     "backends": _backends,
     "lora": _lora,
     "long-context": _long_context,
+    "long-context-smollm2": _long_context,
     "integrity": _integrity,
     "e2e": _e2e,
     "e2e-trl": _e2e,
@@ -302,6 +304,7 @@ SECTIONS: dict[str, Callable[[dict], str]] = {
     "e2e-trl-tool-use": _e2e,
 }
 COMMANDS = {  # results saved under another name than the command's (--output); the overrides are in Settings
+    "long-context-smollm2": "long-context --shape smollm2",
     "e2e-trl": "e2e --against trl",
     "e2e-trl-reasoning-gym": "e2e --against trl data.task.name=reasoning_gym ...",
     "e2e-trl-long-responses": "e2e --against trl data.task.options.difficulty=3 ...",

@@ -7,11 +7,14 @@ of the ratios are.
 import json
 
 import pytest
+import torch
 from helpers import ROOT
+from transformers import AutoModelForCausalLM
 
 from asyncrl.bench import e2e, long_context, report
 from asyncrl.bench.common import QUICK_RUN
 from asyncrl.cli import main
+from asyncrl.models import tiny_config
 
 pytestmark = pytest.mark.slow
 
@@ -486,7 +489,38 @@ def test_long_context_reports_each_ranks_step_peak_and_time(capsys, tmp_path):
     assert {" equal ", " ragged ", " packed "} <= {cell for line in rendered.splitlines() for cell in line.split("|")}
 
 
-def test_long_context_goals_take_the_worst_rank_and_growth_stops_before_the_limit():
+def test_long_context_on_smollm2s_layout_measures_equal_rows_at_both_cp(capsys, tmp_path):
+    result = bench(capsys, tmp_path, "long-context", "--shape", "smollm2")
+    smollm2 = long_context.SHAPES["smollm2"].model
+    assert result["settings"]["shape"] == "smollm2" and result["settings"]["vocab_sizes"] == [4096]
+    assert result["settings"]["model"] == {**smollm2, "num_layers": long_context.QUICK_LAYERS}
+    rows = result["results"]
+    assert sorted((r["cp"], r["rank"]) for r in rows) == [(1, 0), (2, 0), (2, 1)]
+    for row in rows:
+        assert (row["seq_len"], row["rows"], row["padded"], row["packed"]) == (256, [128, 128], False, False)
+        assert row["step_peak_bytes"] > 0 and row["base_rss_bytes"] > 0 and row["step_seconds"] > 0
+    assert result["stopped"] == []
+    assert all(goal["value"] is None for goal in result["goals"].values())  # on V = 49,152: not measured here
+    (tmp_path / "long-context.json").rename(tmp_path / "long-context-smollm2.json")
+    assert "### `asyncrl bench long-context --shape smollm2`" in report.render(tmp_path)
+
+
+def test_the_smollm2_shape_is_smollm2_135ms_layout():
+    shape = long_context.SHAPES["smollm2"]
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(tiny_config(shape.vocab_size, **shape.model))
+    assert type(model).__name__ == "LlamaForCausalLM" and model.config.tie_word_embeddings
+    assert sum(p.numel() for p in model.parameters()) == 134_515_008  # SmolLM2-135M's count
+
+
+def test_an_unknown_long_context_shape_fails_in_one_line(capsys):
+    assert main(["bench", "long-context", "--shape", "gpt2"]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "error: Invalid value for --shape: 'gpt2' is not one of tiny, smollm2"
+    ]
+
+
+def test_long_context_goals_take_the_worst_rank_and_growth_stops_before_the_limits():
     def row(seq_len, cp, peak, seconds=1.0, rank=0, padded=False):
         setting = dict(seq_len=seq_len, cp=cp, padded=padded, packed=False, vocab_size=151_936, rank=rank)
         return {**setting, "step_peak_bytes": peak, "step_seconds": seconds}
@@ -494,15 +528,26 @@ def test_long_context_goals_take_the_worst_rank_and_growth_stops_before_the_limi
     results = [row(8192, 1, 4e9), row(16384, 1, 8e9, 10.0), row(16384, 1, 7e9, padded=True)]
     results += [{**row(16384, 1, 1e9, padded=True), "packed": True}]  # the goal is the padded rows'
     results += [row(16384, 2, 4e9, 9.0), row(16384, 2, 4.4e9, 8.0, rank=1)]
-    goals = long_context.goals(results)
+    goals = long_context.goals(results, 151_936)
     assert goals["growth_8k_to_16k"] == {"value": 2.0, "goal": "<= 2.2", "met": True}
     assert goals["cp2_over_cp1_memory_at_largest_T"]["value"] == pytest.approx(0.55)
     assert goals["cp2_over_cp1_memory_at_largest_T"]["seq_len"] == 16384
     assert goals["cp2_over_cp1_time_per_token_at_largest_T"]["value"] == pytest.approx(0.9)
     assert goals["ragged_2x8k_step_peak_gb"] == {"value": 7.0, "goal": "< 8", "met": True}
+    assert all(goal["value"] is None for goal in long_context.goals(results, 49_152).values())
+
+    def ranks(peak, seconds, base=1e9):  # one length's two ranks
+        return [{"step_peak_bytes": peak, "base_rss_bytes": base, "step_seconds": seconds}] * 2
+
     lens = [1024, 2048, 4096]
-    assert long_context._next_fits(lens, [1e9], 2.1e9)
-    assert not long_context._next_fits(lens, [1e9, 3e9], 8e9)  # grew 3x: 9e9 expected next
+    assert long_context._stop_reason(lens, [], 0, 0.0) is None
+    one = [ranks(1e9, 10.0)]  # T doubles next: 2e9 of base + 2 x 2e9 of growth, and 20 s, expected
+    assert long_context._stop_reason(lens, one, 5.7 * 2**30, 20.0) is None
+    assert long_context._stop_reason(lens, one, 5.5 * 2**30, 20.0) == "expected 5.6 GiB, over 5.5 GiB"
+    grew = [ranks(1e9, 10.0), ranks(3e9, 30.0)]  # grew 3x: 2e9 + 3 x 6e9, and 90 s, expected next
+    assert long_context._stop_reason(lens, grew, 19 * 2**30, 100.0) is None
+    assert long_context._stop_reason(lens, grew, 18 * 2**30, 100.0) == "expected 18.6 GiB, over 18 GiB"
+    assert long_context._stop_reason(lens, grew, 19 * 2**30, 80.0) == "expected 90 s, over 80 s"
 
 
 def test_integrity_reports_the_step_time_ratio_of_runs_with_and_without_the_guard(capsys, tmp_path):
