@@ -198,6 +198,10 @@ def bench_e2e(
         False, "--variants", help="also max_lag 1 with 4 mini-batch updates per step, and with dynamic sampling"
     ),
     lags: str = typer.Option("0,1,2", "--lags", help="the max_lag settings to train, comma-separated"),
+    timing_seeds: int = typer.Option(
+        0, "--timing-seeds", min=0, help="also profile short runs of every setting over this many seeds"
+    ),
+    timing_steps: int = typer.Option(4, "--timing-steps", min=1, help="steps per profiled run"),
     config: Path | None = typer.Option(
         None, "--config", help="YAML run config every run starts from (default: the embedded one)"
     ),
@@ -228,6 +232,8 @@ def bench_e2e(
         against=against,
         variants=variants,
         lags=lag_values,
+        timing_seeds=timing_seeds,
+        timing_steps=timing_steps,
     )
     base = load_config(config, settings["overrides"])  # a bad file or override fails here, before any run
     if against == "trl" and base.environment.name is not None:

@@ -19,6 +19,12 @@ digit credit); every figure below is of that metric. The report gives:
 Times count training only: evaluations are timed and subtracted on both sides. ``--against trl``
 trains the same model from the same warm-started weights with TRL's GRPOTrainer on the same
 prompts (asyncrl/bench/trl_baseline.py) and reports the ratio of median times to the target.
+
+``--timing-seeds K`` adds short runs (``--timing-steps`` steps, evaluated only before the first
+step and after the last) of every setting over K seeds, under a step profile
+(asyncrl/bench/step_profile.py): each run's seconds per step, split into generation, rewards,
+forward, backward, optimizer and weight sync, and the step-time ratio of TRL over each asyncrl
+setting, paired by seed: where the time goes when a ratio is not what the goal asks.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from asyncrl.bench.common import QUICK_RUN
+from asyncrl.bench.step_profile import EVALUATION, StepProfile
 from asyncrl.config import RunConfig, load_config
 from asyncrl.metrics import read_jsonl
 from asyncrl.run import train
@@ -59,6 +66,8 @@ def settings(
     against: str | None,
     variants: bool,
     lags: tuple[int, ...],
+    timing_seeds: int = 0,
+    timing_steps: int = 4,
 ) -> dict[str, Any]:
     """What ``asyncrl bench e2e`` trains, as written into its result: ``--quick`` is a tiny model,
     a few steps and one seed; unset step counts take the full benchmark's."""
@@ -73,12 +82,14 @@ def settings(
         "against": against,
         "variants": VARIANTS if variants else {},
         "lags": list(lags),
+        "timing_seeds": list(range(timing_seeds)),
+        "timing_steps": timing_steps,
     }
 
 
 def run_settings(settings: dict[str, Any], config_path: Path | None) -> dict[str, Any]:
-    """``run`` over what ``settings`` describes."""
-    return run(
+    """``run`` over what ``settings`` describes, then ``run_timing`` if it has timing seeds."""
+    result = run(
         overrides=settings["overrides"],
         seeds=tuple(settings["seeds"]),
         max_steps=settings["max_steps"],
@@ -90,6 +101,16 @@ def run_settings(settings: dict[str, Any], config_path: Path | None) -> dict[str
         config_path=config_path,
         metric=settings["metric"],
     )
+    if settings.get("timing_seeds"):
+        result["step_profiles"] = run_timing(
+            overrides=settings["overrides"],
+            seeds=tuple(settings["timing_seeds"]),
+            steps=settings["timing_steps"],
+            against_trl=settings["against"] == "trl",
+            lags=tuple(settings["lags"]),
+            config_path=config_path,
+        )
+    return result
 
 
 def bench_config(
@@ -273,3 +294,86 @@ def _ratio(trl: dict, ours: dict) -> dict[str, Any]:
         "goal": GOAL_SPEEDUP_OVER_TRL,
         "goal_met": ratio is not None and ratio >= GOAL_SPEEDUP_OVER_TRL,
     }
+
+
+def profile_phases(*, trl: bool) -> dict[str, list[tuple[Any, str]]]:
+    """The functions that do each phase of a step, on both sides: the rollouts' episodes and
+    rewards, the trainer's forward passes (the loss's and any logprob scoring pass), PyTorch's
+    backward and AdamW step, asyncrl's weight export and loads; the evaluations bracket the window."""
+    import torch
+
+    from asyncrl.rewards import RewardRunner
+    from asyncrl.rollout import RolloutWorker
+    from asyncrl.rollout.episode import MultiTurn, SingleTurn
+    from asyncrl.trainer.policy import PolicyTrainer
+
+    phases: dict[str, list[tuple[Any, str]]] = {
+        EVALUATION: [(RolloutWorker, "evaluate")],
+        "generation": [(SingleTurn, "run"), (MultiTurn, "run")],
+        "rewards": [(RewardRunner, "score")],
+        "forward": [(PolicyTrainer, "_microbatch_loss"), (PolicyTrainer, "compute_logprobs")],
+        "backward": [(torch.autograd, "backward")],
+        "optimizer": [(torch.optim.AdamW, "step")],
+        "sync": [(PolicyTrainer, "export_weights"), (RolloutWorker, "load_weights")],
+    }
+    if trl:
+        from trl import GRPOTrainer
+
+        from asyncrl.bench.trl_baseline import Evaluator
+
+        phases[EVALUATION].append((Evaluator, "evaluate"))
+        phases["generation"].append((GRPOTrainer, "_generate"))
+        phases["forward"].append((GRPOTrainer, "_get_per_token_logps_and_entropies"))
+    return phases
+
+
+def run_timing(
+    *,
+    overrides: list[str],
+    seeds: tuple[int, ...],
+    steps: int,
+    against_trl: bool,
+    lags: tuple[int, ...],
+    config_path: Path | None,
+) -> dict[str, Any]:
+    """Short profiled runs of every setting over ``seeds``: the step profile of each run, each
+    setting's seconds per step, and TRL's seconds per step over each asyncrl setting's by seed."""
+    names = [f"max_lag={lag}" for lag in lags] + (["trl"] if against_trl else [])
+    profiles: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
+    with tempfile.TemporaryDirectory(prefix="asyncrl-bench-e2e-timing-") as tmp:
+        for seed in seeds:
+            for name in names:
+                lag = 0 if name == "trl" else int(name.split("=")[1])
+                config = bench_config(
+                    overrides,
+                    seed=seed,
+                    max_lag=lag,
+                    max_steps=steps,
+                    eval_every=steps,
+                    config_path=config_path,
+                )
+                output_dir = Path(tmp) / f"{name}-seed{seed}"
+                with StepProfile(profile_phases(trl=name == "trl")) as profile:
+                    if name == "trl":
+                        from asyncrl.bench.trl_baseline import run_trl
+
+                        run_trl(config, seed=seed, max_steps=steps, eval_every_steps=steps, output_dir=output_dir)
+                    else:
+                        run_asyncrl(config, output_dir)
+                profiles[name].append(profile.window(steps))
+    return summarize_timing(profiles)
+
+
+def summarize_timing(profiles: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    """Each setting's profiles (one per seed), its seconds per step over the seeds, and the
+    per-seed ratios of TRL's seconds per step over each asyncrl setting's."""
+    result: dict[str, Any] = {
+        name: {"step_s": summarize([p["step_s"] for p in runs]), "profiles": runs} for name, runs in profiles.items()
+    }
+    if "trl" in profiles:
+        result["trl_step_s_over"] = {
+            name: summarize([t["step_s"] / o["step_s"] for t, o in zip(profiles["trl"], runs)])
+            for name, runs in profiles.items()
+            if name != "trl"
+        }
+    return result

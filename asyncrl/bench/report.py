@@ -7,7 +7,7 @@ written and ``--write`` only replaces the numbers.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -135,7 +135,40 @@ def _e2e(result: dict) -> str:
     ]
     seeds = len(per_seed[0]) - 1
     lines.append(_table(["run", *(f"seed {i} s to {target:g}" for i in range(seeds))], per_seed))
-    return "\n\n".join(lines + _e2e_ratios(r, target))
+    return "\n\n".join(lines + _e2e_ratios(r, target) + _step_profiles(r.get("step_profiles")))
+
+
+PHASES = ("generation", "rewards", "forward", "backward", "optimizer", "sync")  # step_profile.py's, in step order
+
+
+def _step_profiles(profiles: dict | None) -> list[str]:
+    """Seconds per step of the profiled runs, by phase (means over seeds), and TRL's step time
+    over each asyncrl setting's."""
+    if not profiles:
+        return []
+    rows = []
+    for name, run in profiles.items():
+        if name == "trl_step_s_over":
+            continue
+        runs = run["profiles"]
+        rows.append(
+            [
+                name,
+                len(runs),
+                _number(run["step_s"]["median"], "{:.2f}"),
+                *(f"{_mean(p['phases_s'].get(phase, 0.0) for p in runs):.2f}" for phase in PHASES),
+                f"{_mean(p['untimed_s'] for p in runs):.2f}",
+                f"{_mean(p['overlap_s'] for p in runs):.2f}",
+            ]
+        )
+    header = ["profiled run", "seeds", "s / step (median)", *(f"{p} s" for p in PHASES), "untimed s", "overlap s"]
+    lines = [_table(header, rows)]
+    for name, ratio in profiles.get("trl_step_s_over", {}).items():
+        lines.append(
+            f"TRL s / step over asyncrl {name}'s, per seed: median {_number(ratio['median'], '{:.2f}x')}, "
+            f"spread {_number(ratio['spread'], '{:.2f}')} ({ratio['reached']} seeds)."
+        )
+    return lines
 
 
 def _e2e_runs(r: dict, target: float, metric: str) -> str:
@@ -302,6 +335,7 @@ SECTIONS: dict[str, Callable[[dict], str]] = {
     "e2e-trl-long-responses": _e2e,
     "e2e-tool-use": _e2e,
     "e2e-trl-tool-use": _e2e,
+    "e2e-trl-smollm2-sums": _e2e,
 }
 COMMANDS = {  # results saved under another name than the command's (--output); the overrides are in Settings
     "long-context-smollm2": "long-context --shape smollm2",
@@ -310,6 +344,7 @@ COMMANDS = {  # results saved under another name than the command's (--output); 
     "e2e-trl-long-responses": "e2e --against trl data.task.options.difficulty=3 ...",
     "e2e-tool-use": "e2e --config configs/tool-use.yaml ...",
     "e2e-trl-tool-use": "e2e --against trl --config configs/tool-use.yaml ...",
+    "e2e-trl-smollm2-sums": "e2e --against trl --config configs/smollm2-sums.yaml ...",
 }
 METRIC_NAMES = {"accuracy": "acc", "reward_mean": "reward"}  # column headings of the e2e tables
 
@@ -338,6 +373,11 @@ def _goal(met: bool | None, goal: str) -> str:
     if met is None:
         return ""
     return f"met {goal}".strip() if met else f"**missed** {goal}".strip()
+
+
+def _mean(values: Iterable[float]) -> float:
+    values = list(values)
+    return sum(values) / len(values)
 
 
 def _number(value: float | None, fmt: str) -> str:

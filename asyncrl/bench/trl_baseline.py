@@ -25,7 +25,9 @@ its config under "unmatched"):
 - the KL clamps, the entropy bonus outside token-mean (TRL's is always a token mean), a dual clip
   at or below 1 + clip_high, and a temperature other than 1 (TRL trains on temperature-scaled
   logprobs, asyncrl on the model's own);
-- ``sampler.max_lag`` above 0: TRL is synchronous.
+- ``sampler.max_lag`` above 0: TRL is synchronous;
+- with ``lora.rank`` above 0 both train the same adapters (peft's LoraConfig of the ``lora``
+  section), but TRL draws their A matrices from the global RNG, asyncrl from a seed of its own.
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ from asyncrl.data import PromptLoader, build_task
 from asyncrl.environments.tool_env import close_toolboxes
 from asyncrl.generation import build_generator
 from asyncrl.models.factory import build_model, build_tokenizer, resolve_device
+from asyncrl.models.lora import adapter_tensors, is_lora, peft_config
 from asyncrl.parts import build_run_parts
 from asyncrl.rewards import RewardRunner
 from asyncrl.rollout import RolloutWorker
@@ -167,6 +170,10 @@ def _unmatched(config: RunConfig) -> dict[str, str]:
         unmatched["sampler.max_lag"] = "TRL is synchronous"
     if config.environment.name is not None:
         unmatched.update(trl_environment.UNMATCHED)
+    if config.lora.rank > 0:
+        unmatched["lora initialization"] = (
+            "TRL draws the adapters' A matrices from the global RNG, asyncrl from its seed"
+        )
     return unmatched
 
 
@@ -205,24 +212,28 @@ def run_trl(config: RunConfig, *, seed: int, max_steps: int, eval_every_steps: i
     prompts = list(itertools.islice(iter(loader.next, None), max_steps * config.step.prompts_per_step))
     settings = trl_settings(config)
     rewards = RewardRunner.from_config(config.rewards, task)
-    # The warm-started model becomes the generator's; TRL trains its own, loaded from init_dir.
-    bound = generator_request_bound(config, task, parts.environment, tokenizer)
-    generator = build_generator(config, model, tokenizer, request_bound=bound)
-    evaluator = Evaluator(
-        rollout_worker(config.model_copy(update={"seed": seed}), parts, generator, rewards, tokenizer),
-        list(task.heldout[: config.data.eval_size]),
-        every=eval_every_steps,
-        samples_per_step=config.step.prompts_per_step * config.step.generations_per_prompt,
-    )
-    args = _grpo_config(
-        config, settings, seed=seed, steps=len(prompts) // config.step.prompts_per_step, output_dir=output_dir
-    )
-    try:
-        _train(config, model, tokenizer, prompts, rewards, evaluator, args)
-    finally:
-        evaluator.worker.close()
-        rewards.close()
-        close_toolboxes()  # TRL calls tools on this thread, whose tool processes would outlive the run
+    with tempfile.TemporaryDirectory(prefix="asyncrl-trl-init-") as init_dir:
+        # TRL builds the policy (and a KL reference) from a path, saved before the generator takes
+        # the model: with lora.rank > 0 the generator puts its adapter slot into it in place.
+        model.save_pretrained(init_dir)
+        tokenizer.save_pretrained(init_dir)
+        bound = generator_request_bound(config, task, parts.environment, tokenizer)
+        generator = build_generator(config, model, tokenizer, request_bound=bound)
+        evaluator = Evaluator(
+            rollout_worker(config.model_copy(update={"seed": seed}), parts, generator, rewards, tokenizer),
+            list(task.heldout[: config.data.eval_size]),
+            every=eval_every_steps,
+            samples_per_step=config.step.prompts_per_step * config.step.generations_per_prompt,
+        )
+        args = _grpo_config(
+            config, settings, seed=seed, steps=len(prompts) // config.step.prompts_per_step, output_dir=output_dir
+        )
+        try:
+            _train(config, Path(init_dir), prompts, rewards, evaluator, args)
+        finally:
+            evaluator.worker.close()
+            rewards.close()
+            close_toolboxes()  # TRL calls tools on this thread, whose tool processes would outlive the run
     return {
         "evals": evaluator.evals,
         "wall_s": time.perf_counter() - start,
@@ -253,14 +264,13 @@ def _grpo_config(config: RunConfig, settings: dict[str, Any], *, seed: int, step
 
 def _train(
     config: RunConfig,
-    model: Any,
-    tokenizer: Any,
+    init_dir: Path,
     prompts: list,
     rewards: RewardRunner,
     evaluator: Evaluator,
     args: Any,
 ) -> None:
-    """TRL's GRPOTrainer from ``model``'s weights on ``prompts`` (the environment's episodes, if the
+    """TRL's GRPOTrainer from the weights saved in ``init_dir`` on ``prompts`` (the environment's episodes, if the
     config has one), scored by asyncrl's rewards."""
     from datasets import Dataset
     from trl import GRPOTrainer
@@ -272,30 +282,28 @@ def _train(
     texts = trl_environment.episode_prompts(config, prompts) if episodes else [p.text for p in prompts]
     dataset = Dataset.from_list([{"prompt": text, "uid": p.uid} for text, p in zip(texts, prompts)])
     environment = {"environment_factory": trl_environment.trl_environment(config)} if episodes else {}
+    adapters = {"peft_config": peft_config(config.lora)} if config.lora.rank > 0 else {}
 
     def asyncrl_rewards(completions: list, uid: list[str], **_: Any) -> list[float]:
         texts = [trl_environment.answer_text(c) for c in completions] if episodes else completions
         return rewards.score(texts, [answers[u] for u in uid]).rewards
 
-    with tempfile.TemporaryDirectory(prefix="asyncrl-trl-init-") as init_dir:
-        # TRL builds the policy (and a KL reference) from a path; the tokenizer is reloaded as
-        # the fast class, since AutoTokenizer would pick one that drops spaces.
-        model.save_pretrained(init_dir)
-        tokenizer.save_pretrained(init_dir)
-        trl_tokenizer = PreTrainedTokenizerFast.from_pretrained(init_dir)
-        trl_environment.use_response_template(trl_tokenizer)
-        # TRL prints its logs; stdout belongs to the benchmark's JSON.
-        with contextlib.redirect_stdout(sys.stderr):
-            trainer = GRPOTrainer(
-                model=init_dir,
-                reward_funcs=asyncrl_rewards,
-                args=args,
-                train_dataset=dataset,
-                processing_class=trl_tokenizer,
-                callbacks=[evaluator],
-                **environment,
-            )
-            trainer.train()
+    # The tokenizer is reloaded as the fast class, since AutoTokenizer would pick one that drops spaces.
+    trl_tokenizer = PreTrainedTokenizerFast.from_pretrained(init_dir)
+    trl_environment.use_response_template(trl_tokenizer)
+    # TRL prints its logs; stdout belongs to the benchmark's JSON.
+    with contextlib.redirect_stdout(sys.stderr):
+        trainer = GRPOTrainer(
+            model=str(init_dir),
+            reward_funcs=asyncrl_rewards,
+            args=args,
+            train_dataset=dataset,
+            processing_class=trl_tokenizer,
+            callbacks=[evaluator],
+            **environment,
+            **adapters,
+        )
+        trainer.train()
 
 
 class Evaluator(TrainerCallback):
@@ -324,7 +332,8 @@ class Evaluator(TrainerCallback):
         begin = time.perf_counter()
         if not self.evals:
             self.start = begin  # the clock starts with the first evaluation, as asyncrl's controller does
-        self.worker.load_weights(model.state_dict(), step)
+        # A LoRA run's generator holds one adapter slot: it takes the adapter's tensors alone.
+        self.worker.load_weights(adapter_tensors(model) if is_lora(model) else model.state_dict(), step)
         result = self.worker.evaluate(self.prompts)
         end = time.perf_counter()
         self.eval_s += end - begin

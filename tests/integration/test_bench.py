@@ -212,7 +212,9 @@ def test_the_trl_baseline_scores_a_reasoning_gym_task_with_the_tasks_own_checker
 
 def test_e2e_against_trl_reports_trl_runs_and_the_time_ratio(capsys, tmp_path):
     pytest.importorskip("trl")
-    result = bench(capsys, tmp_path, "e2e", "--target", "0.0", "--against", "trl", "--lags", "1,0")["results"]
+    args = ["--target", "0.0", "--against", "trl", "--lags", "1,0", "--timing-seeds", "2", "--timing-steps", "2"]
+    saved = bench(capsys, tmp_path, "e2e", *args)
+    result = saved["results"]
     assert set(result["runs"]) == {"max_lag=0", "max_lag=1", "trl"}
     trl = result["runs"]["trl"]
     (evals,) = trl["evals"]
@@ -223,6 +225,62 @@ def test_e2e_against_trl_reports_trl_runs_and_the_time_ratio(capsys, tmp_path):
     assert set(ratios) == {"max_lag=0", "max_lag=1"}
     assert all(r["goal"] == e2e.GOAL_SPEEDUP_OVER_TRL for r in ratios.values())
     assert "sampling seeds" in trl["unmatched"]
+    # the profiled runs: every phase is found at its seam on both sides (a renamed method reads 0)
+    timing = result["step_profiles"]
+    assert set(timing) == {"max_lag=0", "max_lag=1", "trl", "trl_step_s_over"}
+    for name in ("max_lag=0", "max_lag=1", "trl"):
+        profiles = timing[name]["profiles"]
+        assert len(profiles) == 2 and all(p["steps"] == 2 for p in profiles)
+        expected = {"generation", "rewards", "forward", "backward", "optimizer"} | (
+            {"sync"} if name != "trl" else set()
+        )
+        for profile in profiles:
+            assert expected <= {phase for phase, s in profile["phases_s"].items() if s > 0}, name
+            assert 0 < profile["busy_s"] <= profile["step_s"] + 1e-9
+    assert timing["max_lag=0"]["step_s"]["reached"] == "2/2"
+    assert set(timing["trl_step_s_over"]) == {"max_lag=0", "max_lag=1"}
+    saved_result(tmp_path, "e2e-trl", saved["settings"], result)
+    assert "| profiled run | seeds | s / step (median) | generation s |" in report.render(tmp_path)
+
+
+def test_step_profiles_pair_trl_with_each_setting_by_seed_and_render_by_phase(tmp_path):
+    def profile(step_s, **phases):
+        return {"steps": 4, "step_s": step_s, "phases_s": phases, "busy_s": 0.0, "untimed_s": 0.5, "overlap_s": 0.25}
+
+    timing = e2e.summarize_timing(
+        {
+            "max_lag=1": [profile(2.0, generation=1.0), profile(4.0, generation=3.0)],
+            "trl": [profile(3.0, generation=1.5, backward=1.0), profile(5.0, generation=2.5, backward=1.0)],
+        }
+    )
+    ratio = timing["trl_step_s_over"]["max_lag=1"]
+    assert ratio["values"] == [1.5, 1.25] and ratio["median"] == pytest.approx(1.375)
+    assert timing["trl"]["step_s"]["median"] == 4.0 and len(timing["trl"]["profiles"]) == 2
+    run = {"evals": [{"train_wall_s": t, "accuracy": a, "samples": 0} for t, a in [(0.0, 0.1), (10.0, 0.5)]]}
+    summary = {**e2e.summarize_runs({"max_lag=1": [run], "trl": [run]}, 0.45), "step_profiles": timing}
+    saved_result(tmp_path, "e2e-trl-smollm2-sums", {"target_accuracy": 0.45}, summary)
+    text = report.render(tmp_path)
+    assert "### `asyncrl bench e2e --against trl --config configs/smollm2-sums.yaml ...`" in text
+    # means over the seeds; a phase a side never ran reads 0
+    assert "| max_lag=1 | 2 | 3.00 | 2.00 | 0.00 | 0.00 | 0.00 | 0.00 | 0.00 | 0.50 | 0.25 |" in text
+    assert "| trl | 2 | 4.00 | 2.00 | 0.00 | 0.00 | 1.00 | 0.00 | 0.00 | 0.50 | 0.25 |" in text
+    assert "TRL s / step over asyncrl max_lag=1's, per seed: median 1.38x, spread 0.25 (2/2 seeds)." in text
+
+
+def test_the_trl_baseline_trains_the_same_lora_adapters(tmp_path):
+    """TRL wraps its policy in peft with the run's ``lora`` section, and the evaluations load the
+    adapters alone into the generator's slot, as asyncrl's weight sync does."""
+    pytest.importorskip("trl")
+    from asyncrl.bench.trl_baseline import run_trl, trl_settings
+    from asyncrl.config import load_config
+
+    assert "lora initialization" in trl_settings(load_config(None, ["sampler.max_lag=0", "lora.rank=4"]))["unmatched"]
+    assert "lora initialization" not in trl_settings(load_config(None, ["sampler.max_lag=0"]))["unmatched"]
+    config = e2e.bench_config(
+        [*QUICK_RUN, "lora.rank=4", "trainer.lr=0.01"], seed=0, max_lag=0, max_steps=2, eval_every=1
+    )
+    result = run_trl(config, seed=0, max_steps=2, eval_every_steps=1, output_dir=tmp_path)
+    assert [e["step"] for e in result["evals"]] == [0, 1, 2] and result["reward_errors"] == 0
 
 
 @pytest.mark.parametrize("lags", ["1,x", "-1"])
