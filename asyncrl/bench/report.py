@@ -123,13 +123,14 @@ def _e2e(result: dict) -> str:
     target = result["settings"]["target_accuracy"]
     metric = result["settings"].get("metric", "accuracy")  # results from before --metric are on accuracy
     lines = [_e2e_runs(r, target, metric)]
-    goal = r.get(f"max_lag_1_time_to_sync_final_{metric}_over_sync_time")
-    if goal is not None:
-        lines.append(
-            f"max_lag 1 reaches the synchronous final {metric} ({goal[f'sync_final_{metric}']:.3f}) in "
-            f"{_number(goal['median'], '{:.2f}')} of the synchronous run's time (median over seeds; goal <= "
-            f"{goal['goal']:g}): {_goal(goal['goal_met'], '')}."
-        )
+    for label, whose in (("sync", "the synchronous run's"), ("trl", "TRL's")):
+        goal = r.get(f"max_lag_1_time_to_{label}_final_{metric}_over_{label}_time")
+        if goal is not None:
+            lines.append(
+                f"max_lag 1 reaches {whose} final {metric} ({goal[f'{label}_final_{metric}']:.3f}) in "
+                f"{_number(goal['median'], '{:.2f}')} of {whose} time (median over seeds; goal <= "
+                f"{goal['goal']:g}): {_goal(goal['goal_met'], '')}."
+            )
     per_seed = [
         [name, *(_number(t, "{:.1f}") for t in run["time_to_target_s"]["values"])] for name, run in r["runs"].items()
     ]

@@ -427,7 +427,25 @@ def test_e2e_summaries_and_report_are_on_the_chosen_metric(tmp_path):
     saved_result(tmp_path, "e2e-tool-use", {"target_accuracy": 0.58, "metric": "reward_mean"}, result)
     text = report.render(tmp_path)
     assert "### `asyncrl bench e2e --config configs/tool-use.yaml ...`" in text
-    assert "final reward (mean)" in text and "synchronous final reward_mean (0.600) in 0.25" in text
+    assert "final reward (mean)" in text and "the synchronous run's final reward_mean (0.600) in 0.25" in text
+
+
+def test_e2e_goal_against_trl_is_max_lag_1s_time_to_trls_final_accuracy_over_trls_time(tmp_path):
+    def run(*points):
+        return {"evals": [{"train_wall_s": t, "accuracy": a, "reward_mean": a, "samples": 0} for t, a in points]}
+
+    runs = {
+        "max_lag=1": [run((0.0, 0.2), (30.0, 0.5), (60.0, 0.7))],
+        "trl": [run((0.0, 0.2), (50.0, 0.6), (100.0, 0.65))],
+    }
+    goal = e2e.summarize_runs(runs, target=0.5)["max_lag_1_time_to_trl_final_accuracy_over_trl_time"]
+    # 0.5 at 30 s is short of TRL's final 0.65; 0.7 at 60 s reaches it: 60 / 100
+    assert goal["trl_final_accuracy"] == 0.65 and goal["values"] == [0.6] and not goal["goal_met"]
+    runs["max_lag=1"] = [run((0.0, 0.2), (40.0, 0.66))]
+    goal = e2e.summarize_runs(runs, target=0.5)["max_lag_1_time_to_trl_final_accuracy_over_trl_time"]
+    assert goal["values"] == [0.4] and goal["goal_met"]
+    saved_result(tmp_path, "e2e-trl-smollm2-sums", {"target_accuracy": 0.5}, e2e.summarize_runs(runs, 0.5))
+    assert "max_lag 1 reaches TRL's final accuracy (0.650) in 0.40 of TRL's time" in report.render(tmp_path)
 
 
 def test_e2e_names_its_result_after_the_config(capsys, tmp_path, monkeypatch):
