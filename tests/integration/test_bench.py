@@ -502,8 +502,12 @@ def test_trl_runs_the_tool_environments_episodes(tool_processes_closed):
     environment.reset(uid=prompt.uid, prompt=messages)
     tokenizer = build_char_tokenizer(chat=True)
     trl_environment.use_response_template(tokenizer)
-    ours = tokenizer.apply_chat_template(messages, tools=environment.env.tools, add_generation_prompt=True)
-    theirs = tokenizer.apply_chat_template(messages, tools=[environment.calc], add_generation_prompt=True)
+    ours = tokenizer.apply_chat_template(
+        messages, tools=environment.env.tools, add_generation_prompt=True, return_dict=False
+    )
+    theirs = tokenizer.apply_chat_template(
+        messages, tools=[environment.calc], add_generation_prompt=True, return_dict=False
+    )
     assert ours == theirs and get_json_schema(environment.calc)["function"]["parameters"]["required"] == ["expr"]
     call = tokenizer('<tool_call>{"name": "calc", "arguments": {"expr": "12*34"}}</tool_call><eos>')["input_ids"]
     (parsed,) = parse_response(tokenizer, call, prefix=theirs)["tool_calls"]
