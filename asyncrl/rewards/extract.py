@@ -12,8 +12,9 @@ of, in this order:
 5. the last number, when it stands alone: not an operand ("86 + 40", "x^2", "86/2"; a fraction
    in lowest terms, "1/2", is a number) and not followed by a trailing operator ("63 * 2 =").
 
-A value from 1-4 that is arithmetic still to be done on plain numbers ("86 + 40", "63 \\times 2"),
-after its last "=" if it has one, states nothing either; fractions, powers, roots and symbols
+A value from 1-4 that is arithmetic still to be done on plain numbers ("86 + 40", "63 \\times 2",
+or the operands side by side, "73 10", which math-verify reads as their sum), after its last "="
+if it has one, states nothing either; fractions, powers, roots and symbols
 ("1/2", "2^{10}", "1 + 2\\sqrt{3}") are values.
 """
 
@@ -34,8 +35,11 @@ _CLOSING_MATH = re.compile(
     r"(?:\$\$?([^$]+)\$\$?|\\\(((?:(?!\\\().)+)\\\)|\\\[((?:(?!\\\[).)+)\\\])[\s.,;!]*\Z", re.DOTALL
 )
 _NUMBER = re.compile(r"(?<![A-Za-z0-9.])\d+(?:,\d{3}(?!\d))*(?:\.\d+)?(?:/\d+(?!\.?\d))?")
-_PLAIN = r"\d+(?:\.\d+)?(?![\w.^_{\\(])"
-_ARITHMETIC = re.compile(rf"(?<![\w.^_{{}}\\]){_PLAIN}\s*(?:[-+*×·÷−]|\\times|\\cdot|\\div)\s*[-+−]?{_PLAIN}")
+_PLAIN = r"\d+(?:\.\d+)?(?![\w.^_{(]|\\(?![,;:! ]))"  # followed by no term, a LaTeX space aside
+_SIDE_BY_SIDE = r"(?:\s|\\[,;:! ]|~)+"  # math-verify adds plain numbers set side by side: "73 10" is 83
+_ARITHMETIC = re.compile(
+    rf"(?<![\w.^_{{}}\\]){_PLAIN}(?:\s*(?:[-+*×·÷−]|\\times|\\cdot|\\div)\s*[-+−]?|{_SIDE_BY_SIDE}){_PLAIN}"
+)
 
 
 def stated_answer(completion: str) -> str | None:

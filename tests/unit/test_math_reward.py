@@ -12,6 +12,9 @@ STATES_NO_ANSWER = [
     ("To add 86 + 40, we need", "126"),
     ("63 * 2 =", "126"),
     ("What is 63 * 2?", "126"),
+    # replies Gemma 3 270M learned in 20 GRPO steps when math-verify read "73 10" as 73 + 10
+    ("\n\nA 73 10 = 73 10\n\n", "83"),
+    ("\n\nA 69 89 = 69 89\n\n", "158"),
     # restatements and partial expressions
     ("86 + 40", "126"),
     ("2+2", "4"),
@@ -22,6 +25,11 @@ STATES_NO_ANSWER = [
     ("\\boxed{86+40}", "126"),
     ("The answer is 86 + 40.", "126"),
     ("126 = 86 + 40", "126"),
+    ("73 10", "83"),
+    ("\\boxed{73 10}", "83"),
+    ("The answer is 73 10.", "83"),
+    ("x = 73\\,10", "83"),
+    ("$73~10$", "83"),
     ("86/2", "43"),
     ("126\n\nTo add 86 + 40", "126"),
     # trailing operators
@@ -62,6 +70,7 @@ STATES_THE_ANSWER = [
     ("The answer is \\boxed{\\frac{1}{2}}, so 1 + 1 = 2", "0.5"),
     ("The result is $\\frac{1}{2}$.", "0.5"),
     ("\\boxed{1 + 2\\sqrt{3}}", "$1 + 2\\sqrt{3}$"),
+    ("\\boxed{2\\,\\sqrt{3}}", "$2\\sqrt{3}$"),
     ("\\(x = \\sqrt{2}\\)", "$\\sqrt{2}$"),
 ]
 
