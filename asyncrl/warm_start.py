@@ -17,6 +17,7 @@ It runs by default only on the tiny model (``warm_start.steps`` in docs/configur
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -62,11 +63,15 @@ def warm_start(
     if path.is_file():
         _load_cached(model, path)
         return path
-    if conversations is None:
-        examples = [_encode(tokenizer, p) for p in prompts]
-    else:  # rendered only on a miss: templating every demonstration costs more than the cached load
-        examples = [encode_conversation(tokenizer, messages, tools) for messages in conversations]
-    _train(model, examples, tokenizer.pad_token_id, cfg, on_progress)
+
+    def example(i: int) -> tuple[list[int], list[int]]:
+        if conversations is None:
+            return _encode(tokenizer, prompts[i])
+        return encode_conversation(tokenizer, conversations[i], tools)
+
+    # rendered only on a miss, and only the examples a batch draws: templating all 64,000
+    # demonstrations of configs/tool-use.yaml took longer than a tenth of its 300 steps
+    _train(model, len(prompts), functools.cache(example), tokenizer.pad_token_id, cfg, on_progress)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     save_model(model, str(tmp))
@@ -115,21 +120,23 @@ def _load_cached(model: nn.Module, path: Path) -> None:
 
 def _train(
     model: nn.Module,
-    examples: list[tuple[list[int], list[int]]],
+    num_examples: int,
+    example: Callable[[int], tuple[list[int], list[int]]],
     pad_id: int,
     cfg: WarmStartConfig,
     on_progress: Callable[[int, int, float], None] | None,
 ) -> None:
-    """``cfg.steps`` AdamW steps on batches drawn with replacement from ``warm_start.seed``: the
-    mean negative log-likelihood of the target tokens."""
+    """``cfg.steps`` AdamW steps on batches of ``example(i)`` (token ids, target mask), ``i``
+    drawn with replacement from ``warm_start.seed``: the mean negative log-likelihood of the
+    target tokens."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
     generator = torch.Generator().manual_seed(cfg.seed)
     device = next(model.parameters()).device
     was_training = model.training
     model.train()
     for step in range(cfg.steps):
-        index = torch.randint(len(examples), (cfg.batch_size,), generator=generator).tolist()
-        input_ids, attention_mask, target_mask = _batch([examples[i] for i in index], pad_id)
+        index = torch.randint(num_examples, (cfg.batch_size,), generator=generator).tolist()
+        input_ids, attention_mask, target_mask = _batch([example(i) for i in index], pad_id)
         logprobs, _ = token_logprobs(model, input_ids.to(device), attention_mask.to(device))
         target_mask = target_mask.to(device, logprobs.dtype)
         loss = -(logprobs * target_mask).sum() / target_mask.sum()

@@ -59,3 +59,22 @@ def test_a_run_warm_starts_on_its_environments_demonstrations_when_it_has_them()
     assert tool_use["tools"] == CalculatorEnvironment.schemas()
     assert tool_use["demonstration"](PROMPT) == CalculatorEnvironment.demonstration(PROMPT)
     assert demonstrations(environment_class(load_config(None, []))) == {}  # single turn: the prompt and its answer
+
+
+def test_only_the_demonstrations_a_batch_draws_are_rendered_each_once(tmp_path, monkeypatch):
+    import asyncrl.warm_start as warm_start_module
+
+    rendered = []
+    encode = warm_start_module.encode_conversation
+
+    def counting(tokenizer, messages, tools):
+        rendered.append(messages[0]["content"])
+        return encode(tokenizer, messages, tools)
+
+    monkeypatch.setattr(warm_start_module, "encode_conversation", counting)
+    tokenizer = build_char_tokenizer(chat=True)
+    model = build_tiny_model(len(tokenizer), seed=0, hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1)
+    prompts = [Prompt(f"products/2/{i}", f"{10 + i}*34=", str((10 + i) * 34)) for i in range(200)]
+    cfg = load_config(None, ["warm_start.steps=3", "warm_start.batch_size=4", f"warm_start.cache_dir={tmp_path}"])
+    warm_start(model, tokenizer, prompts, cfg.warm_start, demonstration=CalculatorEnvironment.demonstration, tools=[])
+    assert 0 < len(rendered) <= 3 * 4 and len(set(rendered)) == len(rendered), rendered
