@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from helpers import ROOT
 
+import asyncrl.warm_start as warm_start_module
 from asyncrl.config import load_config
 from asyncrl.data import Prompt
 from asyncrl.environments.base import environment_class
@@ -28,9 +29,15 @@ def test_a_demonstration_is_encoded_as_the_episode_lays_it_out_with_only_assista
     assert masked == "S:tools calc(expr)\nU:12*34=\nA:R:408\nA:"
 
 
-def warm_started(tmp_path, demonstration):
+def tiny_chat_model():
     tokenizer = build_char_tokenizer(chat=True)
-    model = build_tiny_model(len(tokenizer), seed=0, hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1)
+    return build_tiny_model(
+        len(tokenizer), seed=0, hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1
+    ), tokenizer
+
+
+def warm_started(tmp_path, demonstration):
+    model, tokenizer = tiny_chat_model()
     cfg = load_config(None, ["warm_start.steps=2", "warm_start.batch_size=2", f"warm_start.cache_dir={tmp_path}"])
     warm_start(model, tokenizer, [PROMPT], cfg.warm_start, demonstration=demonstration, tools=[])
     return model.state_dict()
@@ -62,8 +69,6 @@ def test_a_run_warm_starts_on_its_environments_demonstrations_when_it_has_them()
 
 
 def test_only_the_demonstrations_a_batch_draws_are_rendered_each_once(tmp_path, monkeypatch):
-    import asyncrl.warm_start as warm_start_module
-
     rendered = []
     encode = warm_start_module.encode_conversation
 
@@ -72,8 +77,7 @@ def test_only_the_demonstrations_a_batch_draws_are_rendered_each_once(tmp_path, 
         return encode(tokenizer, messages, tools)
 
     monkeypatch.setattr(warm_start_module, "encode_conversation", counting)
-    tokenizer = build_char_tokenizer(chat=True)
-    model = build_tiny_model(len(tokenizer), seed=0, hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1)
+    model, tokenizer = tiny_chat_model()
     prompts = [Prompt(f"products/2/{i}", f"{10 + i}*34=", str((10 + i) * 34)) for i in range(200)]
     cfg = load_config(None, ["warm_start.steps=3", "warm_start.batch_size=4", f"warm_start.cache_dir={tmp_path}"])
     warm_start(model, tokenizer, prompts, cfg.warm_start, demonstration=CalculatorEnvironment.demonstration, tools=[])
